@@ -1,0 +1,94 @@
+"""EAGLE-3 draft head: fc(3H -> H), one decoder layer with a 2H-wide attention input,
+a final norm whose pre-norm sum feeds the next step, and a reduced-vocabulary lm_head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specsplit.models.config import Eagle3Config
+from specsplit.models.layers import MLP, Attention, KVCache, RMSNorm, Rotary, load_linear
+from specsplit.models.parallel import ParallelLMHead, TensorParallel, shard_heads
+
+
+class Eagle3MidLayer(nn.Module):
+    def __init__(self, cfg: Eagle3Config, tp: TensorParallel) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)  # on the token embeddings
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)  # on the hidden input
+        shard = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp)
+        self.self_attn = Attention(2 * h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, shard, tp)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(h, cfg.intermediate_size, tp)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                cache: KVCache, slot: int, start: int) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
+        h = hidden + self.self_attn(x, positions, rotary, cache, 0, slot, start)
+        return h + self.mlp(self.post_attention_layernorm(h))  # pre-norm sum [T, H]
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: Eagle3Config, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        tp = tp or TensorParallel()
+        self.cfg = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.fc.requires_grad_(False)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # borrowed from the target
+        self.embed_tokens.weight.requires_grad_(False)
+        self.midlayer = Eagle3MidLayer(cfg, tp)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.draft_vocab_size, tp)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long), persistent=False)
+        self.kv_heads_local = self.midlayer.self_attn.shard.kv_count
+
+    def new_cache(self, slots: int, max_len: int) -> KVCache:
+        p = self.fc.weight
+        return KVCache(1, slots, max_len, self.kv_heads_local, self.cfg.head_dim, p.dtype, p.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, cache: KVCache, slot: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [T], hidden [T, 3H] (target features) or [T, H] (own previous step)
+        -> draft-vocab logits [T, Vd], pre-norm hidden [T, H] for the next step."""
+        if hidden.shape[-1] != self.cfg.hidden_size:
+            hidden = self.fc(hidden.to(self.fc.weight.dtype))
+        positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
+        prenorm = self.midlayer(self.embed_tokens(tokens), hidden, positions, self.rotary, cache, slot, start)
+        return self.lm_head(self.norm(prenorm)).float(), prenorm
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def load_weights(self, weights: dict[str, torch.Tensor], target_embedding: torch.Tensor) -> None:
+        """SGLang / SpecForge key names; the embedding comes from the target unless shipped."""
+        self.fc.weight.data.copy_(weights["fc.weight"])
+        if self.fc.bias is not None:
+            self.fc.bias.data.copy_(weights["fc.bias"])
+        self.embed_tokens.weight.data.copy_(weights.get("embed_tokens.weight", target_embedding))
+        m = self.midlayer
+        for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            getattr(m, name).weight.data.copy_(weights[f"midlayer.{name}.weight"])
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            load_linear(getattr(m.self_attn, name), weights, f"midlayer.self_attn.{name}")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            load_linear(getattr(m.mlp, name), weights, f"midlayer.mlp.{name}")
+        self.norm.weight.data.copy_(weights["norm.weight"])
+        lm = weights.get("lm_head.weight")
+        if lm is None:
+            if not self.cfg.tie_word_embeddings:
+                raise KeyError("lm_head.weight missing and the config does not tie embeddings")
+            lm = self.embed_tokens.weight.data
+        self.lm_head.load_full(lm)
+        d2t = weights.get("d2t")
+        if d2t is None:
+            if self.cfg.draft_vocab_size != self.cfg.vocab_size:
+                raise KeyError("d2t missing for a reduced draft vocabulary")
+        else:
+            self.d2t.copy_(d2t.long())
+        ids = self.to_target_ids(torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device))
+        if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
+            raise ValueError("d2t maps draft ids outside the target vocabulary")

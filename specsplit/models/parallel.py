@@ -1,0 +1,106 @@
+"""Tensor parallelism, visible: a process group handle and three parallel layers.
+
+Weights are loaded whole and each rank keeps its slice. Attention is split by KV-head
+groups (unevenly when the group count does not divide, e.g. SmolLM2's 3 KV heads on 2
+ranks); with fewer KV heads than ranks, KV heads are replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class TensorParallel:
+    rank: int = 0
+    world_size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate equal-sized shards along the last dimension."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, end) of part `index` when `total` items are split as evenly as possible."""
+    base, extra = divmod(total, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    q_start: int
+    q_count: int
+    kv_start: int
+    kv_count: int
+
+
+def shard_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadShard:
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp.world_size:
+        kv0, kv1 = split_range(num_kv_heads, tp.world_size, tp.rank)
+        return HeadShard(kv0 * group, (kv1 - kv0) * group, kv0, kv1 - kv0)
+    if tp.world_size % num_kv_heads or num_heads % tp.world_size:
+        raise ValueError(f"cannot shard {num_heads} heads / {num_kv_heads} KV heads over {tp.world_size} ranks")
+    q_count = num_heads // tp.world_size
+    return HeadShard(tp.rank * q_count, q_count, tp.rank * num_kv_heads // tp.world_size, 1)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """y_local = x @ W[rows].T : each rank owns a slice of the output features."""
+
+    def __init__(self, in_features: int, out_start: int, out_end: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_end - out_start, bias=bias)
+        self.out_start, self.out_end = out_start, out_end
+
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight.data.copy_(weight[self.out_start : self.out_end])
+        if self.bias is not None and bias is not None:
+            self.bias.data.copy_(bias[self.out_start : self.out_end])
+
+
+class RowParallelLinear(nn.Linear):
+    """y = all_reduce(x_local @ W[:, cols].T) : each rank owns a slice of the inputs."""
+
+    def __init__(self, in_start: int, in_end: int, out_features: int, tp: TensorParallel) -> None:
+        super().__init__(in_end - in_start, out_features, bias=False)
+        self.in_start, self.in_end, self.tp = in_start, in_end, tp
+
+    def load_full(self, weight: torch.Tensor) -> None:
+        self.weight.data.copy_(weight[:, self.in_start : self.in_end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
+
+
+class ParallelLMHead(nn.Module):
+    """Vocabulary-sharded output projection; logits are gathered on every rank."""
+
+    def __init__(self, hidden: int, vocab: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.vocab, self.tp = vocab, tp
+        self.shard = -(-vocab // tp.world_size)  # padded so all_gather gets equal parts
+        self.start = tp.rank * self.shard
+        self.weight = nn.Parameter(torch.zeros(self.shard, hidden), requires_grad=False)
+
+    def load_full(self, weight: torch.Tensor) -> None:
+        part = weight[self.start : self.start + self.shard]
+        self.weight.data.zero_()
+        self.weight.data[: part.shape[0]].copy_(part)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather_last(x @ self.weight.T)  # [tokens, padded vocab]
+        return logits[..., : self.vocab]

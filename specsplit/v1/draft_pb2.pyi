@@ -1,0 +1,102 @@
+from specsplit.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftDescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftInfo(_message.Message):
+    __slots__ = ("head_name", "hidden_size", "draft_vocab_size", "target_vocab_size", "aux_layer_ids", "attached", "max_steps", "max_context")
+    HEAD_NAME_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    AUX_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    head_name: str
+    hidden_size: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    aux_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    attached: bool
+    max_steps: int
+    max_context: int
+    def __init__(self, head_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., attached: _Optional[bool] = ..., max_steps: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+
+class DraftExtendPropose(_message.Message):
+    __slots__ = ("tokens", "hidden", "num_steps", "sampling")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    hidden: _common_pb2.HiddenRef
+    num_steps: int
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenRef, _Mapping]] = ..., num_steps: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class DraftRelease(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftOp(_message.Message):
+    __slots__ = ("seq_id", "extend_propose", "release")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    extend_propose: DraftExtendPropose
+    release: DraftRelease
+    def __init__(self, seq_id: _Optional[int] = ..., extend_propose: _Optional[_Union[DraftExtendPropose, _Mapping]] = ..., release: _Optional[_Union[DraftRelease, _Mapping]] = ...) -> None: ...
+
+class DraftStepRequest(_message.Message):
+    __slots__ = ("step_id", "ops")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    ops: _containers.RepeatedCompositeFieldContainer[DraftOp]
+    def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[DraftOp, _Mapping]]] = ...) -> None: ...
+
+class DraftResult(_message.Message):
+    __slots__ = ("seq_id", "status", "draft_ids", "draft_dists", "consumed_generation")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DISTS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    status: _common_pb2.EntryStatus
+    draft_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_dists: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftDistribution]
+    consumed_generation: int
+    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.EntryStatus, _Mapping]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., consumed_generation: _Optional[int] = ...) -> None: ...
+
+class DraftStepResponse(_message.Message):
+    __slots__ = ("step_id", "results", "timing")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    results: _containers.RepeatedCompositeFieldContainer[DraftResult]
+    timing: _common_pb2.ServerTiming
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[DraftResult, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ...) -> None: ...
+
+class DraftStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftStats(_message.Message):
+    __slots__ = ("active_sequences", "free_kv_slots")
+    ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    active_sequences: int
+    free_kv_slots: int
+    def __init__(self, active_sequences: _Optional[int] = ..., free_kv_slots: _Optional[int] = ...) -> None: ...
