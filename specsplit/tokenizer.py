@@ -59,7 +59,8 @@ class TextCodec:
                        tokens[bos] if bos is not None else "", tokens[eos] if eos is not None else "")
         if not (path / "tokenizer.json").exists():
             return None
-        cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
+        cfg_path = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         return cls((path / "tokenizer.json").read_text(), cfg.get("chat_template"),
                    str(cfg.get("bos_token") or ""), str(cfg.get("eos_token") or ""))
 

@@ -12,7 +12,7 @@ class DraftDescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("head_name", "hidden_size", "draft_vocab_size", "target_vocab_size", "aux_layer_ids", "attached", "max_steps", "max_context")
+    __slots__ = ("head_name", "hidden_size", "draft_vocab_size", "target_vocab_size", "aux_layer_ids", "attached", "max_steps", "max_context", "max_sequences")
     HEAD_NAME_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class DraftInfo(_message.Message):
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     head_name: str
     hidden_size: int
     draft_vocab_size: int
@@ -29,7 +30,8 @@ class DraftInfo(_message.Message):
     attached: bool
     max_steps: int
     max_context: int
-    def __init__(self, head_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., attached: _Optional[bool] = ..., max_steps: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+    max_sequences: int
+    def __init__(self, head_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., attached: _Optional[bool] = ..., max_steps: _Optional[int] = ..., max_context: _Optional[int] = ..., max_sequences: _Optional[int] = ...) -> None: ...
 
 class DraftExtendPropose(_message.Message):
     __slots__ = ("tokens", "hidden", "num_steps", "sampling")

@@ -1,0 +1,1 @@
+"""The draft service: an EAGLE-3 head on one device with its own KV cache."""

@@ -1,0 +1,65 @@
+"""python -m draft_service: start the EAGLE-3 draft service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+import torch
+
+from draft_service.config import DraftConfig
+from draft_service.runtime import DraftRuntime
+from draft_service.server import DraftServicer
+from specsplit.serving import (
+    configure_logging,
+    install_uvloop,
+    log,
+    new_server,
+    serve_until_signal,
+    set_serving,
+)
+from specsplit.v1 import draft_pb2_grpc
+
+
+def parse_args(argv: list[str] | None = None) -> DraftConfig:
+    d = DraftConfig()
+    p = argparse.ArgumentParser(prog="draft_service", description=__doc__)
+    p.add_argument("--head", default=os.environ.get("SPECSPLIT_HEAD", d.head))
+    p.add_argument("--target", default=os.environ.get("SPECSPLIT_MODEL", d.target))
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--max-context", type=int, default=d.max_context)
+    p.add_argument("--max-sequences", type=int, default=d.max_sequences)
+    p.add_argument("--max-steps", type=int, default=d.max_steps)
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--threads", type=int, default=d.threads)
+    a = p.parse_args(argv)
+    return DraftConfig(head=a.head, target=a.target, dtype=a.dtype, device=a.device, max_context=a.max_context,
+                       max_sequences=a.max_sequences, max_steps=a.max_steps, host=a.host, port=a.port,
+                       threads=a.threads).validate()
+
+
+async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
+    server, health = new_server()
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(runtime), server)
+    server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    await server.start()
+    await set_serving(health, ["specsplit.v1.DraftService"], True)
+    log.info("draft head %s listening on %s:%d", runtime.head.cfg.name, cfg.host, cfg.port)
+    await serve_until_signal(server)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    configure_logging("draft")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    runtime = DraftRuntime(cfg)
+    install_uvloop()
+    asyncio.run(serve(cfg, runtime))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Draft service configuration, validated at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specsplit.handoff.base import DTYPES
+
+
+@dataclass
+class DraftConfig:
+    head: str = "random"  # an EAGLE-3 head directory, or `random` (made for the target, cached)
+    target: str = "smollm2"  # the target model: the head borrows its embedding table
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_context: int = 2048
+    max_sequences: int = 8
+    max_steps: int = 8  # draft tokens proposed per cycle, at most
+    host: str = "127.0.0.1"
+    port: int = 50062
+    threads: int = 0
+
+    def validate(self) -> DraftConfig:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
+        for name in ("max_context", "max_sequences", "max_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port {self.port} out of range")
+        return self

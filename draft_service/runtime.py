@@ -1,0 +1,62 @@
+"""Head loading and the hidden-state mapping around the draft engine."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from draft_service.config import DraftConfig
+from draft_service.engine import DraftEngine
+from specsplit.checkpoints.eagle_head import load_head, resolve_head_dir
+from specsplit.checkpoints.target_checkpoint import load_safetensors_dir, resolve_target_dir
+from specsplit.handoff import open_reader
+from specsplit.handoff.base import DTYPES, Descriptor
+from specsplit.models.eagle3 import Eagle3Head
+from specsplit.ops import DraftOp, DraftResult, StepTiming
+
+EMBED_KEY = "model.embed_tokens.weight"
+
+
+def build_head(cfg: DraftConfig) -> Eagle3Head:
+    head_cfg, weights = load_head(resolve_head_dir(cfg.head, cfg.target))
+    embed = weights.get("embed_tokens.weight")
+    if embed is None:
+        embed = load_safetensors_dir(resolve_target_dir(cfg.target), only={EMBED_KEY})[EMBED_KEY]
+    if embed.shape != (head_cfg.vocab_size, head_cfg.hidden_size):
+        raise ValueError(f"target embedding {tuple(embed.shape)} does not fit the head "
+                         f"(vocab {head_cfg.vocab_size}, hidden {head_cfg.hidden_size})")
+    with torch.device(cfg.device):
+        head = Eagle3Head(head_cfg)
+    head.load_weights(weights, embed)
+    return head.to(DTYPES[cfg.dtype]).eval()
+
+
+class DraftRuntime:
+    def __init__(self, cfg: DraftConfig, head: Eagle3Head | None = None) -> None:
+        self.cfg = cfg
+        self.head = head or build_head(cfg)
+        self.engine = DraftEngine(self.head, cfg.max_sequences, cfg.max_context, cfg.max_steps)
+        self.descriptor: Descriptor | None = None
+        self.opens = 0  # hidden-store mappings opened: once per target, never per cycle
+
+    def attach(self, desc: Descriptor) -> None:
+        if desc == self.descriptor:
+            return  # already mapped
+        width = 3 * self.head.cfg.target_hidden_size
+        if desc.width != width:
+            raise ValueError(f"hidden store rows are {desc.width} wide, this head reads {width}")
+        if self.engine.reader is not None:
+            self.engine.reader.close()
+        self.engine.reader = open_reader(desc)
+        self.descriptor = desc
+        self.opens += 1
+
+    def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
+        t0 = time.perf_counter()
+        results = self.engine.execute(ops)
+        ms = (time.perf_counter() - t0) * 1e3
+        return results, StepTiming(ms, ms)
+
+    def stats(self) -> dict[str, int]:
+        return {"active_sequences": len(self.engine.seqs), "free_kv_slots": len(self.engine.free_slots)}

@@ -1,0 +1,70 @@
+"""gRPC edge of the draft service: a thin servicer over DraftRuntime."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from draft_service.runtime import DraftRuntime
+from specsplit import wire
+from specsplit.ops import Code, DraftResult
+from specsplit.serving import log
+from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+MAX_OPS_PER_STEP = 4096
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, runtime: DraftRuntime) -> None:
+        self.runtime = runtime
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
+
+    def _info(self) -> draft_pb2.DraftInfo:
+        rt, c = self.runtime, self.runtime.head.cfg
+        return draft_pb2.DraftInfo(head_name=c.name, hidden_size=c.hidden_size, draft_vocab_size=c.draft_vocab_size,
+                                   target_vocab_size=c.vocab_size, aux_layer_ids=c.aux_layer_ids or [],
+                                   attached=rt.descriptor is not None, max_steps=rt.cfg.max_steps,
+                                   max_context=rt.cfg.max_context, max_sequences=rt.cfg.max_sequences)
+
+    async def Describe(self, request: draft_pb2.DraftDescribeRequest, context: grpc.aio.ServicerContext
+                       ) -> draft_pb2.DraftInfo:
+        return self._info()
+
+    async def Attach(self, request: common_pb2.HiddenStoreDescriptor, context: grpc.aio.ServicerContext
+                     ) -> draft_pb2.DraftInfo:
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.runtime.attach, wire.descriptor_from_proto(request))
+        except (ValueError, FileNotFoundError, KeyError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot attach hidden store: {e}")
+        return self._info()
+
+    async def Step(self, request_iterator: AsyncIterator[draft_pb2.DraftStepRequest],
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[draft_pb2.DraftStepResponse]:
+        loop = asyncio.get_running_loop()
+        async for req in request_iterator:
+            t0 = time.perf_counter()
+            if len(req.ops) > MAX_OPS_PER_STEP:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_OPS_PER_STEP} ops in a step")
+            ops, bad = [], []
+            for p in req.ops:
+                op = wire.draft_op_from_proto(p)
+                (ops.append(op) if op is not None else bad.append(p.seq_id))
+            try:
+                results, timing = await loop.run_in_executor(self.executor, self.runtime.step, ops)
+            except Exception as e:
+                log.exception("draft step failed")
+                await context.abort(grpc.StatusCode.INTERNAL, f"draft step failed: {type(e).__name__}: {e}")
+            results += [DraftResult(s, Code.INVALID_ARGUMENT, "op has no extend_propose/release") for s in bad]
+            timing.total_ms = (time.perf_counter() - t0) * 1e3
+            yield draft_pb2.DraftStepResponse(step_id=req.step_id,
+                                              results=[wire.draft_result_to_proto(r) for r in results],
+                                              timing=wire.timing_to_proto(timing))
+
+    async def Stats(self, request: draft_pb2.DraftStatsRequest, context: grpc.aio.ServicerContext
+                    ) -> draft_pb2.DraftStats:
+        return draft_pb2.DraftStats(**self.runtime.stats())

@@ -1,0 +1,1 @@
+"""The gateway: public API, the draft -> verify loop, streaming."""

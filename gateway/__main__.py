@@ -1,0 +1,89 @@
+"""python -m gateway: the public API; drives the draft -> verify loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from gateway.clients import GrpcDraft, GrpcTarget
+from gateway.config import GatewayConfig
+from gateway.requests import ModelLimits
+from gateway.scheduler import Scheduler
+from gateway.server import GatewayServicer
+from specsplit.checkpoints.target_checkpoint import resolve_target_dir
+from specsplit.serving import (
+    configure_logging,
+    install_uvloop,
+    log,
+    new_server,
+    serve_until_signal,
+    set_serving,
+)
+from specsplit.tokenizer import TextCodec
+from specsplit.v1 import gateway_pb2_grpc
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    d = GatewayConfig()
+    p = argparse.ArgumentParser(prog="gateway", description=__doc__)
+    p.add_argument("--target", default=os.environ.get("SPECSPLIT_TARGET_ADDR", d.target_addr))
+    p.add_argument("--draft", default=os.environ.get("SPECSPLIT_DRAFT_ADDR", d.draft_addr),
+                   help="draft service address; empty for target-only decoding")
+    p.add_argument("--model", default=os.environ.get("SPECSPLIT_MODEL", d.model))
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--num-steps", type=int, default=d.default_num_steps)
+    p.add_argument("--max-num-steps", type=int, default=d.max_num_steps)
+    p.add_argument("--max-new-tokens", type=int, default=d.default_max_new_tokens)
+    p.add_argument("--max-new-tokens-cap", type=int, default=d.max_new_tokens_cap)
+    p.add_argument("--max-queue", type=int, default=d.max_queue)
+    a = p.parse_args(argv)
+    return GatewayConfig(target_addr=a.target, draft_addr=a.draft, model=a.model, host=a.host, port=a.port,
+                         default_num_steps=a.num_steps, max_num_steps=a.max_num_steps,
+                         default_max_new_tokens=a.max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
+                         max_queue=a.max_queue).validate()
+
+
+async def serve(cfg: GatewayConfig) -> None:
+    codec = TextCodec.from_checkpoint(resolve_target_dir(cfg.model))
+    target = GrpcTarget(cfg.target_addr)
+    info = await target.describe(timeout=300.0)
+    draft, draft_name, max_seqs = None, "", info.max_sequences
+    if cfg.draft_addr:
+        candidate = GrpcDraft(cfg.draft_addr)
+        try:
+            dinfo = await candidate.attach(info.hidden_store, timeout=300.0)
+            if dinfo.max_steps < cfg.max_num_steps:
+                raise ValueError(f"draft allows {dinfo.max_steps} steps, gateway max_num_steps is {cfg.max_num_steps}")
+            draft, draft_name = candidate, dinfo.head_name
+            max_seqs = min(max_seqs, dinfo.max_sequences)
+        except Exception as e:  # run, slower, without speculation
+            log.warning("draft service unavailable (%s): target-only decoding", e)
+    limits = ModelLimits(info.vocab_size, info.max_context, list(info.eos_token_ids), draft is not None)
+    scheduler = Scheduler(target, draft, max_seqs, cfg.max_queue)
+    scheduler.start()
+    server, health = new_server()
+    gateway_pb2_grpc.add_GatewayServicer_to_server(
+        GatewayServicer(cfg, scheduler, codec, limits, info.model_name, draft_name), server)
+    server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    await server.start()
+    await set_serving(health, ["specsplit.v1.Gateway"], True)
+    log.info("gateway on %s:%d (target %s, draft %s)", cfg.host, cfg.port, cfg.target_addr, draft_name or "none")
+
+    async def on_stop() -> None:
+        await set_serving(health, ["specsplit.v1.Gateway"], False)
+        await scheduler.stop()
+
+    await serve_until_signal(server, on_stop)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    configure_logging("gateway")
+    install_uvloop()
+    asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    main()

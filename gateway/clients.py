@@ -1,0 +1,116 @@
+"""How the loop reaches the services: one long-lived bidi stream each (gRPC), or the
+runtimes called in-process (the plain-loop baseline and tests). Same interface."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import grpc
+
+from specsplit import wire
+from specsplit.ops import DraftOp, DraftResult, StepTiming, TargetOp, TargetResult
+from specsplit.serving import channel_options
+from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+
+class TargetClient(Protocol):
+    async def step(self, ops: list[TargetOp], releases: Sequence[int]) -> tuple[list[TargetResult], StepTiming]: ...
+
+
+class DraftClient(Protocol):
+    async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]: ...
+
+
+class _BidiStream:
+    """One open Step stream; requests and replies strictly alternate."""
+
+    def __init__(self, open_call: Any) -> None:
+        self.open_call, self.call = open_call, None
+        self.ids = itertools.count(1)
+
+    async def exchange(self, request: Any) -> Any:
+        if self.call is None:
+            self.call = self.open_call()
+        try:
+            await self.call.write(request)
+            reply = await self.call.read()
+        except BaseException:
+            self.reset()
+            raise
+        if reply is grpc.aio.EOF:
+            self.reset()
+            raise ConnectionError("stream closed by the service")
+        if reply.step_id != request.step_id:
+            self.reset()
+            raise ConnectionError(f"reply for step {reply.step_id}, expected {request.step_id}")
+        return reply
+
+    def reset(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+        self.call = None
+
+
+class GrpcTarget:
+    def __init__(self, addr: str) -> None:
+        self.channel = grpc.aio.insecure_channel(addr, options=channel_options())
+        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        self.stream = _BidiStream(self.stub.Step)
+
+    async def describe(self, timeout: float = 10.0) -> target_pb2.TargetInfo:
+        return await self.stub.Describe(target_pb2.TargetDescribeRequest(), timeout=timeout, wait_for_ready=True)
+
+    async def step(self, ops: list[TargetOp], releases: Sequence[int]) -> tuple[list[TargetResult], StepTiming]:
+        req = target_pb2.TargetStepRequest(step_id=next(self.stream.ids), ops=[wire.target_op_to_proto(o) for o in ops],
+                                           release_generations=list(releases))
+        reply = await self.stream.exchange(req)
+        return ([wire.target_result_from_proto(r) for r in reply.results],
+                StepTiming(reply.timing.compute_ms, reply.timing.total_ms))
+
+    async def close(self) -> None:
+        self.stream.reset()
+        await self.channel.close()
+
+
+class GrpcDraft:
+    def __init__(self, addr: str) -> None:
+        self.channel = grpc.aio.insecure_channel(addr, options=channel_options())
+        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+        self.stream = _BidiStream(self.stub.Step)
+
+    async def attach(self, store: Any, timeout: float = 10.0) -> draft_pb2.DraftInfo:
+        return await self.stub.Attach(store, timeout=timeout)
+
+    async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
+        req = draft_pb2.DraftStepRequest(step_id=next(self.stream.ids), ops=[wire.draft_op_to_proto(o) for o in ops])
+        reply = await self.stream.exchange(req)
+        return ([wire.draft_result_from_proto(r) for r in reply.results],
+                StepTiming(reply.timing.compute_ms, reply.timing.total_ms))
+
+    async def close(self) -> None:
+        self.stream.reset()
+        await self.channel.close()
+
+
+class LocalTarget:
+    """The target runtime called directly, in this process."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+
+    async def step(self, ops: list[TargetOp], releases: Sequence[int]) -> tuple[list[TargetResult], StepTiming]:
+        t0 = time.perf_counter()
+        results, timing = self.runtime.step(ops, list(releases))
+        timing.total_ms = (time.perf_counter() - t0) * 1e3
+        return results, timing
+
+
+class LocalDraft:
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+
+    async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
+        return self.runtime.step(ops)

@@ -1,0 +1,281 @@
+"""The speculation loop. Every cycle batches all active sequences into one draft call
+(extend with the last accepted tokens + propose k) and one target call (prefill the
+newcomers, verify everyone's drafts, release the finished). Sequences join and leave at
+cycle boundaries; tokens go to each request's queue as soon as a cycle accepts them."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.clients import DraftClient, TargetClient
+from specsplit.ops import (
+    Code,
+    DraftOp,
+    DraftResult,
+    ExtendPropose,
+    HiddenRef,
+    Prefill,
+    Release,
+    Sampling,
+    SparseDist,
+    TargetOp,
+    TargetResult,
+    Verify,
+)
+
+log = logging.getLogger("specsplit.gateway")
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    stop_ids: set[int]
+    num_steps: int  # 0: speculation off (target-only decoding)
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop", "length", "abort"
+    matched_stop: int | None = None
+
+
+@dataclass
+class Failed:
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass
+class SeqStats:
+    cycles: int = 0
+    histogram: Counter[int] = field(default_factory=Counter)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    draft_compute_ms: float = 0.0
+    verify_compute_ms: float = 0.0
+    first_token_at: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(k * v for k, v in self.histogram.items()) / self.cycles if self.cycles else 0.0
+
+
+class Sequence:
+    def __init__(self, seq_id: int, req: GenerationRequest) -> None:
+        self.seq_id, self.req = seq_id, req
+        self.events: asyncio.Queue[list[int] | Finished | Failed] = asyncio.Queue()
+        self.generated: list[int] = []
+        self.spec = req.num_steps > 0  # false for good once the draft fails this sequence
+        self.prefilled = False
+        self.in_draft = False  # the draft holds state for it
+        self.pending: tuple[list[int], HiddenRef] | None = None  # features the draft has not consumed
+        self.drafts: list[int] = []
+        self.dists: list[SparseDist] = []
+        self.stats = SeqStats()
+        self.submitted_at = time.perf_counter()
+        self.done = False
+        self.cancelled = False
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Scheduler:
+    def __init__(self, target: TargetClient, draft: DraftClient | None, max_sequences: int, max_queue: int) -> None:
+        self.target, self.draft = target, draft
+        self.max_sequences, self.max_queue = max_sequences, max_queue
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.ids = itertools.count(1)
+        self.wake = asyncio.Event()
+        self.target_releases: list[int] = []
+        self.draft_releases: list[int] = []
+        self.free_generations: list[int] = []  # ring allocations to reclaim on the next target call
+        self.task: asyncio.Task[None] | None = None
+        self.cycles = 0
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name="speculation-loop")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    def submit(self, req: GenerationRequest) -> Sequence:
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests already waiting")
+        seq = Sequence(next(self.ids), req)
+        self.waiting.append(seq)
+        self.wake.set()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        if not seq.done:
+            seq.cancelled = True
+            self.wake.set()
+
+    # -- the loop
+    async def _run(self) -> None:
+        while True:
+            if not (self.waiting or self.running or self.target_releases or self.draft_releases):
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            try:
+                await self._cycle()
+            except Exception as e:  # the target is gone or broken: fail every active stream
+                log.exception("cycle failed")
+                for seq in [*self.running, *self.waiting]:
+                    self._fail(seq, grpc.StatusCode.UNAVAILABLE, f"target service unavailable: {e}")
+                self.waiting.clear()
+                self.target_releases.clear()
+                self.free_generations.clear()
+                await asyncio.sleep(0.05)
+
+    async def _cycle(self) -> None:
+        for seq in [s for s in self.running if s.cancelled]:
+            self._finish(seq, Finished("abort"))
+        while self.waiting and self.waiting[0].cancelled:
+            self.waiting.popleft().done = True
+        newcomers = []
+        while self.waiting and len(self.running) < self.max_sequences:
+            seq = self.waiting.popleft()
+            if not seq.cancelled:
+                self.running.append(seq)
+                newcomers.append(seq)
+        await self._draft_phase()
+        await self._target_phase(newcomers)
+        self.cycles += 1
+
+    async def _draft_phase(self) -> None:
+        ops: list[DraftOp] = [Release(i) for i in self.draft_releases]
+        self.draft_releases = []
+        users = [s for s in self.running if s.spec and s.pending is not None]
+        for s in users:
+            tokens, ref = s.pending  # type: ignore[misc]
+            ops.append(ExtendPropose(s.seq_id, tokens, ref, s.req.num_steps, s.req.sampling))
+            s.in_draft = True
+        if not ops or self.draft is None:
+            return
+        for s in users:  # rows are read before the draft replies: reclaim them whatever happens
+            self.free_generations.append(s.pending[1].generation)  # type: ignore[index]
+            s.pending = None
+        t0 = time.perf_counter()
+        try:
+            results, timing = await self.draft.step(ops)
+        except Exception as e:
+            log.warning("draft call failed (%s); continuing with target-only decoding", e)
+            for s in users:
+                s.spec = False
+            return
+        ms = (time.perf_counter() - t0) * 1e3
+        by_id: dict[int, DraftResult] = {r.seq_id: r for r in results}
+        for s in users:
+            r = by_id.get(s.seq_id)
+            if r is None or r.code != Code.OK:
+                log.warning("draft failed sequence %d: %s", s.seq_id, r.message if r else "no result")
+                s.spec = False
+                continue
+            s.drafts, s.dists = r.draft_ids, r.draft_dists
+            s.stats.draft_ms += ms
+            s.stats.draft_compute_ms += timing.compute_ms
+
+    async def _target_phase(self, newcomers: list[Sequence]) -> None:
+        ops: list[TargetOp] = [Release(i) for i in self.target_releases]
+        self.target_releases = []
+        releases, self.free_generations = self.free_generations, []
+        work: list[Sequence] = []
+        for s in self.running:
+            if s in newcomers:
+                ops.append(Prefill(s.seq_id, s.req.prompt_ids, s.req.sampling, capture=s.spec))
+            elif s.prefilled:
+                drafts = s.drafts if s.spec else []
+                ops.append(Verify(s.seq_id, drafts, s.dists if drafts else [], capture=s.spec))
+            else:
+                continue
+            work.append(s)
+        t0 = time.perf_counter()
+        results, timing = await self.target.step(ops, releases)
+        ms = (time.perf_counter() - t0) * 1e3
+        by_id: dict[int, TargetResult] = {r.seq_id: r for r in results}
+        for s in work:
+            self._apply(s, by_id.get(s.seq_id), ms, timing.compute_ms)
+
+    def _apply(self, s: Sequence, r: TargetResult | None, ms: float, compute_ms: float) -> None:
+        if r is None:
+            self._fail(s, grpc.StatusCode.INTERNAL, "target returned no result for the sequence")
+            return
+        if r.code == Code.RESOURCE_EXHAUSTED:  # no slot or ring space: state unchanged, retry
+            if not s.prefilled:
+                self.running.remove(s)
+                self.waiting.appendleft(s)
+            return
+        if r.code != Code.OK:
+            status = grpc.StatusCode.INVALID_ARGUMENT if r.code == Code.INVALID_ARGUMENT else grpc.StatusCode.INTERNAL
+            self._fail(s, status, r.message)
+            return
+        if r.hidden is not None:
+            if s.spec and self.draft is not None:
+                tokens = (s.req.prompt_ids[1:] + r.tokens) if not s.prefilled else r.tokens
+                s.pending = (tokens, r.hidden)
+            else:
+                self.free_generations.append(r.hidden.generation)
+        if s.prefilled:
+            s.stats.cycles += 1
+            s.stats.histogram[len(r.tokens)] += 1
+        else:
+            s.prefilled = True
+            s.stats.first_token_at = time.perf_counter()
+        s.stats.verify_ms += ms
+        s.stats.verify_compute_ms += compute_ms
+        s.drafts, s.dists = [], []
+        self._emit(s, r.tokens)
+
+    def _emit(self, s: Sequence, tokens: list[int]) -> None:
+        out: list[int] = []
+        end: Finished | None = None
+        for t in tokens:
+            if t in s.req.stop_ids:
+                end = Finished("stop", t)
+                break
+            out.append(t)
+            if len(s.generated) + len(out) >= s.req.max_new_tokens:
+                end = Finished("length")
+                break
+        s.generated += out
+        if out:
+            s.events.put_nowait(out)
+        if end is not None:
+            self._finish(s, end)
+
+    def _retire(self, s: Sequence) -> None:
+        s.done = True
+        if s in self.running:
+            self.running.remove(s)
+            if s.prefilled:
+                self.target_releases.append(s.seq_id)
+            if s.in_draft:
+                self.draft_releases.append(s.seq_id)
+        if s.pending is not None:
+            self.free_generations.append(s.pending[1].generation)
+            s.pending = None
+        self.wake.set()
+
+    def _finish(self, s: Sequence, end: Finished) -> None:
+        self._retire(s)
+        s.events.put_nowait(end)
+
+    def _fail(self, s: Sequence, code: grpc.StatusCode, message: str) -> None:
+        self._retire(s)
+        s.events.put_nowait(Failed(code, message))

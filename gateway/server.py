@@ -1,0 +1,69 @@
+"""gRPC edge of the gateway: the public Generate API over the scheduler."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway.config import GatewayConfig
+from gateway.detok import IncrementalDetokenizer
+from gateway.requests import InvalidRequest, ModelLimits, parse
+from gateway.scheduler import Failed, Finished, QueueFull, Scheduler
+from specsplit.tokenizer import TextCodec
+from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, cfg: GatewayConfig, scheduler: Scheduler, codec: TextCodec | None, limits: ModelLimits,
+                 model_name: str, draft_name: str) -> None:
+        self.cfg, self.scheduler, self.codec, self.limits = cfg, scheduler, codec, limits
+        self.model_name, self.draft_name = model_name, draft_name
+
+    async def GetModelInfo(self, request: gateway_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
+                           ) -> gateway_pb2.ModelInfo:
+        return gateway_pb2.ModelInfo(model_name=self.model_name, draft_name=self.draft_name,
+                                     max_context=self.limits.max_context,
+                                     max_new_tokens_cap=self.cfg.max_new_tokens_cap,
+                                     default_num_steps=self.cfg.default_num_steps,
+                                     max_num_steps=self.cfg.max_num_steps, draft_available=self.limits.draft_available)
+
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        try:
+            req = parse(request, self.codec, self.cfg, self.limits)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            seq = self.scheduler.submit(req)
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {e}")
+        detok = IncrementalDetokenizer(self.codec) if self.codec is not None else None
+        try:
+            while True:
+                event = await seq.events.get()
+                if isinstance(event, list):
+                    yield gateway_pb2.GenerateResponse(token_ids=event, text=detok.push(event) if detok else "")
+                elif isinstance(event, Failed):
+                    await context.abort(event.code, event.message)
+                else:
+                    yield self._final(seq, event, detok)
+                    return
+        finally:
+            self.scheduler.cancel(seq)  # no-op when finished; releases state on a dropped client
+
+    def _final(self, seq, end: Finished, detok: IncrementalDetokenizer | None) -> gateway_pb2.GenerateResponse:
+        st, now = seq.stats, time.perf_counter()
+        hist = [st.histogram.get(i, 0) for i in range(max(st.histogram, default=0) + 1)] if st.cycles else []
+        spec = gateway_pb2.SpeculationStats(
+            enabled=seq.req.num_steps > 0, num_steps=seq.req.num_steps, cycles=st.cycles,
+            mean_accepted_length=st.mean_accepted_length, accepted_length_histogram=hist, draft_ms=st.draft_ms,
+            verify_ms=st.verify_ms, draft_compute_ms=st.draft_compute_ms, verify_compute_ms=st.verify_compute_ms)
+        final = gateway_pb2.Final(
+            finish_reason=end.reason,
+            usage=gateway_pb2.Usage(prompt_tokens=len(seq.req.prompt_ids), completion_tokens=len(seq.generated)),
+            speculation=spec, elapsed_ms=(now - seq.submitted_at) * 1e3,
+            first_token_ms=((st.first_token_at or now) - seq.submitted_at) * 1e3,
+            matched_stop_token=end.matched_stop or 0)
+        return gateway_pb2.GenerateResponse(text=detok.flush() if detok else "", final=final)

@@ -1,0 +1,107 @@
+"""EAGLE-3 heads in the SGLang / SpecForge format: a directory with config.json
+(`LlamaForCausalLMEagle3`) and model.safetensors (fc, midlayer.*, norm, lm_head, d2t, t2d)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specsplit.checkpoints.target_checkpoint import cache_root, load_target_config, resolve_target_dir
+from specsplit.models.config import Eagle3Config, LlamaConfig
+
+RANDOM_HEAD = "random"
+
+
+def load_head(head_dir: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    head_dir = Path(head_dir)
+    cfg_path = head_dir / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{head_dir}: no config.json (expected an EAGLE-3 head directory)")
+    raw = json.loads(cfg_path.read_text())
+    arch = (raw.get("architectures") or [""])[0]
+    if "Eagle3" not in arch and "eagle_config" not in raw and "draft_vocab_size" not in raw:
+        raise ValueError(f"{head_dir}: {arch!r} does not look like an EAGLE-3 head")
+    cfg = Eagle3Config.from_hf(raw, name=raw.get("_name_or_path") or head_dir.name)
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(head_dir.glob("*.safetensors")):
+        weights.update(load_file(f))
+    if not weights and (head_dir / "pytorch_model.bin").exists():
+        weights = torch.load(head_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    if not weights:
+        raise FileNotFoundError(f"{head_dir}: no weights (model.safetensors or pytorch_model.bin)")
+    return cfg, {k.removeprefix("model."): v for k, v in weights.items()}
+
+
+def save_head(out: str | Path, cfg: Eagle3Config, weights: dict[str, torch.Tensor]) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = cfg.to_hf()
+    hf["_name_or_path"] = cfg.name
+    (out / "config.json").write_text(json.dumps(hf, indent=1))
+    save_file({k: v.contiguous() for k, v in weights.items()}, out / "model.safetensors")
+
+
+def random_head(target: LlamaConfig, draft_vocab_size: int = 8192, seed: int = 0, std: float = 0.02,
+                aux_layer_ids: list[int] | None = None, name: str = "random-eagle3"
+                ) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    """A randomly initialised head shaped for `target` (for tests, until a trained one exists).
+    The draft vocabulary is a random subset of target ids, so d2t is exercised."""
+    vd = min(draft_vocab_size, target.vocab_size)
+    cfg = Eagle3Config(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                       num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, vocab_size=target.vocab_size,
+                       draft_vocab_size=vd, head_dim=target.head_dim, rope_theta=target.rope_theta,
+                       rope_scaling=target.rope_scaling, rms_norm_eps=target.rms_norm_eps,
+                       max_position=target.max_position, aux_layer_ids=aux_layer_ids, name=name)
+    g = torch.Generator().manual_seed(seed)
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    ids = torch.randperm(target.vocab_size, generator=g)[:vd].sort().values
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    weights = {
+        "fc.weight": rnd(h, 3 * h),
+        "midlayer.input_layernorm.weight": torch.ones(h),
+        "midlayer.hidden_norm.weight": torch.ones(h),
+        "midlayer.post_attention_layernorm.weight": torch.ones(h),
+        "midlayer.self_attn.q_proj.weight": rnd(cfg.num_heads * d, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rnd(cfg.num_kv_heads * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rnd(cfg.num_kv_heads * d, 2 * h),
+        "midlayer.self_attn.o_proj.weight": rnd(h, cfg.num_heads * d),
+        "midlayer.mlp.gate_proj.weight": rnd(i, h),
+        "midlayer.mlp.up_proj.weight": rnd(i, h),
+        "midlayer.mlp.down_proj.weight": rnd(h, i),
+        "norm.weight": torch.ones(h),
+        "lm_head.weight": rnd(vd, h),
+        "d2t": ids - torch.arange(vd),
+        "t2d": t2d,
+    }
+    return cfg, weights
+
+
+def resolve_head_dir(head: str, target_spec: str, seed: int = 0) -> Path:
+    """A head directory, or `random`: a random head for the target, made once in the cache."""
+    if head != RANDOM_HEAD:
+        return Path(head)
+    target_dir = resolve_target_dir(target_spec)
+    out = cache_root() / f"random-head-{target_dir.name}-s{seed}"
+    if not (out / "config.json").exists():
+        cfg, weights = random_head(load_target_config(target_dir), seed=seed)
+        tmp = Path(tempfile.mkdtemp(prefix=".head-", dir=cache_root()))
+        try:
+            save_head(tmp, cfg, weights)
+            try:
+                tmp.rename(out)
+            except OSError:
+                if not (out / "config.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,184 @@
+"""specsplit: run the services and talk to them.
+
+  specsplit up          start target, draft and gateway on loopback until Ctrl-C
+  specsplit generate    stream a generation from a running gateway
+  specsplit demo        up + one streamed generation + a summary line, then down
+  specsplit make-random-head / make-tiny-target   checkpoints for tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_PROMPT = "Write a short Python function that checks whether a number is prime."
+
+
+def _stack_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="target: directory, .gguf, or smollm2 (embedded)")
+    p.add_argument("--head", default="random", help="EAGLE-3 head directory, or random")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--num-steps", type=int, default=4, help="default draft steps per cycle (0: off)")
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--max-sequences", type=int, default=8)
+    p.add_argument("--gateway-port", type=int, default=50051)
+    p.add_argument("--target-port", type=int, default=50061)
+    p.add_argument("--draft-port", type=int, default=50062)
+    p.add_argument("--no-draft", action="store_true", help="start no draft service")
+    p.add_argument("--log-dir", default=None, help="write service logs here instead of the terminal")
+
+
+def _gen_args(p: argparse.ArgumentParser, per_request_steps: bool = True) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    if per_request_steps:
+        p.add_argument("--num-steps", dest="gen_num_steps", type=int, default=None, help="draft steps per cycle")
+    p.add_argument("--no-spec", action="store_true", help="speculation off: target-only decoding")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--raw", action="store_true", help="no chat template")
+
+
+def _stack(a: argparse.Namespace):  # noqa: ANN202
+    from specsplit.launcher import ServiceStack, StackConfig
+
+    return ServiceStack(StackConfig(model=a.model, head=a.head, tp_size=a.tp_size, num_steps=a.num_steps,
+                                    max_context=a.max_context, max_sequences=a.max_sequences,
+                                    gateway_port=a.gateway_port, target_port=a.target_port, draft_port=a.draft_port,
+                                    with_draft=not a.no_draft, log_dir=Path(a.log_dir) if a.log_dir else None))
+
+
+def _request(a: argparse.Namespace, prompt: str, speculation: bool | None = None):  # noqa: ANN202
+    from specsplit.client import make_request
+
+    spec = False if a.no_spec else speculation
+    return make_request(prompt, raw=a.raw, max_new_tokens=a.max_new_tokens, num_steps=getattr(a, "gen_num_steps", None),
+                        speculation=spec, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
+
+
+def _summary_line(s: dict) -> str:
+    spec = f"speculation {s['num_steps']} steps" if s["speculation"] else "speculation off"
+    return (f"[{spec}] {s['completion_tokens']} tokens in {s['elapsed_ms'] / 1e3:.2f} s = "
+            f"{s['tokens_per_s']:.1f} tok/s | cycles {s['cycles']} | mean accepted length "
+            f"{s['mean_accepted_length']:.2f} | draft {s['draft_ms']:.0f} ms, verify {s['verify_ms']:.0f} ms | "
+            f"finish {s['finish_reason']}")
+
+
+def _stream(addr: str, req, as_json: bool) -> dict:  # noqa: ANN001
+    from specsplit.client import GatewayClient
+
+    client = GatewayClient(addr)
+    try:
+        def show(msg) -> None:  # noqa: ANN001
+            if not as_json and msg.text:
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+
+        gen = client.generate(req, on_chunk=show)
+    finally:
+        client.close()
+    if not as_json:
+        sys.stdout.write("\n")
+    return gen.summary()
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    stack = _stack(a)
+    print("starting target, draft and gateway (first start converts the model, ~10 s) ...", flush=True)
+    stack.start()
+    print(f"gateway {stack.addr('gateway')} | target {stack.addr('target')} | draft {stack.addr('draft')}"
+          " | Ctrl-C stops", flush=True)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        stack.stop()
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    import grpc
+
+    try:
+        summary = _stream(a.addr, _request(a, a.prompt or DEFAULT_PROMPT), a.json)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary) if a.json else _summary_line(summary))
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    a.raw = False
+    stack = _stack(a)
+    t0 = time.perf_counter()
+    print("starting target, draft and gateway on loopback (first start converts the model, ~10 s) ...", flush=True)
+    with stack:
+        print(f"services up in {time.perf_counter() - t0:.1f} s: gateway {stack.addr('gateway')}", flush=True)
+        prompt = a.prompt or DEFAULT_PROMPT
+        print(f"\nprompt: {prompt}\n--- streamed (speculative) ---", flush=True)
+        spec = _stream(stack.addr("gateway"), _request(a, prompt, speculation=True), False)
+        base = _stream(stack.addr("gateway"), _request(a, prompt, speculation=False), True)
+    print("--- summary ---")
+    print(_summary_line(spec))
+    print(_summary_line(base))
+    same = "identical" if spec["token_ids"] == base["token_ids"] else "DIFFERENT"
+    ratio = spec["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
+    print(f"speculative vs target-only: {ratio:.2f}x tokens/s, outputs {same}")
+    return 0 if same == "identical" or (a.temperature or 0) > 0 else 1
+
+
+def cmd_random_head(a: argparse.Namespace) -> int:
+    from specsplit.checkpoints.eagle_head import random_head, save_head
+    from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
+
+    aux = [int(x) for x in a.aux_layer_ids.split(",")] if a.aux_layer_ids else None
+    cfg, weights = random_head(load_target_config(resolve_target_dir(a.target)), a.draft_vocab, a.seed,
+                               aux_layer_ids=aux)
+    save_head(a.out, cfg, weights)
+    print(f"wrote a random EAGLE-3 head ({cfg.draft_vocab_size} draft tokens) to {a.out}")
+    return 0
+
+
+def cmd_tiny_target(a: argparse.Namespace) -> int:
+    from specsplit.checkpoints.tiny import write_tiny_target
+
+    print(f"wrote a tiny random Llama to {write_tiny_target(a.out, seed=a.seed)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specsplit", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start the services until interrupted")
+    _stack_args(up)
+    gen = sub.add_parser("generate", help="stream a generation")
+    gen.add_argument("prompt", nargs="?", default=None)
+    gen.add_argument("--addr", default="127.0.0.1:50051")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    _gen_args(gen)
+    demo = sub.add_parser("demo", help="services up, one streamed generation, a summary, down")
+    demo.add_argument("prompt", nargs="?", default=None)
+    _stack_args(demo)
+    _gen_args(demo, per_request_steps=False)
+    rh = sub.add_parser("make-random-head", help="write a randomly initialised EAGLE-3 head for a target")
+    rh.add_argument("--target", default="smollm2")
+    rh.add_argument("--out", required=True)
+    rh.add_argument("--draft-vocab", type=int, default=8192)
+    rh.add_argument("--seed", type=int, default=0)
+    rh.add_argument("--aux-layer-ids", default=None)
+    tt = sub.add_parser("make-tiny-target", help="write a tiny random Llama target")
+    tt.add_argument("--out", required=True)
+    tt.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    handlers = {"up": cmd_up, "generate": cmd_generate, "demo": cmd_demo, "make-random-head": cmd_random_head,
+                "make-tiny-target": cmd_tiny_target}
+    return handlers[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Start the three services as processes on loopback and wait until they serve."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(addr: str, proc: subprocess.Popen[bytes] | None, timeout: float, name: str) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(addr) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} before serving")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{name} at {addr} not serving after {timeout:.0f} s")
+
+
+@dataclass
+class StackConfig:
+    model: str = "smollm2"
+    head: str = "random"
+    dtype: str = "float32"
+    tp_size: int = 1
+    num_steps: int = 4
+    max_context: int = 2048
+    max_sequences: int = 8
+    hidden_backend: str = "shm"
+    target_port: int = 0  # 0: a free port
+    draft_port: int = 0
+    gateway_port: int = 0
+    with_draft: bool = True
+    threads: int = 0
+    log_dir: Path | None = None  # None: inherit stdout/stderr
+    extra_target_args: list[str] = field(default_factory=list)
+    extra_gateway_args: list[str] = field(default_factory=list)
+
+
+class ServiceStack:
+    """target + draft + gateway, each its own process, on 127.0.0.1."""
+
+    def __init__(self, cfg: StackConfig) -> None:
+        self.cfg = cfg
+        self.ports = {"target": cfg.target_port or free_port(), "draft": cfg.draft_port or free_port(),
+                      "gateway": cfg.gateway_port or free_port()}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def addr(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen[bytes]:
+        out = None
+        if self.cfg.log_dir is not None:
+            self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.cfg.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT if out
+                                else None, env=env, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def start(self, timeout: float = 300.0) -> ServiceStack:
+        c = self.cfg
+        common = ["--dtype", c.dtype, "--max-context", str(c.max_context), "--max-sequences", str(c.max_sequences),
+                  "--threads", str(c.threads)]
+        self._spawn("target", "target_service", ["--model", c.model, "--tp-size", str(c.tp_size), "--port",
+                                                 str(self.ports["target"]), "--hidden-backend", c.hidden_backend,
+                                                 *common, *c.extra_target_args])
+        if c.with_draft:
+            self._spawn("draft", "draft_service", ["--head", c.head, "--target", c.model, "--port",
+                                                   str(self.ports["draft"]), *common])
+        try:
+            wait_serving(self.addr("target"), self.procs["target"], timeout, "target_service")
+            if c.with_draft:
+                wait_serving(self.addr("draft"), self.procs["draft"], timeout, "draft_service")
+            self._spawn("gateway", "gateway", ["--target", self.addr("target"),
+                                               "--draft", self.addr("draft") if c.with_draft else "",
+                                               "--model", c.model, "--port", str(self.ports["gateway"]),
+                                               "--num-steps", str(c.num_steps), *c.extra_gateway_args])
+            wait_serving(self.addr("gateway"), self.procs["gateway"], timeout, "gateway")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def stop(self) -> None:
+        for name in ("gateway", "draft", "target"):
+            proc = self.procs.get(name)
+            if proc is None or proc.poll() is not None:
+                continue
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def __enter__(self) -> ServiceStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

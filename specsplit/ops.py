@@ -1,0 +1,109 @@
+"""Plain-Python operations and results of the two engines (gRPC stays at the edge:
+specsplit.wire converts these to and from the protos)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Code(IntEnum):  # mirrors specsplit.v1.EntryStatus.Code
+    OK = 0
+    INVALID_ARGUMENT = 1
+    NOT_FOUND = 2
+    RESOURCE_EXHAUSTED = 3
+    INTERNAL = 4
+
+
+class OpError(Exception):
+    """An entry-level failure: reported in that entry's status, the batch goes on."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class HiddenRef:
+    offset: int
+    rows: int
+    generation: int
+    inline: bytes = b""
+
+
+# (target token ids, probabilities) of one draft position, nonzero entries only
+SparseDist = tuple[list[int], list[float]]
+
+
+@dataclass
+class Prefill:
+    seq_id: int
+    prompt_ids: list[int]
+    sampling: Sampling = field(default_factory=Sampling)
+    capture: bool = True
+
+
+@dataclass
+class Verify:
+    seq_id: int
+    draft_ids: list[int] = field(default_factory=list)
+    draft_dists: list[SparseDist] = field(default_factory=list)
+    capture: bool = True
+
+
+@dataclass
+class Release:
+    seq_id: int
+
+
+TargetOp = Prefill | Verify | Release
+
+
+@dataclass
+class TargetResult:
+    seq_id: int
+    code: Code = Code.OK
+    message: str = ""
+    tokens: list[int] = field(default_factory=list)  # accepted drafts + the target's own token
+    num_accepted: int = 0
+    hidden: HiddenRef | None = None
+
+
+@dataclass
+class ExtendPropose:
+    seq_id: int
+    tokens: list[int]
+    hidden: HiddenRef
+    num_steps: int
+    sampling: Sampling = field(default_factory=Sampling)
+
+
+DraftOp = ExtendPropose | Release
+
+
+@dataclass
+class DraftResult:
+    seq_id: int
+    code: Code = Code.OK
+    message: str = ""
+    draft_ids: list[int] = field(default_factory=list)
+    draft_dists: list[SparseDist] = field(default_factory=list)
+    consumed_generation: int = 0
+
+
+@dataclass
+class StepTiming:
+    compute_ms: float = 0.0
+    total_ms: float = 0.0

@@ -1,0 +1,117 @@
+"""Model loading, tensor-parallel ranks and the hidden-state ring around the engine."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from specsplit.checkpoints.target_checkpoint import (
+    load_safetensors_dir,
+    load_target_config,
+    resolve_target_dir,
+)
+from specsplit.handoff import open_writer
+from specsplit.handoff.base import DTYPES, Allocation
+from specsplit.models.llama import LlamaModel
+from specsplit.models.parallel import TensorParallel
+from specsplit.ops import HiddenRef, StepTiming, TargetOp, TargetResult
+from target_service.config import TargetConfig
+from target_service.engine import Plan, TargetEngine
+
+_STOP = "stop"
+
+
+def build_model(cfg: TargetConfig, tp: TensorParallel) -> LlamaModel:
+    model_dir = resolve_target_dir(cfg.model)
+    mcfg = load_target_config(model_dir)
+    if cfg.max_context > mcfg.max_position:
+        raise ValueError(f"max_context {cfg.max_context} exceeds the model's {mcfg.max_position} positions")
+    aux = cfg.resolve_aux_layer_ids(mcfg.default_aux_layer_ids())
+    with torch.device(cfg.device):
+        model = LlamaModel(mcfg, tp, aux)
+    model.load_full_weights(load_safetensors_dir(model_dir))
+    return model.to(DTYPES[cfg.dtype]).eval()
+
+
+class TargetRuntime:
+    """Rank 0's view: turn one batched request into a plan, run it on every rank,
+    write the captured features into the ring and answer."""
+
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel, model: LlamaModel | None = None) -> None:
+        self.cfg, self.tp = cfg, tp
+        self.model = model or build_model(cfg, tp)
+        self.engine = TargetEngine(cfg, self.model)
+        self.writer = None
+        if tp.rank == 0:
+            width = 3 * self.model.cfg.hidden_size
+            self.writer = open_writer(cfg.hidden_backend, cfg.ring_rows, width, DTYPES[cfg.dtype])
+
+    def step(self, ops: list[TargetOp], release_generations: list[int]) -> tuple[list[TargetResult], StepTiming]:
+        assert self.writer is not None, "only rank 0 serves steps"
+        t0 = time.perf_counter()
+        for g in release_generations:
+            self.writer.release(g)
+        allocs: list[Allocation | None] = []
+        allowed: list[bool] = []
+        for op in ops:
+            n = self.engine.rows_needed(op)
+            alloc = self.writer.allocate(n) if n else None
+            allocs.append(alloc)
+            allowed.append(n == 0 or alloc is not None)
+        plan = Plan(ops, allowed)
+        if self.tp.world_size > 1:
+            dist.broadcast_object_list([plan], src=0)
+        outcomes = self.engine.execute(plan)
+        results = []
+        for outcome, alloc in zip(outcomes, allocs, strict=True):
+            if alloc is not None:
+                if outcome.rows is not None and outcome.result.code == 0:
+                    self.writer.write(alloc, outcome.rows)
+                    outcome.result.hidden = HiddenRef(alloc.offset, outcome.rows.shape[0], alloc.generation,
+                                                      alloc.inline)
+                else:
+                    self.writer.release(alloc.generation)
+            results.append(outcome.result)
+        ms = (time.perf_counter() - t0) * 1e3
+        return results, StepTiming(compute_ms=ms, total_ms=ms)
+
+    def stats(self) -> dict[str, int]:
+        assert self.writer is not None
+        return {"active_sequences": len(self.engine.seqs), "free_kv_slots": len(self.engine.free_slots),
+                "ring_rows_in_use": self.writer.allocator.used,
+                "ring_live_allocations": self.writer.allocator.live_allocations}
+
+    def close(self) -> None:
+        if self.tp.world_size > 1:
+            dist.broadcast_object_list([_STOP], src=0)
+        if self.writer is not None:
+            self.writer.close()
+
+
+def init_distributed(rank: int, world_size: int, port: int, device: str) -> TensorParallel:
+    if world_size > 1:
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+            dist.init_process_group(backend)  # started by torchrun
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    return TensorParallel(rank, world_size)
+
+
+def worker_loop(cfg: TargetConfig, rank: int) -> None:
+    """Ranks 1..N-1: execute every plan rank 0 broadcasts, until told to stop."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    tp = init_distributed(rank, cfg.tp_size, cfg.dist_port, cfg.device)
+    engine = TargetEngine(cfg, build_model(cfg, tp))
+    dist.barrier()
+    while True:
+        box: list[object] = [None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] == _STOP:
+            break
+        engine.execute(box[0])  # type: ignore[arg-type]
+    dist.destroy_process_group()

@@ -1,0 +1,62 @@
+"""gRPC edge of the target service: a thin servicer over TargetRuntime."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from specsplit import wire
+from specsplit.ops import Code, TargetResult
+from specsplit.serving import log
+from specsplit.v1 import target_pb2, target_pb2_grpc
+from target_service.runtime import TargetRuntime
+
+MAX_OPS_PER_STEP = 4096
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, runtime: TargetRuntime) -> None:
+        self.runtime = runtime
+        # one thread: every rank must see the plans in one order
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
+
+    async def Describe(self, request: target_pb2.TargetDescribeRequest, context: grpc.aio.ServicerContext
+                       ) -> target_pb2.TargetInfo:
+        rt, m = self.runtime, self.runtime.model.cfg
+        assert rt.writer is not None
+        return target_pb2.TargetInfo(
+            model_name=m.name, vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
+            max_context=rt.cfg.max_context, max_sequences=rt.cfg.max_sequences, eos_token_ids=m.eos_token_ids,
+            aux_layer_ids=rt.model.aux_layer_ids, hidden_store=wire.descriptor_to_proto(rt.writer.descriptor),
+            tp_size=rt.tp.world_size, dtype=rt.cfg.dtype, max_draft_tokens=rt.cfg.max_draft_tokens)
+
+    async def Step(self, request_iterator: AsyncIterator[target_pb2.TargetStepRequest],
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[target_pb2.TargetStepResponse]:
+        loop = asyncio.get_running_loop()
+        async for req in request_iterator:
+            t0 = time.perf_counter()
+            if len(req.ops) > MAX_OPS_PER_STEP:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_OPS_PER_STEP} ops in a step")
+            ops, bad = [], []
+            for p in req.ops:
+                op = wire.target_op_from_proto(p)
+                (ops.append(op) if op is not None else bad.append(p.seq_id))
+            try:
+                results, timing = await loop.run_in_executor(self.executor, self.runtime.step, ops,
+                                                             list(req.release_generations))
+            except Exception as e:  # never a traceback to the client
+                log.exception("target step failed")
+                await context.abort(grpc.StatusCode.INTERNAL, f"target step failed: {type(e).__name__}: {e}")
+            results += [TargetResult(s, Code.INVALID_ARGUMENT, "op has no prefill/verify/release") for s in bad]
+            timing.total_ms = (time.perf_counter() - t0) * 1e3
+            yield target_pb2.TargetStepResponse(step_id=req.step_id,
+                                                results=[wire.target_result_to_proto(r) for r in results],
+                                                timing=wire.timing_to_proto(timing))
+
+    async def Stats(self, request: target_pb2.TargetStatsRequest, context: grpc.aio.ServicerContext
+                    ) -> target_pb2.TargetStats:
+        return target_pb2.TargetStats(**self.runtime.stats())
