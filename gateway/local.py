@@ -1,0 +1,64 @@
+"""The same loop with the engines in this process (no gRPC, no processes): the
+in-process baseline for benchmarks and the harness for losslessness tests."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from draft_service.config import DraftConfig
+from draft_service.runtime import DraftRuntime
+from gateway.clients import DraftClient, LocalDraft, LocalTarget
+from gateway.scheduler import Failed, Finished, GenerationRequest, Scheduler, SeqStats
+from specsplit.models.parallel import TensorParallel
+from target_service.config import TargetConfig
+from target_service.runtime import TargetRuntime
+
+
+@dataclass
+class LocalResult:
+    tokens: list[int]
+    finish: str
+    stats: SeqStats
+
+
+class LocalEngines:
+    def __init__(self, target_cfg: TargetConfig, draft_cfg: DraftConfig | None) -> None:
+        self.target = TargetRuntime(target_cfg.validate(), TensorParallel())
+        self.draft = None
+        if draft_cfg is not None:
+            self.draft = DraftRuntime(draft_cfg.validate())
+            assert self.target.writer is not None
+            self.draft.attach(self.target.writer.descriptor)
+
+    def generate(self, requests: list[GenerationRequest], draft_client: DraftClient | None = None
+                 ) -> list[LocalResult]:
+        """Run the requests concurrently through one scheduler; results in request order."""
+        return asyncio.run(self._generate(requests, draft_client))
+
+    async def _generate(self, requests: list[GenerationRequest], draft_client: DraftClient | None
+                        ) -> list[LocalResult]:
+        draft = draft_client or (LocalDraft(self.draft) if self.draft is not None else None)
+        sched = Scheduler(LocalTarget(self.target), draft, self.target.cfg.max_sequences, max_queue=10_000)
+        sched.start()
+        try:
+            seqs = [sched.submit(r) for r in requests]
+            results = []
+            for seq in seqs:
+                while True:
+                    ev = await seq.events.get()
+                    if isinstance(ev, Failed):
+                        raise RuntimeError(f"{ev.code.name}: {ev.message}")
+                    if isinstance(ev, Finished):
+                        results.append(LocalResult(seq.generated, ev.reason, seq.stats))
+                        break
+            while sched.target_releases or sched.draft_releases:  # let the last releases go out
+                await asyncio.sleep(0)
+                if not sched.running and not sched.waiting:
+                    await sched._cycle()
+            return results
+        finally:
+            await sched.stop()
+
+    def close(self) -> None:
+        self.target.close()

@@ -1,0 +1,98 @@
+"""The EAGLE-3 head and the draft engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_service.config import DraftConfig
+from draft_service.runtime import DraftRuntime
+from specsplit.checkpoints.eagle_head import load_head
+from specsplit.handoff import open_writer
+from specsplit.ops import Code, ExtendPropose, HiddenRef, Release
+
+SPECFORGE_KEYS = {
+    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+}
+
+
+def test_random_head_is_in_specforge_format(tiny_head: Path) -> None:
+    cfg, weights = load_head(tiny_head)
+    assert set(weights) == SPECFORGE_KEYS
+    h = cfg.hidden_size
+    assert weights["fc.weight"].shape == (h, 3 * h)
+    assert weights["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * h
+    assert weights["lm_head.weight"].shape == (cfg.draft_vocab_size, h)
+    ids = torch.arange(cfg.draft_vocab_size) + weights["d2t"]
+    assert torch.equal(torch.nonzero(weights["t2d"]).flatten(), ids)  # d2t and t2d agree
+
+
+def make_runtime(tiny_target: Path, tiny_head: Path) -> tuple[DraftRuntime, object]:
+    rt = DraftRuntime(DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256, max_sequences=4))
+    writer = open_writer("shm", 512, 3 * rt.head.cfg.target_hidden_size, torch.float32)
+    rt.attach(writer.descriptor)
+    return rt, writer
+
+
+def put(writer, feats: torch.Tensor) -> HiddenRef:  # noqa: ANN001
+    alloc = writer.allocate(feats.shape[0])
+    writer.write(alloc, feats)
+    return HiddenRef(alloc.offset, feats.shape[0], alloc.generation)
+
+
+def test_incremental_extend_equals_one_shot_extend(tiny_target: Path, tiny_head: Path) -> None:
+    """Speculative KV entries from proposals must be overwritten by the next extend."""
+    rt, writer = make_runtime(tiny_target, tiny_head)
+    try:
+        g = torch.Generator().manual_seed(0)
+        feats = torch.randn(30, writer.descriptor.width, generator=g)
+        tokens = torch.randint(0, 512, (30,), generator=g).tolist()
+        # sequence 1 in three extends, proposing 5 tokens in between; sequence 2 in one extend
+        for lo, hi in [(0, 12), (12, 15), (15, 30)]:
+            (r1,) = rt.engine.execute([ExtendPropose(1, tokens[lo:hi], put(writer, feats[lo:hi]), 5)])
+            assert r1.code == Code.OK and len(r1.draft_ids) == 5
+        (r2,) = rt.engine.execute([ExtendPropose(2, tokens, put(writer, feats), 5)])
+        assert r1.draft_ids == r2.draft_ids
+        assert rt.engine.seqs[1].length == rt.engine.seqs[2].length == 30
+        assert rt.opens == 1
+    finally:
+        writer.close()
+
+
+def test_draft_ids_are_mapped_to_target_vocabulary(tiny_target: Path, tiny_head: Path) -> None:
+    rt, writer = make_runtime(tiny_target, tiny_head)
+    try:
+        feats = torch.randn(6, writer.descriptor.width)
+        (r,) = rt.engine.execute([ExtendPropose(1, [1, 2, 3, 4, 5, 6], put(writer, feats), 6)])
+        allowed = set((torch.arange(rt.head.cfg.draft_vocab_size) + rt.head.d2t).tolist())
+        assert set(r.draft_ids) <= allowed
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("bad", ["rows_mismatch", "too_many_steps", "bad_token"])
+def test_bad_extend_is_an_entry_error(tiny_target: Path, tiny_head: Path, bad: str) -> None:
+    rt, writer = make_runtime(tiny_target, tiny_head)
+    try:
+        ref = put(writer, torch.randn(3, writer.descriptor.width))
+        tokens, steps = [1, 2, 3], 2
+        if bad == "rows_mismatch":
+            tokens = [1, 2]
+        elif bad == "too_many_steps":
+            steps = 99
+        else:
+            tokens = [1, 2, 10**6]
+        ok_ref = put(writer, torch.randn(2, writer.descriptor.width))
+        results = rt.engine.execute([ExtendPropose(1, tokens, ref, steps), ExtendPropose(2, [4, 5], ok_ref, 2)])
+        assert results[0].code == Code.INVALID_ARGUMENT and results[0].message
+        assert results[0].consumed_generation == ref.generation
+        assert results[1].code == Code.OK  # the batch goes on
+        rt.engine.execute([Release(2)])
+        assert rt.stats() == {"active_sequences": 0, "free_kv_slots": 4}
+    finally:
+        writer.close()

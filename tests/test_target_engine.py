@@ -1,0 +1,60 @@
+"""Target engine entry-level behaviour: errors, slots and ring backpressure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specsplit.models.parallel import TensorParallel
+from specsplit.ops import Code, Prefill, Release, Verify
+from target_service.config import TargetConfig
+from target_service.runtime import TargetRuntime
+
+
+def runtime(tiny_target: Path, max_context: int = 64, **kw: int) -> TargetRuntime:
+    cfg = TargetConfig(model=str(tiny_target), max_context=max_context, max_sequences=2, **kw).validate()
+    return TargetRuntime(cfg, TensorParallel())
+
+
+def test_errors_are_per_entry_and_state_is_kept(tiny_target: Path) -> None:
+    rt = runtime(tiny_target)
+    try:
+        res, _ = rt.step([Prefill(1, [1, 2, 3]), Verify(7, [1]), Prefill(2, [1, 99999]), Prefill(3, [])], [])
+        assert [r.code for r in res] == [Code.OK, Code.NOT_FOUND, Code.INVALID_ARGUMENT, Code.INVALID_ARGUMENT]
+        assert "outside the vocabulary" in res[2].message and "empty prompt" in res[3].message
+        assert res[0].hidden is not None and res[0].hidden.rows == 3 and len(res[0].tokens) == 1
+        res, _ = rt.step([Verify(1, [5, 6])], [res[0].hidden.generation])
+        assert res[0].code == Code.OK and 1 <= len(res[0].tokens) <= 3
+        assert res[0].hidden.rows == res[0].num_accepted + 1
+    finally:
+        rt.close()
+
+
+def test_slots_run_out_then_come_back(tiny_target: Path) -> None:
+    rt = runtime(tiny_target)
+    try:
+        res, _ = rt.step([Prefill(i, [1, 2], capture=False) for i in (1, 2, 3)], [])
+        assert [r.code for r in res] == [Code.OK, Code.OK, Code.RESOURCE_EXHAUSTED]
+        rt.step([Release(1)], [])
+        res, _ = rt.step([Prefill(3, [1, 2], capture=False)], [])
+        assert res[0].code == Code.OK
+        rt.step([Release(2), Release(3)], [])
+        assert rt.stats()["free_kv_slots"] == 2 and rt.stats()["active_sequences"] == 0
+    finally:
+        rt.close()
+
+
+def test_full_ring_is_backpressure_and_leaves_the_sequence_untouched(tiny_target: Path) -> None:
+    rt = runtime(tiny_target, max_context=128, ring_rows=128)
+    try:
+        res, _ = rt.step([Prefill(1, list(range(1, 121)))], [])  # 120 of 128 rows held
+        gen = res[0].hidden.generation
+        length = rt.engine.seqs[1].length
+        res, _ = rt.step([Verify(1, [1, 2, 3, 4, 5])], [])  # needs 6 rows
+        assert res[0].code == Code.RESOURCE_EXHAUSTED
+        assert rt.engine.seqs[1].length == length
+        res, _ = rt.step([Verify(1, [1, 2, 3, 4, 5])], [gen])  # the draft consumed the prefill rows
+        assert res[0].code == Code.OK
+        rt.step([Release(1)], [res[0].hidden.generation])
+        assert rt.stats()["ring_rows_in_use"] == 0
+    finally:
+        rt.close()
