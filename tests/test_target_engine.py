@@ -46,15 +46,16 @@ def test_slots_run_out_then_come_back(tiny_target: Path) -> None:
 def test_full_ring_is_backpressure_and_leaves_the_sequence_untouched(tiny_target: Path) -> None:
     rt = runtime(tiny_target, max_context=128, ring_rows=128)
     try:
-        res, _ = rt.step([Prefill(1, list(range(1, 121)))], [])  # 120 of 128 rows held
-        gen = res[0].hidden.generation
+        res, _ = rt.step([Prefill(1, list(range(1, 101))), Prefill(2, list(range(1, 21)))], [])  # 120 rows held
+        gen1, gen2 = res[0].hidden.generation, res[1].hidden.generation
         length = rt.engine.seqs[1].length
-        res, _ = rt.step([Verify(1, [1, 2, 3, 4, 5])], [])  # needs 6 rows
-        assert res[0].code == Code.RESOURCE_EXHAUSTED
+        drafts = [1, 2, 3, 4, 5, 6, 7, 8]
+        res, _ = rt.step([Verify(1, drafts)], [])  # needs 9 rows: only 8 left at the tail
+        assert res[0].code == Code.RESOURCE_EXHAUSTED and "ring full" in res[0].message
         assert rt.engine.seqs[1].length == length
-        res, _ = rt.step([Verify(1, [1, 2, 3, 4, 5])], [gen])  # the draft consumed the prefill rows
-        assert res[0].code == Code.OK
-        rt.step([Release(1)], [res[0].hidden.generation])
-        assert rt.stats()["ring_rows_in_use"] == 0
+        res, _ = rt.step([Verify(1, drafts)], [gen1])  # the draft consumed sequence 1's prefill rows
+        assert res[0].code == Code.OK and res[0].hidden.offset == 0  # wrapped around
+        rt.step([Release(1), Release(2)], [res[0].hidden.generation, gen2])
+        assert rt.stats()["ring_rows_in_use"] == 0 and rt.stats()["ring_live_allocations"] == 0
     finally:
         rt.close()
