@@ -1,0 +1,87 @@
+"""Greedy speculative decoding equals target-only greedy decoding, token for token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from draft_service.config import DraftConfig
+from gateway.clients import LocalDraft
+from gateway.local import LocalEngines
+from gateway.scheduler import GenerationRequest
+from specsplit.ops import Sampling
+from specsplit.replay import ReplayDraft
+from specsplit.tokenizer import TextCodec
+from target_service.config import TargetConfig
+
+TINY_PROMPTS = [[1, 2, 3], [7] * 20, [100, 42, 17, 250, 3, 3, 9], list(range(10, 60))]
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+                "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""]
+
+
+def request(ids: list[int], steps: int, max_new: int, stops: set[int]) -> GenerationRequest:
+    return GenerationRequest(ids, max_new, Sampling(), stops, steps)
+
+
+def check_lossless(engines: LocalEngines, prompts: list[list[int]], max_new: int, stops: set[int],
+                   steps_range: range, replay_rate: float | None = None) -> list[float]:
+    base = engines.generate([request(p, 0, max_new, stops) for p in prompts])
+    taus = []
+    for steps in steps_range:
+        draft = None
+        if replay_rate is not None:
+            refs = {i + 1: p + b.tokens for i, (p, b) in enumerate(zip(prompts, base, strict=True))}
+            draft = ReplayDraft(LocalDraft(engines.draft), refs, replay_rate, engines.target.model.cfg.vocab_size)
+        spec = engines.generate([request(p, steps, max_new, stops) for p in prompts], draft)
+        for p, b, s in zip(prompts, base, spec, strict=True):
+            assert s.tokens == b.tokens, f"num_steps={steps} prompt={p[:8]}...: speculative output differs"
+            assert s.finish == b.finish
+            taus.append(s.stats.mean_accepted_length)
+    stats = engines.target.stats()
+    assert stats["active_sequences"] == 0 and stats["ring_rows_in_use"] == 0
+    assert engines.draft is not None and engines.draft.stats()["active_sequences"] == 0
+    return taus
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny_target: Path, tiny_head: Path) -> LocalEngines:
+    engines = LocalEngines(TargetConfig(model=str(tiny_target), max_context=256),
+                           DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
+    yield engines
+    engines.close()
+
+
+def test_tiny_random_model_lossless_steps_1_to_6(tiny_engines: LocalEngines) -> None:
+    check_lossless(tiny_engines, TINY_PROMPTS, 40, {511}, range(1, 7))
+
+
+def test_tiny_lossless_with_high_acceptance(tiny_engines: LocalEngines) -> None:
+    """Replayed acceptance exercises multi-token accepts, KV rollback and ring reuse."""
+    taus = check_lossless(tiny_engines, TINY_PROMPTS, 40, {511}, range(1, 7), replay_rate=0.8)
+    assert sum(taus) / len(taus) > 2.0
+
+
+@pytest.fixture(scope="module")
+def smollm2_engines(smollm2_dir: Path) -> LocalEngines:
+    engines = LocalEngines(TargetConfig(model=str(smollm2_dir), max_context=512, dtype="float32"),
+                           DraftConfig(head="random", target=str(smollm2_dir), max_context=512))
+    yield engines
+    engines.close()
+
+
+@pytest.mark.slow
+def test_smollm2_fp32_lossless_steps_1_to_6(smollm2_engines: LocalEngines, smollm2_dir: Path) -> None:
+    codec = TextCodec.from_checkpoint(smollm2_dir)
+    prompts = [codec.encode(codec.render_chat(p)) for p in CHAT_PROMPTS]
+    check_lossless(smollm2_engines, prompts, 20, {2}, range(1, 7))
+    taus = check_lossless(smollm2_engines, prompts, 20, {2}, range(2, 7, 2), replay_rate=0.85)
+    assert max(taus) > 2.0
+
+
+def test_concurrent_sequences_equal_solo_runs(tiny_engines: LocalEngines) -> None:
+    solo = [tiny_engines.generate([request(p, s, 30, {511})])[0].tokens
+            for p, s in zip(TINY_PROMPTS, [0, 2, 4, 6], strict=True)]
+    together = tiny_engines.generate([request(p, s, 30, {511}) for p, s in zip(TINY_PROMPTS, [0, 2, 4, 6],
+                                                                                strict=True)])
+    assert [r.tokens for r in together] == solo
