@@ -1,0 +1,45 @@
+"""Tensor parallelism over gloo: TP2 gives the same tokens as TP1 (real processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specsplit.client import GatewayClient, make_request
+from specsplit.launcher import ServiceStack, StackConfig
+
+
+def run_stack(cfg: StackConfig, requests: list) -> list[list[int]]:  # noqa: ANN001
+    with ServiceStack(cfg) as stack:
+        client = GatewayClient(stack.addr("gateway"))
+        try:
+            return [client.generate(r, timeout=300).token_ids for r in requests]
+        finally:
+            client.close()
+
+
+def test_tiny_tp2_equals_tp1(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
+    reqs = [make_request(token_ids=p, max_new_tokens=24, num_steps=s)
+            for p, s in [([1, 2, 3], 3), ([5] * 12, 0), (list(range(30, 70)), 5)]]
+    base = dict(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=tmp_path)
+    tp1 = run_stack(StackConfig(**base), reqs)
+    tp2 = run_stack(StackConfig(**base, tp_size=2), reqs)
+    assert tp1 == tp2 and all(len(t) > 0 for t in tp1)
+
+
+@pytest.mark.slow
+def test_smollm2_tp2_uneven_head_split_equals_tp1(tmp_path: Path) -> None:
+    """SmolLM2 has 9 heads / 3 KV heads: on 2 ranks the KV groups split 2 + 1."""
+    reqs = [make_request("What is the capital of France?", max_new_tokens=16, num_steps=2),
+            make_request("Write a haiku about the sea.", max_new_tokens=16, speculation=False)]
+    base = dict(model="smollm2", max_context=512, log_dir=tmp_path)
+    tp1 = run_stack(StackConfig(**base), reqs)
+    tp2 = run_stack(StackConfig(**base, tp_size=2), reqs)
+    assert tp1 == tp2
+
+
+def test_target_only_without_a_draft_service(tiny_target: Path, tmp_path: Path) -> None:
+    reqs = [make_request(token_ids=[1, 2, 3], max_new_tokens=10, num_steps=4)]
+    out = run_stack(StackConfig(model=str(tiny_target), with_draft=False, max_context=256, log_dir=tmp_path), reqs)
+    assert len(out[0]) > 0
