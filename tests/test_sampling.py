@@ -15,7 +15,6 @@ from specsplit.checkpoints.eagle_head import random_head, save_head
 from specsplit.checkpoints.target_checkpoint import load_target_config
 from specsplit.checkpoints.tiny import tiny_config, write_tiny_target
 from specsplit.models.llama import LlamaModel
-from specsplit.models.parallel import TensorParallel
 from specsplit.ops import Sampling
 from specsplit.sampling import probs_from_logits, verify_chain
 from target_service.config import TargetConfig
