@@ -56,6 +56,11 @@ async def serve(cfg: GatewayConfig) -> None:
             dinfo = await candidate.attach(info.hidden_store, timeout=300.0)
             if dinfo.max_steps < cfg.max_num_steps:
                 raise ValueError(f"draft allows {dinfo.max_steps} steps, gateway max_num_steps is {cfg.max_num_steps}")
+            if dinfo.aux_layer_ids and list(dinfo.aux_layer_ids) != list(info.aux_layer_ids):
+                raise ValueError(f"the head was trained on target layers {list(dinfo.aux_layer_ids)} but the target "
+                                 f"captures {list(info.aux_layer_ids)}; start the target with --draft-config")
+            if dinfo.target_vocab_size != info.vocab_size:
+                raise ValueError(f"head vocabulary {dinfo.target_vocab_size} != target vocabulary {info.vocab_size}")
             draft, draft_name = candidate, dinfo.head_name
             max_seqs = min(max_seqs, dinfo.max_sequences)
         except Exception as e:  # run, slower, without speculation

@@ -83,6 +83,9 @@ class ServiceStack:
 
     def start(self, timeout: float = 300.0) -> ServiceStack:
         c = self.cfg
+        head_config = Path(c.head) / "config.json"
+        if c.with_draft and head_config.exists() and "--draft-config" not in c.extra_target_args:
+            c.extra_target_args = [*c.extra_target_args, "--draft-config", str(head_config)]
         common = ["--dtype", c.dtype, "--max-context", str(c.max_context), "--max-sequences", str(c.max_sequences),
                   "--threads", str(c.threads)]
         self._spawn("target", "target_service", ["--model", c.model, "--tp-size", str(c.tp_size), "--port",
