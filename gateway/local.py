@@ -52,10 +52,8 @@ class LocalEngines:
                     if isinstance(ev, Finished):
                         results.append(LocalResult(seq.generated, ev.reason, seq.stats))
                         break
-            while sched.target_releases or sched.draft_releases:  # let the last releases go out
-                await asyncio.sleep(0)
-                if not sched.running and not sched.waiting:
-                    await sched._cycle()
+            while sched.busy:  # let the last releases go out
+                await asyncio.sleep(0.001)
             return results
         finally:
             await sched.stop()

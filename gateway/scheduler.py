@@ -103,6 +103,7 @@ class Scheduler:
         self.free_generations: list[int] = []  # ring allocations to reclaim on the next target call
         self.task: asyncio.Task[None] | None = None
         self.cycles = 0
+        self.in_cycle = False
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name="speculation-loop")
@@ -125,13 +126,19 @@ class Scheduler:
             seq.cancelled = True
             self.wake.set()
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.in_cycle or self.waiting or self.running or self.target_releases or self.draft_releases
+                    or self.free_generations)
+
     # -- the loop
     async def _run(self) -> None:
         while True:
-            if not (self.waiting or self.running or self.target_releases or self.draft_releases):
+            if not self.busy:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
+            self.in_cycle = True
             try:
                 await self._cycle()
             except Exception as e:  # the target is gone or broken: fail every active stream
@@ -142,6 +149,8 @@ class Scheduler:
                 self.target_releases.clear()
                 self.free_generations.clear()
                 await asyncio.sleep(0.05)
+            finally:
+                self.in_cycle = False
 
     async def _cycle(self) -> None:
         for seq in [s for s in self.running if s.cancelled]:
@@ -205,6 +214,8 @@ class Scheduler:
             else:
                 continue
             work.append(s)
+        if not ops and not releases:
+            return
         t0 = time.perf_counter()
         results, timing = await self.target.step(ops, releases)
         ms = (time.perf_counter() - t0) * 1e3
@@ -231,14 +242,14 @@ class Scheduler:
                 s.pending = (tokens, r.hidden)
             else:
                 self.free_generations.append(r.hidden.generation)
-        if s.prefilled:
+        if s.prefilled:  # a verify cycle (the prefill's first token is not a cycle)
             s.stats.cycles += 1
             s.stats.histogram[len(r.tokens)] += 1
+            s.stats.verify_ms += ms
+            s.stats.verify_compute_ms += compute_ms
         else:
             s.prefilled = True
             s.stats.first_token_at = time.perf_counter()
-        s.stats.verify_ms += ms
-        s.stats.verify_compute_ms += compute_ms
         s.drafts, s.dists = [], []
         self._emit(s, r.tokens)
 
