@@ -19,6 +19,7 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
+from specsplit.telemetry import setup_telemetry
 from specsplit.v1 import draft_pb2_grpc
 
 
@@ -43,12 +44,16 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
 
 async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
     server, health = new_server()
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(runtime), server)
+    telemetry = setup_telemetry("specsplit-draft")
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(runtime, telemetry), server)
     server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
     await set_serving(health, ["specsplit.v1.DraftService"], True)
     log.info("draft head %s listening on %s:%d", runtime.head.cfg.name, cfg.host, cfg.port)
-    await serve_until_signal(server)
+    try:
+        await serve_until_signal(server)
+    finally:
+        telemetry.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ Proposal steps past that write speculative KV entries that the next extend overw
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ class DraftEngine:
     def execute(self, ops: list[DraftOp]) -> list[DraftResult]:
         results = []
         for op in ops:
+            started = time.time_ns()
             try:
                 if isinstance(op, ExtendPropose):
                     results.append(self._extend_propose(op))
@@ -48,6 +50,7 @@ class DraftEngine:
             except OpError as e:
                 gen = op.hidden.generation if isinstance(op, ExtendPropose) else 0
                 results.append(DraftResult(op.seq_id, e.code, str(e), consumed_generation=gen))
+            results[-1].started_ns, results[-1].ended_ns = started, time.time_ns()
         return results
 
     def _open(self, op: ExtendPropose) -> DraftSequence:

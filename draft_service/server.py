@@ -11,16 +11,17 @@ import grpc
 
 from draft_service.runtime import DraftRuntime
 from specsplit import wire
-from specsplit.ops import Code, DraftResult
+from specsplit.ops import Code, DraftOp, DraftResult, ExtendPropose
 from specsplit.serving import log
+from specsplit.telemetry import Telemetry, record_entry_span
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 MAX_OPS_PER_STEP = 4096
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, runtime: DraftRuntime) -> None:
-        self.runtime = runtime
+    def __init__(self, runtime: DraftRuntime, telemetry: Telemetry) -> None:
+        self.runtime, self.telemetry = runtime, telemetry
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
 
     def _info(self) -> draft_pb2.DraftInfo:
@@ -59,11 +60,26 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             except Exception as e:
                 log.exception("draft step failed")
                 await context.abort(grpc.StatusCode.INTERNAL, f"draft step failed: {type(e).__name__}: {e}")
+            if self.telemetry.tracing:
+                self._spans(ops, results)
             results += [DraftResult(s, Code.INVALID_ARGUMENT, "op has no extend_propose/release") for s in bad]
             timing.total_ms = (time.perf_counter() - t0) * 1e3
             yield draft_pb2.DraftStepResponse(step_id=req.step_id,
                                               results=[wire.draft_result_to_proto(r) for r in results],
                                               timing=wire.timing_to_proto(timing))
+
+    def _spans(self, ops: list[DraftOp], results: list[DraftResult]) -> None:
+        for op, r in zip(ops, results, strict=True):
+            if not op.trace:
+                continue
+            attrs = {"spec.seq_id": op.seq_id, "spec.status": r.code.name, "spec.draft_tokens": len(r.draft_ids)}
+            name = "draft.release"
+            if isinstance(op, ExtendPropose):
+                name = "draft.extend_propose"
+                attrs.update({"spec.num_steps": op.num_steps, "spec.extend_tokens": len(op.tokens),
+                              "handoff.offset": op.hidden.offset, "handoff.rows": op.hidden.rows,
+                              "handoff.generation": op.hidden.generation})
+            record_entry_span(self.telemetry.tracer, name, op.trace, r.started_ns, r.ended_ns, attrs)
 
     async def Stats(self, request: draft_pb2.DraftStatsRequest, context: grpc.aio.ServicerContext
                     ) -> draft_pb2.DraftStats:

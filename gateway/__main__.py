@@ -8,6 +8,7 @@ import os
 
 from gateway.clients import GrpcDraft, GrpcTarget
 from gateway.config import GatewayConfig
+from gateway.observe import GatewayMetrics
 from gateway.requests import ModelLimits
 from gateway.scheduler import Scheduler
 from gateway.server import GatewayServicer
@@ -20,6 +21,7 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
+from specsplit.telemetry import setup_telemetry
 from specsplit.tokenizer import TextCodec
 from specsplit.v1 import gateway_pb2_grpc
 
@@ -66,7 +68,9 @@ async def serve(cfg: GatewayConfig) -> None:
         except Exception as e:  # run, slower, without speculation
             log.warning("draft service unavailable (%s): target-only decoding", e)
     limits = ModelLimits(info.vocab_size, info.max_context, list(info.eos_token_ids), draft is not None)
-    scheduler = Scheduler(target, draft, max_seqs, cfg.max_queue)
+    telemetry = setup_telemetry("specsplit-gateway")
+    scheduler = Scheduler(target, draft, max_seqs, cfg.max_queue, telemetry.tracer,
+                          GatewayMetrics.create(telemetry.meter))
     scheduler.start()
     server, health = new_server()
     gateway_pb2_grpc.add_GatewayServicer_to_server(
@@ -80,7 +84,10 @@ async def serve(cfg: GatewayConfig) -> None:
         await set_serving(health, ["specsplit.v1.Gateway"], False)
         await scheduler.stop()
 
-    await serve_until_signal(server, on_stop)
+    try:
+        await serve_until_signal(server, on_stop)
+    finally:
+        telemetry.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:

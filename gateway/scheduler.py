@@ -13,8 +13,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import trace
 
 from gateway.clients import DraftClient, TargetClient
+from gateway.observe import NOOP_METRICS, NOOP_TRACER, GatewayMetrics
 from specsplit.ops import (
     Code,
     DraftOp,
@@ -29,6 +31,7 @@ from specsplit.ops import (
     TargetResult,
     Verify,
 )
+from specsplit.telemetry import inject
 
 log = logging.getLogger("specsplit.gateway")
 
@@ -70,8 +73,12 @@ class SeqStats:
 
 
 class Sequence:
-    def __init__(self, seq_id: int, req: GenerationRequest) -> None:
+    def __init__(self, seq_id: int, req: GenerationRequest, span: trace.Span | None = None) -> None:
         self.seq_id, self.req = seq_id, req
+        self.span = span or trace.INVALID_SPAN  # the request span; cycles are its children
+        self.cycle_span: trace.Span = trace.INVALID_SPAN
+        self.trace = ""  # traceparent of the current cycle span, sent with every op
+        self.sent_drafts = 0
         self.events: asyncio.Queue[list[int] | Finished | Failed] = asyncio.Queue()
         self.generated: list[int] = []
         self.spec = req.num_steps > 0  # false for good once the draft fails this sequence
@@ -91,8 +98,10 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, target: TargetClient, draft: DraftClient | None, max_sequences: int, max_queue: int) -> None:
+    def __init__(self, target: TargetClient, draft: DraftClient | None, max_sequences: int, max_queue: int,
+                 tracer: trace.Tracer = NOOP_TRACER, metrics: GatewayMetrics = NOOP_METRICS) -> None:
         self.target, self.draft = target, draft
+        self.tracer, self.metrics = tracer, metrics
         self.max_sequences, self.max_queue = max_sequences, max_queue
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -113,10 +122,11 @@ class Scheduler:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
 
-    def submit(self, req: GenerationRequest) -> Sequence:
+    def submit(self, req: GenerationRequest, span: trace.Span | None = None) -> Sequence:
         if len(self.waiting) >= self.max_queue:
             raise QueueFull(f"{len(self.waiting)} requests already waiting")
-        seq = Sequence(next(self.ids), req)
+        seq = Sequence(next(self.ids), req, span)
+        seq.span.add_event("queued", {"spec.seq_id": seq.seq_id, "spec.queue_depth": len(self.waiting)})
         self.waiting.append(seq)
         self.wake.set()
         return seq
@@ -163,8 +173,25 @@ class Scheduler:
             if not seq.cancelled:
                 self.running.append(seq)
                 newcomers.append(seq)
-        await self._draft_phase()
-        await self._target_phase(newcomers)
+                seq.span.add_event("admitted", {"spec.seq_id": seq.seq_id,
+                                                "spec.wait_ms": (time.perf_counter() - seq.submitted_at) * 1e3})
+        t0 = time.perf_counter()
+        traced = list(self.running)
+        for s in traced:
+            s.cycle_span = self.tracer.start_span(
+                "prefill" if s in newcomers else "cycle", context=trace.set_span_in_context(s.span),
+                attributes={"spec.cycle": 0 if s in newcomers else s.stats.cycles + 1, "spec.batch_size": len(traced),
+                            "spec.num_steps": s.req.num_steps if s.spec else 0, "spec.seq_id": s.seq_id})
+            s.trace = inject(s.cycle_span)
+        try:
+            await self._draft_phase()
+            await self._target_phase(newcomers)
+        finally:
+            for s in traced:
+                s.cycle_span.end()
+                s.cycle_span, s.trace = trace.INVALID_SPAN, ""
+        if len(traced) > len(newcomers):
+            self.metrics.cycle_duration.record((time.perf_counter() - t0) * 1e3)
         self.cycles += 1
 
     async def _draft_phase(self) -> None:
@@ -173,7 +200,7 @@ class Scheduler:
         users = [s for s in self.running if s.spec and s.pending is not None]
         for s in users:
             tokens, ref = s.pending  # type: ignore[misc]
-            ops.append(ExtendPropose(s.seq_id, tokens, ref, s.req.num_steps, s.req.sampling))
+            ops.append(ExtendPropose(s.seq_id, tokens, ref, s.req.num_steps, s.req.sampling, s.trace))
             s.in_draft = True
         if not ops or self.draft is None:
             return
@@ -197,6 +224,7 @@ class Scheduler:
                 s.spec = False
                 continue
             s.drafts, s.dists = r.draft_ids, r.draft_dists
+            s.cycle_span.set_attributes({"spec.draft_call_ms": ms, "spec.draft_batch_ms": timing.compute_ms})
             s.stats.draft_ms += ms
             s.stats.draft_compute_ms += timing.compute_ms
 
@@ -207,10 +235,11 @@ class Scheduler:
         work: list[Sequence] = []
         for s in self.running:
             if s in newcomers:
-                ops.append(Prefill(s.seq_id, s.req.prompt_ids, s.req.sampling, capture=s.spec))
+                ops.append(Prefill(s.seq_id, s.req.prompt_ids, s.req.sampling, capture=s.spec, trace=s.trace))
             elif s.prefilled:
                 drafts = s.drafts if s.spec else []
-                ops.append(Verify(s.seq_id, drafts, s.dists if drafts else [], capture=s.spec))
+                s.sent_drafts = len(drafts)
+                ops.append(Verify(s.seq_id, drafts, s.dists if drafts else [], capture=s.spec, trace=s.trace))
             else:
                 continue
             work.append(s)
@@ -247,9 +276,15 @@ class Scheduler:
             s.stats.histogram[len(r.tokens)] += 1
             s.stats.verify_ms += ms
             s.stats.verify_compute_ms += compute_ms
+            self.metrics.accepted_length.record(len(r.tokens))
+            s.cycle_span.set_attributes({"spec.draft_tokens": s.sent_drafts, "spec.accepted_length": len(r.tokens),
+                                         "spec.num_accepted": r.num_accepted, "spec.bonus_token": r.tokens[-1],
+                                         "spec.verify_call_ms": ms, "spec.verify_batch_ms": compute_ms})
         else:
             s.prefilled = True
             s.stats.first_token_at = time.perf_counter()
+            self.metrics.time_to_first_token.record(s.stats.first_token_at - s.submitted_at)
+            s.span.add_event("first_token")
         s.drafts, s.dists = [], []
         self._emit(s, r.tokens)
 
@@ -285,6 +320,13 @@ class Scheduler:
 
     def _finish(self, s: Sequence, end: Finished) -> None:
         self._retire(s)
+        now, n = time.perf_counter(), len(s.generated)
+        self.metrics.output_tokens.add(n)
+        if n > 1 and s.stats.first_token_at:
+            self.metrics.time_per_output_token.record((now - s.stats.first_token_at) / (n - 1))
+        if n:
+            self.metrics.tokens_per_second.record(n / max(now - s.submitted_at, 1e-9))
+        s.span.add_event("finished", {"gen_ai.response.finish_reason": end.reason, "spec.cycles": s.stats.cycles})
         s.events.put_nowait(end)
 
     def _fail(self, s: Sequence, code: grpc.StatusCode, message: str) -> None:

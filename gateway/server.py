@@ -6,19 +6,22 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from gateway.config import GatewayConfig
 from gateway.detok import IncrementalDetokenizer
 from gateway.requests import InvalidRequest, ModelLimits, parse
 from gateway.scheduler import Failed, Finished, QueueFull, Scheduler
+from specsplit.telemetry import extract
 from specsplit.tokenizer import TextCodec
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, cfg: GatewayConfig, scheduler: Scheduler, codec: TextCodec | None, limits: ModelLimits,
-                 model_name: str, draft_name: str) -> None:
+                 model_name: str, draft_name: str, tracer: trace.Tracer | None = None) -> None:
         self.cfg, self.scheduler, self.codec, self.limits = cfg, scheduler, codec, limits
+        self.tracer = tracer or scheduler.tracer
         self.model_name, self.draft_name = model_name, draft_name
 
     async def GetModelInfo(self, request: gateway_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
@@ -31,27 +34,44 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        incoming = dict(context.invocation_metadata() or ()).get("traceparent", "")
+        span = self.tracer.start_span("generate", context=extract(incoming), kind=trace.SpanKind.SERVER,
+                                      attributes={"gen_ai.operation.name": "text_completion",
+                                                  "gen_ai.request.model": self.model_name})
+        seq = None
         try:
-            req = parse(request, self.codec, self.cfg, self.limits)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        try:
-            seq = self.scheduler.submit(req)
-        except QueueFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {e}")
-        detok = IncrementalDetokenizer(self.codec) if self.codec is not None else None
-        try:
+            try:
+                req = parse(request, self.codec, self.cfg, self.limits)
+            except InvalidRequest as e:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            span.set_attributes({
+                "gen_ai.request.max_tokens": req.max_new_tokens, "gen_ai.request.temperature": req.sampling.temperature,
+                "gen_ai.request.top_p": req.sampling.top_p, "gen_ai.request.top_k": req.sampling.top_k,
+                "gen_ai.usage.input_tokens": len(req.prompt_ids), "spec.num_steps": req.num_steps})
+            try:
+                seq = self.scheduler.submit(req, span)
+            except QueueFull as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {e}")
+            detok = IncrementalDetokenizer(self.codec) if self.codec is not None else None
             while True:
                 event = await seq.events.get()
                 if isinstance(event, list):
                     yield gateway_pb2.GenerateResponse(token_ids=event, text=detok.push(event) if detok else "")
                 elif isinstance(event, Failed):
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, event.message))
                     await context.abort(event.code, event.message)
                 else:
+                    span.set_attributes({"gen_ai.usage.output_tokens": len(seq.generated),
+                                         "gen_ai.response.finish_reasons": [event.reason],
+                                         "spec.cycles": seq.stats.cycles,
+                                         "spec.mean_accepted_length": seq.stats.mean_accepted_length})
                     yield self._final(seq, event, detok)
                     return
         finally:
-            self.scheduler.cancel(seq)  # no-op when finished; releases state on a dropped client
+            if seq is not None:
+                self.scheduler.cancel(seq)  # no-op when finished; releases state on a dropped client
+            span.end()
 
     def _final(self, seq, end: Finished, detok: IncrementalDetokenizer | None) -> gateway_pb2.GenerateResponse:
         st, now = seq.stats, time.perf_counter()

@@ -151,6 +151,28 @@ def cmd_tiny_target(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace_report(a: argparse.Namespace) -> int:
+    from specsplit import trace_report as tr
+
+    if a.listen:
+        spans = tr.receive_otlp(a.listen, a.duration, a.idle)
+    elif a.paths:
+        spans = tr.load_jsonl(a.paths)
+    else:
+        print("error: give span files/folders or --listen HOST:PORT", file=sys.stderr)
+        return 2
+    requests = tr.analyze(spans)
+    if not requests:
+        print(f"error: no request spans among {len(spans)} spans", file=sys.stderr)
+        return 1
+    s = tr.summary(requests)
+    print(json.dumps(s) if a.json else tr.format_text(s))
+    if a.png:
+        tr.plot(requests, a.png)
+        print(f"wrote {a.png}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specsplit", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -174,9 +196,17 @@ def main(argv: list[str] | None = None) -> int:
     tt = sub.add_parser("make-tiny-target", help="write a tiny random Llama target")
     tt.add_argument("--out", required=True)
     tt.add_argument("--seed", type=int, default=0)
+    tr = sub.add_parser("trace", help="trace tools").add_subparsers(dest="trace_cmd", required=True)
+    rep = tr.add_parser("report", help="cycle-time percentiles, accepted lengths, tokens/s and a PNG timeline")
+    rep.add_argument("paths", nargs="*", help="*.spans.jsonl files or folders holding them")
+    rep.add_argument("--listen", default=None, help="receive OTLP/gRPC spans on HOST:PORT instead")
+    rep.add_argument("--duration", type=float, default=60.0, help="seconds to listen")
+    rep.add_argument("--idle", type=float, default=0.0, help="stop listening after this many quiet seconds")
+    rep.add_argument("--png", default="trace_timeline.png", help="timeline image ('' for none)")
+    rep.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     handlers = {"up": cmd_up, "generate": cmd_generate, "demo": cmd_demo, "make-random-head": cmd_random_head,
-                "make-tiny-target": cmd_tiny_target}
+                "make-tiny-target": cmd_tiny_target, "trace": cmd_trace_report}
     return handlers[a.cmd](a)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -13,6 +15,12 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def _die_with_parent() -> None:
+    """Child-side: get SIGTERM when the launching process dies (Linux prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError):  # not Linux: the stack's stop() still ends the children
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -56,6 +64,7 @@ class StackConfig:
     log_dir: Path | None = None  # None: inherit stdout/stderr
     extra_target_args: list[str] = field(default_factory=list)
     extra_gateway_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # added to every service's environment
 
 
 class ServiceStack:
@@ -75,9 +84,9 @@ class ServiceStack:
         if self.cfg.log_dir is not None:
             self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.cfg.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.cfg.env)
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT if out
-                                else None, env=env, start_new_session=True)
+                                else None, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         self.procs[name] = proc
         return proc
 

@@ -53,6 +53,7 @@ class Prefill:
     prompt_ids: list[int]
     sampling: Sampling = field(default_factory=Sampling)
     capture: bool = True
+    trace: str = ""  # W3C traceparent of the cycle this op belongs to
 
 
 @dataclass
@@ -61,11 +62,13 @@ class Verify:
     draft_ids: list[int] = field(default_factory=list)
     draft_dists: list[SparseDist] = field(default_factory=list)
     capture: bool = True
+    trace: str = ""
 
 
 @dataclass
 class Release:
     seq_id: int
+    trace: str = ""
 
 
 TargetOp = Prefill | Verify | Release
@@ -79,6 +82,8 @@ class TargetResult:
     tokens: list[int] = field(default_factory=list)  # accepted drafts + the target's own token
     num_accepted: int = 0
     hidden: HiddenRef | None = None
+    started_ns: int = 0  # engine time of this entry (local only, for server-side spans)
+    ended_ns: int = 0
 
 
 @dataclass
@@ -88,6 +93,7 @@ class ExtendPropose:
     hidden: HiddenRef
     num_steps: int
     sampling: Sampling = field(default_factory=Sampling)
+    trace: str = ""
 
 
 DraftOp = ExtendPropose | Release
@@ -101,6 +107,8 @@ class DraftResult:
     draft_ids: list[int] = field(default_factory=list)
     draft_dists: list[SparseDist] = field(default_factory=list)
     consumed_generation: int = 0
+    started_ns: int = 0
+    ended_ns: int = 0
 
 
 @dataclass

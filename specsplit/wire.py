@@ -63,24 +63,24 @@ def timing_to_proto(t: StepTiming) -> common_pb2.ServerTiming:
 # -- target
 def target_op_to_proto(op: TargetOp) -> target_pb2.TargetOp:
     if isinstance(op, Prefill):
-        return target_pb2.TargetOp(seq_id=op.seq_id, prefill=target_pb2.TargetPrefill(
+        return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, prefill=target_pb2.TargetPrefill(
             prompt_ids=op.prompt_ids, sampling=sampling_to_proto(op.sampling), capture_hidden=op.capture))
     if isinstance(op, Verify):
-        return target_pb2.TargetOp(seq_id=op.seq_id, verify=target_pb2.TargetVerify(
+        return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, verify=target_pb2.TargetVerify(
             draft_ids=op.draft_ids, draft_dists=dists_to_proto(op.draft_dists), capture_hidden=op.capture))
-    return target_pb2.TargetOp(seq_id=op.seq_id, release=target_pb2.TargetRelease())
+    return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, release=target_pb2.TargetRelease())
 
 
 def target_op_from_proto(p: target_pb2.TargetOp) -> TargetOp | None:
     kind = p.WhichOneof("op")
     if kind == "prefill":
         return Prefill(p.seq_id, list(p.prefill.prompt_ids), sampling_from_proto(p.prefill.sampling),
-                       p.prefill.capture_hidden)
+                       p.prefill.capture_hidden, p.traceparent)
     if kind == "verify":
         return Verify(p.seq_id, list(p.verify.draft_ids), dists_from_proto(p.verify.draft_dists),
-                      p.verify.capture_hidden)
+                      p.verify.capture_hidden, p.traceparent)
     if kind == "release":
-        return Release(p.seq_id)
+        return Release(p.seq_id, p.traceparent)
     return None
 
 
@@ -97,10 +97,10 @@ def target_result_from_proto(p: target_pb2.TargetResult) -> TargetResult:
 # -- draft
 def draft_op_to_proto(op: DraftOp) -> draft_pb2.DraftOp:
     if isinstance(op, ExtendPropose):
-        return draft_pb2.DraftOp(seq_id=op.seq_id, extend_propose=draft_pb2.DraftExtendPropose(
+        return draft_pb2.DraftOp(seq_id=op.seq_id, traceparent=op.trace, extend_propose=draft_pb2.DraftExtendPropose(
             tokens=op.tokens, hidden=ref_to_proto(op.hidden), num_steps=op.num_steps,
             sampling=sampling_to_proto(op.sampling)))
-    return draft_pb2.DraftOp(seq_id=op.seq_id, release=draft_pb2.DraftRelease())
+    return draft_pb2.DraftOp(seq_id=op.seq_id, traceparent=op.trace, release=draft_pb2.DraftRelease())
 
 
 def draft_op_from_proto(p: draft_pb2.DraftOp) -> DraftOp | None:
@@ -108,9 +108,9 @@ def draft_op_from_proto(p: draft_pb2.DraftOp) -> DraftOp | None:
     if kind == "extend_propose":
         e = p.extend_propose
         return ExtendPropose(p.seq_id, list(e.tokens), ref_from_proto(e.hidden), e.num_steps,
-                             sampling_from_proto(e.sampling))
+                             sampling_from_proto(e.sampling), p.traceparent)
     if kind == "release":
-        return Release(p.seq_id)
+        return Release(p.seq_id, p.traceparent)
     return None
 
 

@@ -22,6 +22,7 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
+from specsplit.telemetry import setup_telemetry
 from specsplit.v1 import target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.runtime import TargetRuntime, init_distributed, worker_loop
@@ -62,12 +63,16 @@ def free_port() -> int:
 
 async def serve(cfg: TargetConfig, runtime: TargetRuntime) -> None:
     server, health = new_server()
-    target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(runtime), server)
+    telemetry = setup_telemetry("specsplit-target")
+    target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(runtime, telemetry), server)
     server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
     await set_serving(health, ["specsplit.v1.TargetService"], True)
     log.info("target %s tp=%d listening on %s:%d", runtime.model.cfg.name, cfg.tp_size, cfg.host, cfg.port)
-    await serve_until_signal(server)
+    try:
+        await serve_until_signal(server)
+    finally:
+        telemetry.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:

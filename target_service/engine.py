@@ -7,6 +7,7 @@ ring and answers the gateway.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +103,7 @@ class TargetEngine:
     def execute(self, plan: Plan) -> list[Outcome]:
         outcomes = []
         for i, op in enumerate(plan.ops):
+            started = time.time_ns()
             try:
                 if plan.rows_allowed and not plan.rows_allowed[i]:
                     raise OpError(Code.RESOURCE_EXHAUSTED, "hidden-state ring full; retry next cycle")
@@ -114,6 +116,7 @@ class TargetEngine:
                     outcomes.append(self._release(op))
             except OpError as e:
                 outcomes.append(Outcome(TargetResult(op.seq_id, e.code, str(e))))
+            outcomes[-1].result.started_ns, outcomes[-1].result.ended_ns = started, time.time_ns()
         return outcomes
 
     def _prefill(self, op: Prefill) -> Outcome:

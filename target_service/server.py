@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from specsplit import wire
-from specsplit.ops import Code, TargetResult
+from specsplit.ops import Code, Prefill, TargetOp, TargetResult, Verify
 from specsplit.serving import log
+from specsplit.telemetry import Telemetry, record_entry_span
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.runtime import TargetRuntime
 
@@ -19,8 +20,8 @@ MAX_OPS_PER_STEP = 4096
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, runtime: TargetRuntime) -> None:
-        self.runtime = runtime
+    def __init__(self, runtime: TargetRuntime, telemetry: Telemetry) -> None:
+        self.runtime, self.telemetry = runtime, telemetry
         # one thread: every rank must see the plans in one order
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
 
@@ -51,11 +52,28 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             except Exception as e:  # never a traceback to the client
                 log.exception("target step failed")
                 await context.abort(grpc.StatusCode.INTERNAL, f"target step failed: {type(e).__name__}: {e}")
+            if self.telemetry.tracing:
+                self._spans(ops, results)
             results += [TargetResult(s, Code.INVALID_ARGUMENT, "op has no prefill/verify/release") for s in bad]
             timing.total_ms = (time.perf_counter() - t0) * 1e3
             yield target_pb2.TargetStepResponse(step_id=req.step_id,
                                                 results=[wire.target_result_to_proto(r) for r in results],
                                                 timing=wire.timing_to_proto(timing))
+
+    def _spans(self, ops: list[TargetOp], results: list[TargetResult]) -> None:
+        for op, r in zip(ops, results, strict=True):
+            if not op.trace:
+                continue
+            attrs = {"spec.seq_id": op.seq_id, "spec.status": r.code.name, "spec.tokens": len(r.tokens)}
+            if isinstance(op, Verify):
+                attrs.update({"spec.draft_tokens": len(op.draft_ids), "spec.num_accepted": r.num_accepted})
+            elif isinstance(op, Prefill):
+                attrs["spec.prompt_tokens"] = len(op.prompt_ids)
+            if r.hidden is not None:
+                attrs.update({"handoff.offset": r.hidden.offset, "handoff.rows": r.hidden.rows,
+                              "handoff.generation": r.hidden.generation})
+            name = "target." + type(op).__name__.lower()
+            record_entry_span(self.telemetry.tracer, name, op.trace, r.started_ns, r.ended_ns, attrs)
 
     async def Stats(self, request: target_pb2.TargetStatsRequest, context: grpc.aio.ServicerContext
                     ) -> target_pb2.TargetStats:

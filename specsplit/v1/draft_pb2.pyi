@@ -50,14 +50,16 @@ class DraftRelease(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftOp(_message.Message):
-    __slots__ = ("seq_id", "extend_propose", "release")
+    __slots__ = ("seq_id", "extend_propose", "release", "traceparent")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EXTEND_PROPOSE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     extend_propose: DraftExtendPropose
     release: DraftRelease
-    def __init__(self, seq_id: _Optional[int] = ..., extend_propose: _Optional[_Union[DraftExtendPropose, _Mapping]] = ..., release: _Optional[_Union[DraftRelease, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, seq_id: _Optional[int] = ..., extend_propose: _Optional[_Union[DraftExtendPropose, _Mapping]] = ..., release: _Optional[_Union[DraftRelease, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class DraftStepRequest(_message.Message):
     __slots__ = ("step_id", "ops")
