@@ -14,6 +14,7 @@ import torch
 
 from specsplit.handoff.base import HiddenReader
 from specsplit.models.eagle3 import Eagle3Head
+from specsplit.models.layers import Segment
 from specsplit.ops import Code, DraftOp, DraftResult, ExtendPropose, OpError, Release, Sampling, SparseDist
 from specsplit.sampling import probs_from_logits, sample
 
@@ -39,19 +40,35 @@ class DraftEngine:
         self.vocab = head.cfg.vocab_size
 
     def execute(self, ops: list[DraftOp]) -> list[DraftResult]:
-        results = []
-        for op in ops:
-            started = time.time_ns()
+        """Validate every entry, extend all sequences in one forward, then propose step by
+        step with every still-proposing sequence batched into each step's forward."""
+        started = time.time_ns()
+        results: list[DraftResult | None] = [None] * len(ops)
+        work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]] = []
+        busy: set[int] = set()
+        for i, op in enumerate(ops):
             try:
+                if op.seq_id in busy:
+                    raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} appears twice in one step")
                 if isinstance(op, ExtendPropose):
-                    results.append(self._extend_propose(op))
+                    feats = self._check_and_read(op)  # read now: the rows are reclaimed after the reply
+                    seq = self.seqs.get(op.seq_id) or self._open(op)
+                    busy.add(op.seq_id)
+                    work.append((i, op, seq, feats))
                 else:
-                    results.append(self._release(op))
+                    results[i] = self._release(op)
             except OpError as e:
                 gen = op.hidden.generation if isinstance(op, ExtendPropose) else 0
-                results.append(DraftResult(op.seq_id, e.code, str(e), consumed_generation=gen))
-            results[-1].started_ns, results[-1].ended_ns = started, time.time_ns()
-        return results
+                results[i] = DraftResult(op.seq_id, e.code, str(e), consumed_generation=gen)
+        if work:
+            for (i, op, _, _), (ids, dists) in zip(work, self._extend_and_propose(work), strict=True):
+                results[i] = DraftResult(op.seq_id, draft_ids=ids, draft_dists=dists,
+                                         consumed_generation=op.hidden.generation)
+        ended = time.time_ns()
+        for r in results:
+            assert r is not None
+            r.started_ns, r.ended_ns = started, ended
+        return results  # type: ignore[return-value]
 
     def _open(self, op: ExtendPropose) -> DraftSequence:
         if not self.free_slots:
@@ -61,7 +78,7 @@ class DraftEngine:
         self.seqs[op.seq_id] = seq
         return seq
 
-    def _extend_propose(self, op: ExtendPropose) -> DraftResult:
+    def _check_and_read(self, op: ExtendPropose) -> torch.Tensor:
         if self.reader is None:
             raise OpError(Code.INVALID_ARGUMENT, "no hidden-state store attached")
         rows = op.hidden.rows
@@ -72,36 +89,53 @@ class DraftEngine:
         if any(not 0 <= t < self.vocab for t in op.tokens):
             raise OpError(Code.INVALID_ARGUMENT, "token id outside the vocabulary")
         seq = self.seqs.get(op.seq_id)
-        length = 0 if seq is None else seq.length
-        if length + rows > self.max_context:
+        if (0 if seq is None else seq.length) + rows > self.max_context:
             raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} would exceed the draft context")
-        feats = self.reader.read(op.hidden.offset, rows, op.hidden.inline).to(self.device)  # [rows, 3H]
-        seq = seq or self._open(op)
-        tokens = torch.tensor(op.tokens, dtype=torch.long, device=self.device)
-        logits, prenorm = self.head(tokens, feats, seq.length, self.cache, seq.slot)  # [rows, Vd], [rows, H]
-        seq.length += rows
-        ids, dists = self._propose(seq, logits[-1], prenorm[-1:], op.num_steps)
-        return DraftResult(op.seq_id, draft_ids=ids, draft_dists=dists, consumed_generation=op.hidden.generation)
+        try:
+            return self.reader.read(op.hidden.offset, rows, op.hidden.inline).to(self.device)  # [rows, 3H]
+        except ValueError as e:
+            raise OpError(Code.INVALID_ARGUMENT, f"bad hidden-state reference: {e}") from e
 
-    def _propose(self, seq: DraftSequence, logits: torch.Tensor, hidden: torch.Tensor, steps: int
-                 ) -> tuple[list[int], list[SparseDist]]:
-        ids: list[int] = []
-        dists: list[SparseDist] = []
-        for i in range(steps):
-            if seq.sampling.greedy:
-                draft_id = int(torch.argmax(logits))
-            else:
-                q = probs_from_logits(logits[None], seq.sampling)[0]  # [Vd]
-                draft_id = sample(q, seq.generator)
-                nz = torch.nonzero(q).flatten()
-                dists.append((self.head.to_target_ids(nz).tolist(), q[nz].tolist()))
-            token = int(self.head.to_target_ids(torch.tensor(draft_id, device=self.device)))
-            ids.append(token)
-            if i + 1 < steps:  # next step reads its own pre-norm state, not target features
-                step_logits, hidden = self.head(torch.tensor([token], device=self.device), hidden,
-                                                seq.length + i, self.cache, seq.slot)
-                logits = step_logits[-1]
-        return ids, dists
+    def _extend_and_propose(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]]
+                            ) -> list[tuple[list[int], list[SparseDist]]]:
+        tokens = torch.tensor([t for _, op, _, _ in work for t in op.tokens], dtype=torch.long, device=self.device)
+        feats = torch.cat([f for _, _, _, f in work])
+        segments = [Segment(seq.slot, seq.length, len(op.tokens)) for _, op, seq, _ in work]
+        logits, prenorm = self.head.forward_batch(tokens, feats, segments, self.cache)  # [N, Vd], [N, H]
+        ends = torch.tensor([len(op.tokens) for _, op, _, _ in work]).cumsum(0) - 1
+        last_logits, hidden = logits[ends], prenorm[ends]  # [B, Vd], [B, H]
+        for _, op, seq, _ in work:
+            seq.length += len(op.tokens)
+        out: list[tuple[list[int], list[SparseDist]]] = [([], []) for _ in work]
+        active = list(range(len(work)))  # rows of last_logits / hidden, in this order
+        step = 0
+        while active:
+            keep = [j for j, b in enumerate(active) if work[b][1].num_steps > step]
+            active, last_logits, hidden = [active[j] for j in keep], last_logits[keep], hidden[keep]
+            next_tokens = [self._choose(work[b][2], last_logits[j], out[b]) for j, b in enumerate(active)]
+            more = [j for j, b in enumerate(active) if work[b][1].num_steps > step + 1]
+            if not more:
+                break
+            # the next step reads each sequence's own pre-norm state, not target features
+            segs = [Segment(work[active[j]][2].slot, work[active[j]][2].length + step, 1) for j in more]
+            toks = torch.tensor([next_tokens[j] for j in more], dtype=torch.long, device=self.device)
+            last_logits, hidden = self.head.forward_batch(toks, hidden[more], segs, self.cache)
+            active = [active[j] for j in more]
+            step += 1
+        return out
+
+    def _choose(self, seq: DraftSequence, logits: torch.Tensor, out: tuple[list[int], list[SparseDist]]) -> int:
+        """Pick one draft token from draft-vocab logits [Vd]; record its target id (and q)."""
+        if seq.sampling.greedy:
+            draft_id = int(torch.argmax(logits))
+        else:
+            q = probs_from_logits(logits[None], seq.sampling)[0]  # [Vd]
+            draft_id = sample(q, seq.generator)
+            nz = torch.nonzero(q).flatten()
+            out[1].append((self.head.to_target_ids(nz).tolist(), q[nz].tolist()))
+        token = int(self.head.to_target_ids(torch.tensor(draft_id, device=self.device)))
+        out[0].append(token)
+        return token
 
     def _release(self, op: Release) -> DraftResult:
         seq = self.seqs.pop(op.seq_id, None)

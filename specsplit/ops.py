@@ -71,7 +71,16 @@ class Release:
     trace: str = ""
 
 
-TargetOp = Prefill | Verify | Release
+@dataclass
+class Recapture:
+    """Recompute the features of every committed position of a sequence (for a draft
+    that lost its state); the sequence itself is untouched."""
+
+    seq_id: int
+    trace: str = ""
+
+
+TargetOp = Prefill | Verify | Release | Recapture
 
 
 @dataclass
@@ -80,6 +89,7 @@ class TargetResult:
     code: Code = Code.OK
     message: str = ""
     tokens: list[int] = field(default_factory=list)  # accepted drafts + the target's own token
+    # (Recapture: the tokens to extend the draft with, one per feature row)
     num_accepted: int = 0
     hidden: HiddenRef | None = None
     started_ns: int = 0  # engine time of this entry (local only, for server-side spans)

@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specsplit.models.layers import Segment
 from specsplit.models.llama import LlamaModel
 from specsplit.ops import (
     Code,
     OpError,
     Prefill,
+    Recapture,
     Release,
     Sampling,
     TargetOp,
@@ -31,9 +33,10 @@ from target_service.config import TargetConfig
 class Sequence:
     slot: int
     length: int  # tokens whose KV entries are in the cache
-    last_token: int  # emitted, not yet in the cache
+    last_token: int  # emitted, not yet in the cache (-1 until the prefill has run)
     sampling: Sampling
     generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)  # the `length` tokens in the cache
 
 
 @dataclass
@@ -49,6 +52,18 @@ class Plan:
 class Outcome:
     result: TargetResult
     rows: torch.Tensor | None = None  # [n, 3H] features to hand to the draft
+
+
+@dataclass
+class Work:
+    """One entry of the batched forward."""
+
+    index: int
+    op: TargetOp
+    seq: Sequence
+    tokens: list[int]
+    start: int
+    slot: int
 
 
 class TargetEngine:
@@ -74,10 +89,14 @@ class TargetEngine:
             self._check_ids(op.prompt_ids)
             if not self.free_slots:
                 raise OpError(Code.RESOURCE_EXHAUSTED, "no free KV slot")
-        elif isinstance(op, Verify):
+        elif isinstance(op, Verify | Recapture):
             seq = self.seqs.get(op.seq_id)
-            if seq is None:
+            if seq is None or seq.last_token < 0:
                 raise OpError(Code.NOT_FOUND, f"unknown sequence {op.seq_id}")
+            if isinstance(op, Recapture):
+                if not self.free_slots:
+                    raise OpError(Code.RESOURCE_EXHAUSTED, "no free KV slot to recompute features in")
+                return
             if len(op.draft_ids) > self.cfg.max_draft_tokens:
                 raise OpError(Code.INVALID_ARGUMENT,
                               f"{len(op.draft_ids)} draft tokens exceed the limit {self.cfg.max_draft_tokens}")
@@ -92,55 +111,88 @@ class TargetEngine:
         if bad:
             raise OpError(Code.INVALID_ARGUMENT, f"token id {bad[0]} outside the vocabulary (0..{self.vocab - 1})")
 
-    @staticmethod
-    def rows_needed(op: TargetOp) -> int:
+    def rows_needed(self, op: TargetOp) -> int:
         if isinstance(op, Prefill) and op.capture:
             return len(op.prompt_ids)
         if isinstance(op, Verify) and op.capture:
             return len(op.draft_ids) + 1
+        if isinstance(op, Recapture) and op.seq_id in self.seqs:
+            return max(self.seqs[op.seq_id].length, 1)
         return 0
 
     def execute(self, plan: Plan) -> list[Outcome]:
-        outcomes = []
+        """Validate every entry, run all prefills, verifies and recaptures in ONE forward,
+        then accept per sequence. Errors stay with their entry."""
+        started = time.time_ns()
+        outcomes: list[Outcome | None] = [None] * len(plan.ops)
+        work: list[Work] = []
+        busy: set[int] = set()
         for i, op in enumerate(plan.ops):
-            started = time.time_ns()
             try:
                 if plan.rows_allowed and not plan.rows_allowed[i]:
                     raise OpError(Code.RESOURCE_EXHAUSTED, "hidden-state ring full; retry next cycle")
+                if op.seq_id in busy:
+                    raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} appears twice in one step")
                 self.check(op)
-                if isinstance(op, Prefill):
-                    outcomes.append(self._prefill(op))
-                elif isinstance(op, Verify):
-                    outcomes.append(self._verify(op))
-                else:
-                    outcomes.append(self._release(op))
+                if isinstance(op, Release):
+                    outcomes[i] = self._release(op)
+                    continue
+                busy.add(op.seq_id)
+                work.append(self._plan(i, op))
             except OpError as e:
-                outcomes.append(Outcome(TargetResult(op.seq_id, e.code, str(e))))
-            outcomes[-1].result.started_ns, outcomes[-1].result.ended_ns = started, time.time_ns()
-        return outcomes
+                outcomes[i] = Outcome(TargetResult(op.seq_id, e.code, str(e)))
+        if work:
+            self._run(work, outcomes)
+        ended = time.time_ns()
+        for o in outcomes:
+            assert o is not None
+            o.result.started_ns, o.result.ended_ns = started, ended
+        return outcomes  # type: ignore[return-value]
 
-    def _prefill(self, op: Prefill) -> Outcome:
-        slot = self.free_slots.pop()
-        gen = torch.Generator().manual_seed(op.sampling.seed)
-        tokens = torch.tensor(op.prompt_ids, dtype=torch.long, device=self.device)
-        logits, aux = self.model(tokens, 0, self.cache, slot, capture=op.capture)  # [P, V], [P, 3H]
-        first = select_token(logits[-1], op.sampling, gen)
-        self.seqs[op.seq_id] = Sequence(slot, len(op.prompt_ids), first, op.sampling, gen)
-        return Outcome(TargetResult(op.seq_id, tokens=[first]), aux)
-
-    def _verify(self, op: Verify) -> Outcome:
+    def _plan(self, i: int, op: TargetOp) -> Work:
+        if isinstance(op, Prefill):
+            gen = torch.Generator().manual_seed(op.sampling.seed)
+            seq = Sequence(self.free_slots.pop(), 0, -1, op.sampling, gen)
+            self.seqs[op.seq_id] = seq
+            return Work(i, op, seq, op.prompt_ids, 0, seq.slot)
         seq = self.seqs[op.seq_id]
-        tokens = torch.tensor([seq.last_token, *op.draft_ids], dtype=torch.long, device=self.device)
-        logits, aux = self.model(tokens, seq.length, self.cache, seq.slot, capture=op.capture)  # [k+1, V]
-        accepted, emitted = verify_chain(logits, op.draft_ids, op.draft_dists, seq.sampling, seq.generator)
-        seq.length += accepted + 1  # last token and the accepted drafts are now in the cache
-        seq.last_token = emitted[-1]
-        rows = None if aux is None else aux[: accepted + 1]
-        return Outcome(TargetResult(op.seq_id, tokens=emitted, num_accepted=accepted), rows)
+        if isinstance(op, Verify):
+            return Work(i, op, seq, [seq.last_token, *op.draft_ids], seq.length, seq.slot)
+        return Work(i, op, seq, seq.tokens, 0, self.free_slots.pop())  # Recapture: in a scratch slot
+
+    def _run(self, work: list[Work], outcomes: list[Outcome | None]) -> None:
+        tokens = torch.tensor([t for w in work for t in w.tokens], dtype=torch.long, device=self.device)
+        segments = [Segment(w.slot, w.start, len(w.tokens)) for w in work]
+        capture = any(getattr(w.op, "capture", True) for w in work)
+        try:
+            logits, aux = self.model.forward_batch(tokens, segments, self.cache, capture)  # [N, V], [N, 3H]
+        finally:
+            self.free_slots += [w.slot for w in work if isinstance(w.op, Recapture)]
+        off = 0
+        for w in work:
+            part = slice(off, off + len(w.tokens))
+            off += len(w.tokens)
+            rows = aux[part] if aux is not None and getattr(w.op, "capture", True) else None
+            outcomes[w.index] = self._finish(w, logits[part], rows)
+
+    def _finish(self, w: Work, logits: torch.Tensor, rows: torch.Tensor | None) -> Outcome:
+        op, seq = w.op, w.seq
+        if isinstance(op, Prefill):
+            first = select_token(logits[-1], op.sampling, seq.generator)
+            seq.length, seq.last_token, seq.tokens = len(op.prompt_ids), first, list(op.prompt_ids)
+            return Outcome(TargetResult(op.seq_id, tokens=[first]), rows)
+        if isinstance(op, Verify):
+            accepted, emitted = verify_chain(logits, op.draft_ids, op.draft_dists, seq.sampling, seq.generator)
+            seq.tokens += [seq.last_token, *op.draft_ids[:accepted]]
+            seq.length += accepted + 1  # last token and the accepted drafts are now in the cache
+            seq.last_token = emitted[-1]
+            return Outcome(TargetResult(op.seq_id, tokens=emitted, num_accepted=accepted),
+                           None if rows is None else rows[: accepted + 1])
+        # Recapture: features of positions 0..length-1 pair with tokens 1..length (the last one not cached yet)
+        return Outcome(TargetResult(op.seq_id, tokens=[*seq.tokens[1:], seq.last_token]), rows)
 
     def _release(self, op: Release) -> Outcome:
         seq = self.seqs.pop(op.seq_id, None)
         if seq is not None:
             self.free_slots.append(seq.slot)
         return Outcome(TargetResult(op.seq_id))
-

@@ -96,3 +96,24 @@ def test_bad_extend_is_an_entry_error(tiny_target: Path, tiny_head: Path, bad: s
         assert rt.stats() == {"active_sequences": 0, "free_kv_slots": 4}
     finally:
         writer.close()
+
+
+def test_batched_step_equals_one_sequence_at_a_time(tiny_target: Path, tiny_head: Path) -> None:
+    """Different lengths and different num_steps (0 included) in one batch."""
+    rt, writer = make_runtime(tiny_target, tiny_head)
+    try:
+        g = torch.Generator().manual_seed(3)
+        width = writer.descriptor.width
+        cases = [(7, 3), (2, 0), (11, 5), (4, 1)]  # (rows, num_steps)
+        data = [(torch.randint(0, 512, (n,), generator=g).tolist(), torch.randn(n, width, generator=g), k)
+                for n, k in cases]
+        alone = []
+        for i, (t, f, k) in enumerate(data):
+            alone.append(rt.engine.execute([ExtendPropose(10 + i, t, put(writer, f), k)])[0].draft_ids)
+            rt.engine.execute([Release(10 + i)])
+        together = rt.engine.execute([ExtendPropose(20 + i, t, put(writer, f), k) for i, (t, f, k) in enumerate(data)])
+        assert all(r.code == Code.OK for r in together)
+        assert [r.draft_ids for r in together] == alone
+        assert [len(a) for a in alone] == [k for _, k in cases]
+    finally:
+        writer.close()

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from specsplit.models.parallel import TensorParallel
-from specsplit.ops import Code, Prefill, Release, Verify
+from specsplit.ops import Code, Prefill, Recapture, Release, Verify
 from target_service.config import TargetConfig
 from target_service.runtime import TargetRuntime
 
 
-def runtime(tiny_target: Path, max_context: int = 64, **kw: int) -> TargetRuntime:
-    cfg = TargetConfig(model=str(tiny_target), max_context=max_context, max_sequences=2, **kw).validate()
+def runtime(tiny_target: Path, max_context: int = 64, max_sequences: int = 2, **kw: int) -> TargetRuntime:
+    cfg = TargetConfig(model=str(tiny_target), max_context=max_context, max_sequences=max_sequences, **kw).validate()
     return TargetRuntime(cfg, TensorParallel())
 
 
@@ -57,5 +57,40 @@ def test_full_ring_is_backpressure_and_leaves_the_sequence_untouched(tiny_target
         assert res[0].code == Code.OK and res[0].hidden.offset == 0  # wrapped around
         rt.step([Release(1), Release(2)], [res[0].hidden.generation, gen2])
         assert rt.stats()["ring_rows_in_use"] == 0 and rt.stats()["ring_live_allocations"] == 0
+    finally:
+        rt.close()
+
+
+def test_batched_verify_equals_one_sequence_at_a_time(tiny_target: Path) -> None:
+    """Different lengths and different draft counts in one forward give the same tokens."""
+    prompts = [[1, 2, 3], list(range(5, 30)), [7] * 9]
+    drafts = [[4, 5], [], [8, 9, 10, 11]]
+    alone = []
+    rt = runtime(tiny_target, max_context=128, max_sequences=4)
+    try:
+        for i, (p, d) in enumerate(zip(prompts, drafts, strict=True)):
+            (pre,), _ = rt.step([Prefill(i, p, capture=False)], [])
+            (ver,), _ = rt.step([Verify(i, d, capture=False)], [])
+            rt.step([Release(i)], [])
+            alone.append((pre.tokens, ver.tokens))
+        pres, _ = rt.step([Prefill(10 + i, p, capture=False) for i, p in enumerate(prompts)], [])
+        vers, _ = rt.step([Verify(10 + i, d, capture=False) for i, d in enumerate(drafts)], [])
+        assert [(p.tokens, v.tokens) for p, v in zip(pres, vers, strict=True)] == alone
+    finally:
+        rt.close()
+
+
+def test_recapture_reproduces_the_features_of_the_sequence(tiny_target: Path) -> None:
+    rt = runtime(tiny_target, max_context=128)
+    try:
+        (pre,), _ = rt.step([Prefill(1, [3, 1, 4, 1, 5])], [])
+        (ver,), _ = rt.step([Verify(1, [9, 2, 6])], [pre.hidden.generation])
+        seq = rt.engine.seqs[1]
+        assert seq.length == 5 + ver.num_accepted + 1 and len(seq.tokens) == seq.length
+        (rec,), _ = rt.step([Recapture(1)], [ver.hidden.generation])
+        assert rec.hidden.rows == seq.length and rec.tokens == [*seq.tokens[1:], seq.last_token]
+        assert rt.stats()["free_kv_slots"] == 1  # the scratch slot came back
+        (nxt,), _ = rt.step([Verify(1, [])], [rec.hidden.generation])  # the sequence is untouched
+        assert nxt.code == Code.OK
     finally:
         rt.close()

@@ -9,6 +9,8 @@ import torch
 
 from specsplit.handoff.base import DTYPES, Allocation, Descriptor, RingAllocator, dtype_name
 
+_OWNED: set[str] = set()  # segments this process created
+
 
 def _ring_view(shm: shared_memory.SharedMemory, capacity: int, width: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(shm.buf, dtype=dtype, count=capacity * width).view(capacity, width)
@@ -19,6 +21,7 @@ class ShmWriter:
         itemsize = torch.tensor([], dtype=dtype).element_size()
         name = f"specsplit-{secrets.token_hex(6)}"
         self.shm = shared_memory.SharedMemory(name=name, create=True, size=capacity_rows * width * itemsize)
+        _OWNED.add(name)
         self.ring = _ring_view(self.shm, capacity_rows, width, dtype)  # [capacity, 3H]
         self.descriptor = Descriptor("shm", name, capacity_rows, width, dtype_name(dtype))
         self.allocator = RingAllocator(capacity_rows)
@@ -44,7 +47,8 @@ class ShmReader:
         self.shm = shared_memory.SharedMemory(name=desc.name, create=False)
         # Python < 3.13 registers attached segments too and would unlink the writer's
         # segment when this process exits; the writer owns it.
-        resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
+        if desc.name not in _OWNED:
+            resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
         self.ring = _ring_view(self.shm, desc.capacity_rows, desc.width, DTYPES[desc.dtype])
         self.opens = 1
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from specsplit.models.config import Eagle3Config
-from specsplit.models.layers import MLP, Attention, KVCache, RMSNorm, Rotary, load_linear
+from specsplit.models.layers import MLP, Attention, KVCache, RMSNorm, Rotary, Segment, load_linear, segment_positions
 from specsplit.models.parallel import ParallelLMHead, TensorParallel, shard_heads
 
 
@@ -23,9 +23,9 @@ class Eagle3MidLayer(nn.Module):
         self.mlp = MLP(h, cfg.intermediate_size, tp)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                cache: KVCache, slot: int, start: int) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
-        h = hidden + self.self_attn(x, positions, rotary, cache, 0, slot, start)
+                cache: KVCache, segments: list[Segment]) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [N, 2H]
+        h = hidden + self.self_attn(x, positions, rotary, cache, 0, segments)
         return h + self.mlp(self.post_attention_layernorm(h))  # pre-norm sum [T, H]
 
 
@@ -49,15 +49,20 @@ class Eagle3Head(nn.Module):
         p = self.fc.weight
         return KVCache(1, slots, max_len, self.kv_heads_local, self.cfg.head_dim, p.dtype, p.device)
 
-    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, cache: KVCache, slot: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [T], hidden [T, 3H] (target features) or [T, H] (own previous step)
-        -> draft-vocab logits [T, Vd], pre-norm hidden [T, H] for the next step."""
+        """One sequence: see forward_batch."""
+        return self.forward_batch(tokens, hidden, [Segment(slot, start, tokens.shape[0])], cache)
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens: torch.Tensor, hidden: torch.Tensor, segments: list[Segment], cache: KVCache
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [N], hidden [N, 3H] (target features) or [N, H] (own previous step)
+        -> draft-vocab logits [N, Vd], pre-norm hidden [N, H] for the next step."""
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden.to(self.fc.weight.dtype))
-        positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
-        prenorm = self.midlayer(self.embed_tokens(tokens), hidden, positions, self.rotary, cache, slot, start)
+        positions = segment_positions(segments, tokens.device)
+        prenorm = self.midlayer(self.embed_tokens(tokens), hidden, positions, self.rotary, cache, segments)
         return self.lm_head(self.norm(prenorm)).float(), prenorm
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

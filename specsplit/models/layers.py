@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,6 +67,20 @@ class Rotary(nn.Module):
         return x * cos + rotated * sin
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's tokens inside a flattened batch: `length` tokens of KV slot
+    `slot` at positions start..start+length-1."""
+
+    slot: int
+    start: int
+    length: int
+
+
+def segment_positions(segments: list[Segment], device: torch.device | str) -> torch.Tensor:
+    return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segments])  # [N]
+
+
 class KVCache:
     """Preallocated per-sequence KV slots: [layers, slots, max_len, kv_heads, head_dim]."""
 
@@ -115,16 +130,23 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, qk_norm_eps) if qk_norm_eps is not None else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache: KVCache,
-                layer: int, slot: int, start: int) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(t, -1, d)
-        k = self.k_proj(x).view(t, -1, d)
-        v = self.v_proj(x).view(t, -1, d)
+                layer: int, segments: list[Segment]) -> torch.Tensor:
+        """x [N, in]: the tokens of every segment, flattened. Projections run once for the
+        whole batch; attention runs per segment against its own KV slot."""
+        n, d = x.shape[0], self.head_dim
+        q = self.q_proj(x).view(n, -1, d)
+        k = self.k_proj(x).view(n, -1, d)
+        v = self.v_proj(x).view(n, -1, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, positions), rotary(k, positions)
-        k_all, v_all = cache.write_and_read(layer, slot, start, k, v)
-        return self.o_proj(causal_attention(q, k_all, v_all, start))
+        outs, off = [], 0
+        for seg in segments:
+            part = slice(off, off + seg.length)
+            k_all, v_all = cache.write_and_read(layer, seg.slot, seg.start, k[part], v[part])
+            outs.append(causal_attention(q[part], k_all, v_all, seg.start))
+            off += seg.length
+        return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
 
 class MLP(nn.Module):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from specsplit.models.config import LlamaConfig
-from specsplit.models.layers import MLP, Attention, KVCache, RMSNorm, Rotary, load_linear
+from specsplit.models.layers import MLP, Attention, KVCache, RMSNorm, Rotary, Segment, load_linear, segment_positions
 from specsplit.models.parallel import ParallelLMHead, TensorParallel, shard_heads
 
 
@@ -22,8 +22,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache: KVCache,
-                layer: int, slot: int, start: int) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, cache, layer, slot, start)
+                layer: int, segments: list[Segment]) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, cache, layer, segments)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -48,15 +48,21 @@ class LlamaModel(nn.Module):
         p = self.embed_tokens.weight
         return KVCache(self.cfg.num_layers, slots, max_len, self.kv_heads_local, self.cfg.head_dim, p.dtype, p.device)
 
-    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, slot: int,
                 capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens [T] at positions start..start+T-1 -> logits [T, V], aux [T, 3H] or None."""
-        positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
-        h = self.embed_tokens(tokens)  # [T, H]
+        """One sequence: tokens [T] at positions start..start+T-1 -> logits [T, V], aux [T, 3H]."""
+        return self.forward_batch(tokens, [Segment(slot, start, tokens.shape[0])], cache, capture)
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens: torch.Tensor, segments: list[Segment], cache: KVCache,
+                      capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Several sequences in one pass: tokens [N] (segments concatenated) -> logits [N, V],
+        aux [N, 3H] (the outputs of the capture layers) or None."""
+        positions = segment_positions(segments, tokens.device)
+        h = self.embed_tokens(tokens)  # [N, H]
         captured: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, self.rotary, cache, i, slot, start)
+            h = layer(h, positions, self.rotary, cache, i, segments)
             if capture and i in self.aux_layer_ids:
                 captured.append(h)
         aux = torch.cat([captured[self.aux_layer_ids.index(i)] for i in self.aux_layer_ids], -1) if capture else None
