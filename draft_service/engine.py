@@ -53,6 +53,8 @@ class DraftEngine:
                 if isinstance(op, ExtendPropose):
                     feats = self._check_and_read(op)  # read now: the rows are reclaimed after the reply
                     seq = self.seqs.get(op.seq_id) or self._open(op)
+                    if op.position == 0:  # (re)start: whatever this draft held for it is stale
+                        seq.length = 0
                     busy.add(op.seq_id)
                     work.append((i, op, seq, feats))
                 else:
@@ -89,7 +91,11 @@ class DraftEngine:
         if any(not 0 <= t < self.vocab for t in op.tokens):
             raise OpError(Code.INVALID_ARGUMENT, "token id outside the vocabulary")
         seq = self.seqs.get(op.seq_id)
-        if (0 if seq is None else seq.length) + rows > self.max_context:
+        length = 0 if seq is None else seq.length
+        if op.position not in (0, length):
+            raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} is at position {length} in the draft, "
+                                                 f"the extend starts at {op.position}")
+        if op.position + rows > self.max_context:
             raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} would exceed the draft context")
         try:
             return self.reader.read(op.hidden.offset, rows, op.hidden.inline).to(self.device)  # [rows, 3H]

@@ -48,7 +48,7 @@ class DraftRuntime:
             raise ValueError(f"hidden store rows are {desc.width} wide, this head reads {width}")
         if self.engine.reader is not None:
             self.engine.reader.close()
-        self.engine.reader = open_reader(desc)
+        self.engine.reader = open_reader(desc, self.cfg.device)
         self.descriptor = desc
         self.opens += 1
 

@@ -9,6 +9,7 @@ import os
 from gateway.clients import GrpcDraft, GrpcTarget
 from gateway.config import GatewayConfig
 from gateway.observe import GatewayMetrics
+from gateway.recovery import Recovery
 from gateway.requests import ModelLimits
 from gateway.scheduler import Scheduler
 from gateway.server import GatewayServicer
@@ -51,37 +52,35 @@ async def serve(cfg: GatewayConfig) -> None:
     codec = TextCodec.from_checkpoint(resolve_target_dir(cfg.model))
     target = GrpcTarget(cfg.target_addr)
     info = await target.describe(timeout=300.0)
-    draft, draft_name, max_seqs = None, "", info.max_sequences
-    if cfg.draft_addr:
-        candidate = GrpcDraft(cfg.draft_addr)
-        try:
-            dinfo = await candidate.attach(info.hidden_store, timeout=300.0)
-            if dinfo.max_steps < cfg.max_num_steps:
-                raise ValueError(f"draft allows {dinfo.max_steps} steps, gateway max_num_steps is {cfg.max_num_steps}")
-            if dinfo.aux_layer_ids and list(dinfo.aux_layer_ids) != list(info.aux_layer_ids):
-                raise ValueError(f"the head was trained on target layers {list(dinfo.aux_layer_ids)} but the target "
-                                 f"captures {list(info.aux_layer_ids)}; start the target with --draft-config")
-            if dinfo.target_vocab_size != info.vocab_size:
-                raise ValueError(f"head vocabulary {dinfo.target_vocab_size} != target vocabulary {info.vocab_size}")
-            draft, draft_name = candidate, dinfo.head_name
-            max_seqs = min(max_seqs, dinfo.max_sequences)
-        except Exception as e:  # run, slower, without speculation
-            log.warning("draft service unavailable (%s): target-only decoding", e)
-    limits = ModelLimits(info.vocab_size, info.max_context, list(info.eos_token_ids), draft is not None)
+    draft = GrpcDraft(cfg.draft_addr) if cfg.draft_addr else None
     telemetry = setup_telemetry("specsplit-gateway")
-    scheduler = Scheduler(target, draft, max_seqs, cfg.max_queue, telemetry.tracer,
-                          GatewayMetrics.create(telemetry.meter))
-    scheduler.start()
+    scheduler = Scheduler(target, draft, info.max_sequences, cfg.max_queue, telemetry.tracer,
+                          GatewayMetrics.create(telemetry.meter), cfg.step_timeout_s)
+    recovery = Recovery(scheduler, target, draft, info.hidden_store, list(info.aux_layer_ids), cfg.max_num_steps,
+                        cfg.draft_retry_s)
+    if draft is not None:
+        if await recovery.attach_draft():
+            scheduler.draft_restored()
+        else:
+            log.warning("draft service not usable yet: target-only decoding until it attaches")
+    limits = ModelLimits(info.vocab_size, info.max_context, list(info.eos_token_ids), draft is not None)
     server, health = new_server()
+    loop = asyncio.get_running_loop()
+    scheduler.on_target_state.append(
+        lambda up: loop.create_task(set_serving(health, ["specsplit.v1.Gateway"], up)))
+    scheduler.start()
+    recovery.start()
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(cfg, scheduler, codec, limits, info.model_name, draft_name), server)
+        GatewayServicer(cfg, scheduler, codec, limits, info.model_name, recovery.draft_name), server)
     server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
     await set_serving(health, ["specsplit.v1.Gateway"], True)
-    log.info("gateway on %s:%d (target %s, draft %s)", cfg.host, cfg.port, cfg.target_addr, draft_name or "none")
+    log.info("gateway on %s:%d (target %s, draft %s)", cfg.host, cfg.port, cfg.target_addr,
+             recovery.draft_name or "none")
 
     async def on_stop() -> None:
         await set_serving(health, ["specsplit.v1.Gateway"], False)
+        await recovery.stop()
         await scheduler.stop()
 
     try:

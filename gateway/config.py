@@ -18,7 +18,8 @@ class GatewayConfig:
     max_new_tokens_cap: int = 4096
     max_prompt_chars: int = 1_000_000  # bound before tokenizing
     max_queue: int = 256  # requests waiting for a KV slot; beyond: RESOURCE_EXHAUSTED
-    draft_retry_s: float = 5.0
+    draft_retry_s: float = 2.0  # how often a lost draft or target is tried again
+    step_timeout_s: float = 60.0  # a draft or target step slower than this counts as a failure
 
     def validate(self) -> GatewayConfig:
         if not self.target_addr:

@@ -40,6 +40,8 @@ class LocalEngines:
                         ) -> list[LocalResult]:
         draft = draft_client or (LocalDraft(self.draft) if self.draft is not None else None)
         sched = Scheduler(LocalTarget(self.target), draft, self.target.cfg.max_sequences, max_queue=10_000)
+        if draft is not None:
+            sched.draft_restored()
         sched.start()
         try:
             seqs = [sched.submit(r) for r in requests]

@@ -1,7 +1,13 @@
 """The speculation loop. Every cycle batches all active sequences into one draft call
 (extend with the last accepted tokens + propose k) and one target call (prefill the
 newcomers, verify everyone's drafts, release the finished). Sequences join and leave at
-cycle boundaries; tokens go to each request's queue as soon as a cycle accepts them."""
+cycle boundaries; tokens go to each request's queue as soon as a cycle accepts them.
+
+Faults: a failed draft call suspends speculation (sequences go on target-only, tokens
+unchanged) until the draft is attached again; then each sequence's features are
+recomputed by the target (Recapture) and the draft resumes from position 0. A failed
+target call ends every stream with UNAVAILABLE and marks the target down until it is
+reachable again."""
 
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from specsplit.ops import (
     ExtendPropose,
     HiddenRef,
     Prefill,
+    Recapture,
     Release,
     Sampling,
     SparseDist,
@@ -81,10 +88,12 @@ class Sequence:
         self.sent_drafts = 0
         self.events: asyncio.Queue[list[int] | Finished | Failed] = asyncio.Queue()
         self.generated: list[int] = []
-        self.spec = req.num_steps > 0  # false for good once the draft fails this sequence
+        self.spec = req.num_steps > 0  # speculation asked for
+        self.synced = False  # the draft holds this sequence's state up to the target's
         self.prefilled = False
-        self.in_draft = False  # the draft holds state for it
-        self.pending: tuple[list[int], HiddenRef] | None = None  # features the draft has not consumed
+        self.committed = 0  # positions in the target's KV cache
+        self.in_draft = False  # the draft may hold state for it
+        self.pending: tuple[list[int], HiddenRef, int] | None = None  # (tokens, rows, position) not yet extended
         self.drafts: list[int] = []
         self.dists: list[SparseDist] = []
         self.stats = SeqStats()
@@ -97,12 +106,17 @@ class QueueFull(Exception):
     pass
 
 
+class Unavailable(Exception):
+    pass
+
+
 class Scheduler:
     def __init__(self, target: TargetClient, draft: DraftClient | None, max_sequences: int, max_queue: int,
-                 tracer: trace.Tracer = NOOP_TRACER, metrics: GatewayMetrics = NOOP_METRICS) -> None:
+                 tracer: trace.Tracer = NOOP_TRACER, metrics: GatewayMetrics = NOOP_METRICS,
+                 step_timeout_s: float = 60.0) -> None:
         self.target, self.draft = target, draft
         self.tracer, self.metrics = tracer, metrics
-        self.max_sequences, self.max_queue = max_sequences, max_queue
+        self.max_sequences, self.max_queue, self.step_timeout_s = max_sequences, max_queue, step_timeout_s
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.ids = itertools.count(1)
@@ -113,6 +127,13 @@ class Scheduler:
         self.task: asyncio.Task[None] | None = None
         self.cycles = 0
         self.in_cycle = False
+        self.draft_down = True  # until the draft is attached (draft_restored)
+        self.target_down = False
+        self.on_target_state: list = []  # callbacks(up: bool)
+
+    @property
+    def speculating(self) -> bool:
+        return self.draft is not None and not self.draft_down
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name="speculation-loop")
@@ -123,6 +144,8 @@ class Scheduler:
             await asyncio.gather(self.task, return_exceptions=True)
 
     def submit(self, req: GenerationRequest, span: trace.Span | None = None) -> Sequence:
+        if self.target_down:
+            raise Unavailable("target service unavailable")
         if len(self.waiting) >= self.max_queue:
             raise QueueFull(f"{len(self.waiting)} requests already waiting")
         seq = Sequence(next(self.ids), req, span)
@@ -136,6 +159,41 @@ class Scheduler:
             seq.cancelled = True
             self.wake.set()
 
+    # -- service state, driven by the loop's failures and by the recovery task
+    def draft_failed(self, why: str) -> None:
+        if not self.draft_down:
+            log.warning("draft unavailable (%s): speculation suspended, streams continue target-only", why)
+        self.draft_down = True
+        for s in self.running:
+            s.synced, s.drafts, s.dists = False, [], []
+            if s.pending is not None:
+                self.free_generations.append(s.pending[1].generation)
+                s.pending = None
+
+    def draft_restored(self) -> None:
+        """The draft is attached again (maybe a new process): it will be resynced per sequence."""
+        self.draft_down = False
+        log.info("draft attached: speculation resumes")
+        self.wake.set()
+
+    def target_failed(self, why: str) -> None:
+        log.error("target unavailable (%s): ending %d streams", why, len(self.running) + len(self.waiting))
+        for seq in [*self.running, *self.waiting]:
+            self._fail(seq, grpc.StatusCode.UNAVAILABLE, f"target service unavailable: {why}")
+        self.waiting.clear()
+        self.target_releases.clear()  # the next target is a new process: nothing to release there
+        self.free_generations.clear()
+        self.target_down = True
+        for cb in self.on_target_state:
+            cb(False)
+
+    def target_restored(self) -> None:
+        self.target_down = False
+        log.info("target reachable again")
+        for cb in self.on_target_state:
+            cb(True)
+        self.wake.set()
+
     @property
     def busy(self) -> bool:
         return bool(self.in_cycle or self.waiting or self.running or self.target_releases or self.draft_releases
@@ -144,21 +202,16 @@ class Scheduler:
     # -- the loop
     async def _run(self) -> None:
         while True:
-            if not self.busy:
+            if not self.busy or (self.target_down and not self.draft_releases):
                 self.wake.clear()
                 await self.wake.wait()
                 continue
             self.in_cycle = True
             try:
                 await self._cycle()
-            except Exception as e:  # the target is gone or broken: fail every active stream
-                log.exception("cycle failed")
-                for seq in [*self.running, *self.waiting]:
-                    self._fail(seq, grpc.StatusCode.UNAVAILABLE, f"target service unavailable: {e}")
-                self.waiting.clear()
-                self.target_releases.clear()
-                self.free_generations.clear()
-                await asyncio.sleep(0.05)
+            except Exception as e:  # the target is gone or broken
+                log.exception("target call failed")
+                self.target_failed(f"{type(e).__name__}: {e}")
             finally:
                 self.in_cycle = False
 
@@ -185,7 +238,8 @@ class Scheduler:
             s.trace = inject(s.cycle_span)
         try:
             await self._draft_phase()
-            await self._target_phase(newcomers)
+            if not self.target_down:
+                await self._target_phase(newcomers)
         finally:
             for s in traced:
                 s.cycle_span.end()
@@ -195,34 +249,35 @@ class Scheduler:
         self.cycles += 1
 
     async def _draft_phase(self) -> None:
+        if self.draft is None or self.draft_down:
+            self.draft_releases = []  # a draft that comes back is resynced from position 0
+            return
         ops: list[DraftOp] = [Release(i) for i in self.draft_releases]
         self.draft_releases = []
         users = [s for s in self.running if s.spec and s.pending is not None]
         for s in users:
-            tokens, ref = s.pending  # type: ignore[misc]
-            ops.append(ExtendPropose(s.seq_id, tokens, ref, s.req.num_steps, s.req.sampling, s.trace))
+            tokens, ref, position = s.pending  # type: ignore[misc]
+            ops.append(ExtendPropose(s.seq_id, tokens, ref, s.req.num_steps, s.req.sampling, s.trace, position))
             s.in_draft = True
-        if not ops or self.draft is None:
-            return
-        for s in users:  # rows are read before the draft replies: reclaim them whatever happens
-            self.free_generations.append(s.pending[1].generation)  # type: ignore[index]
+            self.free_generations.append(ref.generation)  # read before the draft replies: reclaim whatever happens
             s.pending = None
+        if not ops:
+            return
         t0 = time.perf_counter()
         try:
-            results, timing = await self.draft.step(ops)
+            results, timing = await asyncio.wait_for(self.draft.step(ops), self.step_timeout_s)
         except Exception as e:
-            log.warning("draft call failed (%s); continuing with target-only decoding", e)
-            for s in users:
-                s.spec = False
+            self.draft_failed(f"{type(e).__name__}: {e}")
             return
         ms = (time.perf_counter() - t0) * 1e3
         by_id: dict[int, DraftResult] = {r.seq_id: r for r in results}
         for s in users:
             r = by_id.get(s.seq_id)
             if r is None or r.code != Code.OK:
-                log.warning("draft failed sequence %d: %s", s.seq_id, r.message if r else "no result")
-                s.spec = False
+                log.warning("draft failed sequence %d (%s): resyncing it", s.seq_id, r.message if r else "no result")
+                s.synced = False
                 continue
+            s.synced = True
             s.drafts, s.dists = r.draft_ids, r.draft_dists
             s.cycle_span.set_attributes({"spec.draft_call_ms": ms, "spec.draft_batch_ms": timing.compute_ms})
             s.stats.draft_ms += ms
@@ -233,31 +288,37 @@ class Scheduler:
         self.target_releases = []
         releases, self.free_generations = self.free_generations, []
         work: list[Sequence] = []
+        speculating = self.speculating
         for s in self.running:
             if s in newcomers:
-                ops.append(Prefill(s.seq_id, s.req.prompt_ids, s.req.sampling, capture=s.spec, trace=s.trace))
-            elif s.prefilled:
-                drafts = s.drafts if s.spec else []
-                s.sent_drafts = len(drafts)
-                ops.append(Verify(s.seq_id, drafts, s.dists if drafts else [], capture=s.spec, trace=s.trace))
-            else:
+                ops.append(Prefill(s.seq_id, s.req.prompt_ids, s.req.sampling, capture=s.spec and speculating,
+                                   trace=s.trace))
+            elif not s.prefilled:
                 continue
+            elif s.spec and speculating and not s.synced and s.pending is None:
+                ops.append(Recapture(s.seq_id, s.trace))  # resync a draft that lost this sequence
+            else:
+                drafts = s.drafts if s.spec and s.synced and speculating else []
+                s.sent_drafts = len(drafts)
+                capture = s.spec and s.synced and speculating
+                ops.append(Verify(s.seq_id, drafts, s.dists if drafts else [], capture=capture, trace=s.trace))
             work.append(s)
         if not ops and not releases:
             return
         t0 = time.perf_counter()
-        results, timing = await self.target.step(ops, releases)
+        results, timing = await asyncio.wait_for(self.target.step(ops, releases), self.step_timeout_s)
         ms = (time.perf_counter() - t0) * 1e3
         by_id: dict[int, TargetResult] = {r.seq_id: r for r in results}
+        kinds = {op.seq_id: op for op in ops if not isinstance(op, Release)}
         for s in work:
-            self._apply(s, by_id.get(s.seq_id), ms, timing.compute_ms)
+            self._apply(s, by_id.get(s.seq_id), kinds[s.seq_id], ms, timing.compute_ms)
 
-    def _apply(self, s: Sequence, r: TargetResult | None, ms: float, compute_ms: float) -> None:
+    def _apply(self, s: Sequence, r: TargetResult | None, op: TargetOp, ms: float, compute_ms: float) -> None:
         if r is None:
             self._fail(s, grpc.StatusCode.INTERNAL, "target returned no result for the sequence")
             return
         if r.code == Code.RESOURCE_EXHAUSTED:  # no slot or ring space: state unchanged, retry
-            if not s.prefilled:
+            if isinstance(op, Prefill):
                 self.running.remove(s)
                 self.waiting.appendleft(s)
             return
@@ -265,13 +326,20 @@ class Scheduler:
             status = grpc.StatusCode.INVALID_ARGUMENT if r.code == Code.INVALID_ARGUMENT else grpc.StatusCode.INTERNAL
             self._fail(s, status, r.message)
             return
+        if isinstance(op, Recapture):  # the draft restarts this sequence from position 0
+            s.pending = (r.tokens, r.hidden, 0) if r.hidden is not None else None
+            s.synced = r.hidden is not None
+            return
+        start = s.committed
+        s.committed = len(op.prompt_ids) if isinstance(op, Prefill) else s.committed + len(r.tokens)
         if r.hidden is not None:
-            if s.spec and self.draft is not None:
-                tokens = (s.req.prompt_ids[1:] + r.tokens) if not s.prefilled else r.tokens
-                s.pending = (tokens, r.hidden)
+            if s.spec and self.speculating:
+                tokens = (s.req.prompt_ids[1:] + r.tokens) if isinstance(op, Prefill) else r.tokens
+                s.pending = (tokens, r.hidden, start)
+                s.synced = s.synced or isinstance(op, Prefill)
             else:
                 self.free_generations.append(r.hidden.generation)
-        if s.prefilled:  # a verify cycle (the prefill's first token is not a cycle)
+        if isinstance(op, Verify):  # a verify cycle (the prefill's first token is not a cycle)
             s.stats.cycles += 1
             s.stats.histogram[len(r.tokens)] += 1
             s.stats.verify_ms += ms
@@ -309,12 +377,13 @@ class Scheduler:
         s.done = True
         if s in self.running:
             self.running.remove(s)
-            if s.prefilled:
+            if s.prefilled and not self.target_down:
                 self.target_releases.append(s.seq_id)
-            if s.in_draft:
+            if s.in_draft and not self.draft_down:
                 self.draft_releases.append(s.seq_id)
         if s.pending is not None:
-            self.free_generations.append(s.pending[1].generation)
+            if not self.target_down:
+                self.free_generations.append(s.pending[1].generation)
             s.pending = None
         self.wake.set()
 

@@ -11,7 +11,7 @@ from opentelemetry import trace
 from gateway.config import GatewayConfig
 from gateway.detok import IncrementalDetokenizer
 from gateway.requests import InvalidRequest, ModelLimits, parse
-from gateway.scheduler import Failed, Finished, QueueFull, Scheduler
+from gateway.scheduler import Failed, Finished, QueueFull, Scheduler, Unavailable
 from specsplit.telemetry import extract
 from specsplit.tokenizer import TextCodec
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
@@ -30,7 +30,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                      max_context=self.limits.max_context,
                                      max_new_tokens_cap=self.cfg.max_new_tokens_cap,
                                      default_num_steps=self.cfg.default_num_steps,
-                                     max_num_steps=self.cfg.max_num_steps, draft_available=self.limits.draft_available)
+                                     max_num_steps=self.cfg.max_num_steps,
+                                     draft_available=self.scheduler.speculating)
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
@@ -45,6 +46,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except InvalidRequest as e:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if self.scheduler.draft is None:  # no usable draft (none configured, or refused at attach)
+                req.num_steps = 0
             span.set_attributes({
                 "gen_ai.request.max_tokens": req.max_new_tokens, "gen_ai.request.temperature": req.sampling.temperature,
                 "gen_ai.request.top_p": req.sampling.top_p, "gen_ai.request.top_k": req.sampling.top_k,
@@ -53,6 +56,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 seq = self.scheduler.submit(req, span)
             except QueueFull as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {e}")
+            except Unavailable as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             detok = IncrementalDetokenizer(self.codec) if self.codec is not None else None
             while True:
                 event = await seq.events.get()

@@ -104,6 +104,7 @@ class ExtendPropose:
     num_steps: int
     sampling: Sampling = field(default_factory=Sampling)
     trace: str = ""
+    position: int = 0  # position of the first row; 0 (re)starts the sequence
 
 
 DraftOp = ExtendPropose | Release

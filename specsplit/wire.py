@@ -10,6 +10,7 @@ from specsplit.ops import (
     ExtendPropose,
     HiddenRef,
     Prefill,
+    Recapture,
     Release,
     Sampling,
     SparseDist,
@@ -49,11 +50,13 @@ def dists_from_proto(ps: list[common_pb2.DraftDistribution]) -> list[SparseDist]
 
 def descriptor_to_proto(d: Descriptor) -> common_pb2.HiddenStoreDescriptor:
     return common_pb2.HiddenStoreDescriptor(backend=d.backend, name=d.name, capacity_rows=d.capacity_rows,
-                                            width=d.width, dtype=d.dtype)
+                                            width=d.width, dtype=d.dtype, handle=d.handle,
+                                            device=d.device if d.device >= 0 else None)
 
 
 def descriptor_from_proto(p: common_pb2.HiddenStoreDescriptor) -> Descriptor:
-    return Descriptor(p.backend, p.name, p.capacity_rows, p.width, p.dtype)
+    return Descriptor(p.backend, p.name, p.capacity_rows, p.width, p.dtype, p.handle,
+                      p.device if p.HasField("device") else -1)
 
 
 def timing_to_proto(t: StepTiming) -> common_pb2.ServerTiming:
@@ -68,6 +71,8 @@ def target_op_to_proto(op: TargetOp) -> target_pb2.TargetOp:
     if isinstance(op, Verify):
         return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, verify=target_pb2.TargetVerify(
             draft_ids=op.draft_ids, draft_dists=dists_to_proto(op.draft_dists), capture_hidden=op.capture))
+    if isinstance(op, Recapture):
+        return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, recapture=target_pb2.TargetRecapture())
     return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, release=target_pb2.TargetRelease())
 
 
@@ -81,6 +86,8 @@ def target_op_from_proto(p: target_pb2.TargetOp) -> TargetOp | None:
                       p.verify.capture_hidden, p.traceparent)
     if kind == "release":
         return Release(p.seq_id, p.traceparent)
+    if kind == "recapture":
+        return Recapture(p.seq_id, p.traceparent)
     return None
 
 
@@ -99,7 +106,7 @@ def draft_op_to_proto(op: DraftOp) -> draft_pb2.DraftOp:
     if isinstance(op, ExtendPropose):
         return draft_pb2.DraftOp(seq_id=op.seq_id, traceparent=op.trace, extend_propose=draft_pb2.DraftExtendPropose(
             tokens=op.tokens, hidden=ref_to_proto(op.hidden), num_steps=op.num_steps,
-            sampling=sampling_to_proto(op.sampling)))
+            sampling=sampling_to_proto(op.sampling), position=op.position))
     return draft_pb2.DraftOp(seq_id=op.seq_id, traceparent=op.trace, release=draft_pb2.DraftRelease())
 
 
@@ -108,7 +115,7 @@ def draft_op_from_proto(p: draft_pb2.DraftOp) -> DraftOp | None:
     if kind == "extend_propose":
         e = p.extend_propose
         return ExtendPropose(p.seq_id, list(e.tokens), ref_from_proto(e.hidden), e.num_steps,
-                             sampling_from_proto(e.sampling), p.traceparent)
+                             sampling_from_proto(e.sampling), p.traceparent, e.position)
     if kind == "release":
         return Release(p.seq_id, p.traceparent)
     return None

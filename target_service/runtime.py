@@ -47,7 +47,7 @@ class TargetRuntime:
         self.writer = None
         if tp.rank == 0:
             width = 3 * self.model.cfg.hidden_size
-            self.writer = open_writer(cfg.hidden_backend, cfg.ring_rows, width, DTYPES[cfg.dtype])
+            self.writer = open_writer(cfg.hidden_backend, cfg.ring_rows, width, DTYPES[cfg.dtype], cfg.device)
 
     def step(self, ops: list[TargetOp], release_generations: list[int]) -> tuple[list[TargetResult], StepTiming]:
         assert self.writer is not None, "only rank 0 serves steps"

@@ -54,7 +54,7 @@ def test_incremental_extend_equals_one_shot_extend(tiny_target: Path, tiny_head:
         tokens = torch.randint(0, 512, (30,), generator=g).tolist()
         # sequence 1 in three extends, proposing 5 tokens in between; sequence 2 in one extend
         for lo, hi in [(0, 12), (12, 15), (15, 30)]:
-            (r1,) = rt.engine.execute([ExtendPropose(1, tokens[lo:hi], put(writer, feats[lo:hi]), 5)])
+            (r1,) = rt.engine.execute([ExtendPropose(1, tokens[lo:hi], put(writer, feats[lo:hi]), 5, position=lo)])
             assert r1.code == Code.OK and len(r1.draft_ids) == 5
         (r2,) = rt.engine.execute([ExtendPropose(2, tokens, put(writer, feats), 5)])
         assert r1.draft_ids == r2.draft_ids
@@ -115,5 +115,22 @@ def test_batched_step_equals_one_sequence_at_a_time(tiny_target: Path, tiny_head
         assert all(r.code == Code.OK for r in together)
         assert [r.draft_ids for r in together] == alone
         assert [len(a) for a in alone] == [k for _, k in cases]
+    finally:
+        writer.close()
+
+
+def test_extend_position_must_match_or_restart(tiny_target: Path, tiny_head: Path) -> None:
+    rt, writer = make_runtime(tiny_target, tiny_head)
+    try:
+        w = writer.descriptor.width
+        (r,) = rt.engine.execute([ExtendPropose(1, [1, 2, 3], put(writer, torch.randn(3, w)), 2)])
+        first = r.draft_ids
+        (r,) = rt.engine.execute([ExtendPropose(1, [4], put(writer, torch.randn(1, w)), 2, position=7)])
+        assert r.code == Code.INVALID_ARGUMENT and "position 3" in r.message
+        torch.manual_seed(0)
+        feats = torch.randn(3, w)
+        (a,) = rt.engine.execute([ExtendPropose(2, [1, 2, 3], put(writer, feats), 3)])
+        (b,) = rt.engine.execute([ExtendPropose(2, [1, 2, 3], put(writer, feats), 3, position=0)])  # restart
+        assert a.draft_ids == b.draft_ids and rt.engine.seqs[2].length == 3 and len(first) == 2
     finally:
         writer.close()

@@ -7,7 +7,11 @@ import multiprocessing as mp
 import pytest
 import torch
 
+from specsplit import wire
 from specsplit.handoff import RingAllocator, open_reader, open_writer
+from specsplit.handoff.base import Descriptor
+from specsplit.handoff.factory import BACKENDS
+from specsplit.v1 import common_pb2
 
 
 def test_ring_wraps_and_skips_the_tail() -> None:
@@ -81,3 +85,19 @@ def test_inline_backend_round_trip() -> None:
 def test_unknown_backend_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown hidden-state backend"):
         open_writer("carrier-pigeon", 8, 6, torch.float32)
+
+
+@pytest.mark.parametrize("desc", [
+    Descriptor("shm", "specsplit-abc", 16, 12, "float32"),
+    Descriptor("cuda_ipc", "specsplit-cuda-abc", 64, 1536, "bfloat16", handle=b'{"version": 1}\x00\xff', device=0),
+    Descriptor("cuda_ipc", "specsplit-cuda-abc", 64, 1536, "bfloat16", handle=b"x", device=3),
+])
+def test_descriptor_round_trips_through_the_proto(desc: Descriptor) -> None:
+    p = common_pb2.HiddenStoreDescriptor.FromString(wire.descriptor_to_proto(desc).SerializeToString())
+    assert wire.descriptor_from_proto(p) == desc
+
+
+def test_cuda_ipc_needs_a_cuda_device() -> None:
+    assert "cuda_ipc" in BACKENDS
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        open_writer("cuda_ipc", 8, 6, torch.float32, device="cpu")

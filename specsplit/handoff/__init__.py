@@ -3,8 +3,9 @@
 The target (writer) owns a ring of rows [capacity, 3H]; every prefill/verify reply
 carries a HiddenRef {offset, rows, generation}; the draft (reader) maps the ring once
 and reads rows by reference; space is reclaimed only when the draft's consumption of a
-generation has been acknowledged. Backends: "shm" (POSIX shared memory, CPU) and
-"inline" (rows inside the message, for hosts without shared memory).
+generation has been acknowledged. Backends: "shm" (POSIX shared memory, CPU),
+"inline" (rows inside the message, for hosts without shared memory) and "cuda_ipc"
+(a ring in the target's GPU memory, mapped by the draft through CUDA IPC, same host).
 """
 
 from specsplit.handoff.base import Allocation, HiddenReader, HiddenWriter, RingAllocator

@@ -30,6 +30,8 @@ class Descriptor:
     capacity_rows: int
     width: int
     dtype: str
+    handle: bytes = b""  # cuda_ipc: the exported ring (see specsplit.handoff.cuda_ipc); empty otherwise
+    device: int = -1  # cuda_ipc: the writer's CUDA device index; -1 for the CPU backends
 
 
 class RingAllocator:

@@ -6,10 +6,15 @@ import torch
 
 from specsplit.handoff.base import Descriptor, HiddenReader, HiddenWriter
 
-BACKENDS = ("shm", "inline")
+BACKENDS = ("shm", "inline", "cuda_ipc")
+
+Device = str | int | torch.device | None
 
 
-def open_writer(backend: str, capacity_rows: int, width: int, dtype: torch.dtype) -> HiddenWriter:
+def open_writer(backend: str, capacity_rows: int, width: int, dtype: torch.dtype,
+                device: Device = None) -> HiddenWriter:
+    """`device` places the ring: used by "cuda_ipc" (default: the current CUDA device);
+    "shm" and "inline" keep their rows on the CPU whatever it says."""
     if backend == "shm":
         from specsplit.handoff.shm import ShmWriter
 
@@ -18,10 +23,16 @@ def open_writer(backend: str, capacity_rows: int, width: int, dtype: torch.dtype
         from specsplit.handoff.inline import InlineWriter
 
         return InlineWriter(capacity_rows, width, dtype)
+    if backend == "cuda_ipc":
+        from specsplit.handoff.cuda_ipc import CudaIpcWriter
+
+        return CudaIpcWriter(capacity_rows, width, dtype, device)
     raise ValueError(f"unknown hidden-state backend {backend!r}; choose from {BACKENDS}")
 
 
-def open_reader(desc: Descriptor) -> HiddenReader:
+def open_reader(desc: Descriptor, device: Device = None) -> HiddenReader:
+    """`device` is where "cuda_ipc" reads land (default: the writer's device index);
+    "shm" and "inline" read onto the CPU whatever it says."""
     if desc.backend == "shm":
         from specsplit.handoff.shm import ShmReader
 
@@ -30,4 +41,8 @@ def open_reader(desc: Descriptor) -> HiddenReader:
         from specsplit.handoff.inline import InlineReader
 
         return InlineReader(desc)
+    if desc.backend == "cuda_ipc":
+        from specsplit.handoff.cuda_ipc import CudaIpcReader
+
+        return CudaIpcReader(desc, device)
     raise ValueError(f"unknown hidden-state backend {desc.backend!r}")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/common.proto\x12\x0cspecsplit.v1\"\xa7\x01\n\x0b\x45ntryStatus\x12,\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1e.specsplit.v1.EntryStatus.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"Y\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\r\n\tNOT_FOUND\x10\x02\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x03\x12\x0c\n\x08INTERNAL\x10\x04\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"R\n\tHiddenRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x13\n\x0binline_rows\x18\x04 \x01(\x0c\"k\n\x15HiddenStoreDescriptor\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x15\n\rcapacity_rows\x18\x03 \x01(\x04\x12\r\n\x05width\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"5\n\x11\x44raftDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"4\n\x0cServerTiming\x12\x12\n\ncompute_ms\x18\x01 \x01(\x01\x12\x10\n\x08total_ms\x18\x02 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/common.proto\x12\x0cspecsplit.v1\"\xa7\x01\n\x0b\x45ntryStatus\x12,\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1e.specsplit.v1.EntryStatus.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"Y\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\r\n\tNOT_FOUND\x10\x02\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x03\x12\x0c\n\x08INTERNAL\x10\x04\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"R\n\tHiddenRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x13\n\x0binline_rows\x18\x04 \x01(\x0c\"\x9b\x01\n\x15HiddenStoreDescriptor\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x15\n\rcapacity_rows\x18\x03 \x01(\x04\x12\r\n\x05width\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06handle\x18\x06 \x01(\x0c\x12\x13\n\x06\x64\x65vice\x18\x07 \x01(\x05H\x00\x88\x01\x01\x42\t\n\x07_device\"5\n\x11\x44raftDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"4\n\x0cServerTiming\x12\x12\n\ncompute_ms\x18\x01 \x01(\x01\x12\x10\n\x08total_ms\x18\x02 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,10 +39,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_end=294
   _globals['_HIDDENREF']._serialized_start=296
   _globals['_HIDDENREF']._serialized_end=378
-  _globals['_HIDDENSTOREDESCRIPTOR']._serialized_start=380
-  _globals['_HIDDENSTOREDESCRIPTOR']._serialized_end=487
-  _globals['_DRAFTDISTRIBUTION']._serialized_start=489
-  _globals['_DRAFTDISTRIBUTION']._serialized_end=542
-  _globals['_SERVERTIMING']._serialized_start=544
-  _globals['_SERVERTIMING']._serialized_end=596
+  _globals['_HIDDENSTOREDESCRIPTOR']._serialized_start=381
+  _globals['_HIDDENSTOREDESCRIPTOR']._serialized_end=536
+  _globals['_DRAFTDISTRIBUTION']._serialized_start=538
+  _globals['_DRAFTDISTRIBUTION']._serialized_end=591
+  _globals['_SERVERTIMING']._serialized_start=593
+  _globals['_SERVERTIMING']._serialized_end=645
 # @@protoc_insertion_point(module_scope)

@@ -52,18 +52,22 @@ class HiddenRef(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., rows: _Optional[int] = ..., generation: _Optional[int] = ..., inline_rows: _Optional[bytes] = ...) -> None: ...
 
 class HiddenStoreDescriptor(_message.Message):
-    __slots__ = ("backend", "name", "capacity_rows", "width", "dtype")
+    __slots__ = ("backend", "name", "capacity_rows", "width", "dtype", "handle", "device")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_ROWS_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     backend: str
     name: str
     capacity_rows: int
     width: int
     dtype: str
-    def __init__(self, backend: _Optional[str] = ..., name: _Optional[str] = ..., capacity_rows: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    handle: bytes
+    device: int
+    def __init__(self, backend: _Optional[str] = ..., name: _Optional[str] = ..., capacity_rows: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[str] = ..., handle: _Optional[bytes] = ..., device: _Optional[int] = ...) -> None: ...
 
 class DraftDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")

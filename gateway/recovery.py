@@ -1,0 +1,69 @@
+"""Brings lost services back: re-attaches the draft after it failed (or was not there at
+start), reconnects to the target after it failed, and keeps grpc.health in step."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gateway.clients import GrpcDraft, GrpcTarget
+from gateway.scheduler import Scheduler
+
+log = logging.getLogger("specsplit.gateway")
+
+
+class Recovery:
+    def __init__(self, scheduler: Scheduler, target: GrpcTarget, draft: GrpcDraft | None, store: object,
+                 target_aux_ids: list[int], max_num_steps: int, retry_s: float) -> None:
+        self.scheduler, self.target, self.draft = scheduler, target, draft
+        self.store, self.target_aux_ids, self.retry_s = store, target_aux_ids, retry_s
+        self.max_num_steps, self.draft_name = max_num_steps, ""
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name="service-recovery")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    async def attach_draft(self) -> bool:
+        """Map the target's hidden store in the draft; False when the draft is not usable."""
+        if self.draft is None:
+            return False
+        try:
+            info = await self.draft.attach(self.store, timeout=self.retry_s)
+        except Exception as e:  # noqa: BLE001 - any failure means: not yet
+            log.debug("draft attach failed: %s", e)
+            return False
+        if info.max_steps < self.max_num_steps:
+            log.error("the draft allows %d steps, the gateway's max_num_steps is %d: speculation stays off",
+                      info.max_steps, self.max_num_steps)
+            self.draft = self.scheduler.draft = None
+            return False
+        if info.aux_layer_ids and list(info.aux_layer_ids) != self.target_aux_ids:
+            log.error("the head was trained on target layers %s but the target captures %s; start the target "
+                      "with --draft-config: speculation stays off", list(info.aux_layer_ids), self.target_aux_ids)
+            self.draft = self.scheduler.draft = None
+            return False
+        self.draft.stream.reset()  # a new process needs a new stream
+        self.scheduler.max_sequences = min(self.scheduler.max_sequences, info.max_sequences)
+        self.draft_name = info.head_name
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.retry_s)
+            s = self.scheduler
+            if s.target_down:
+                try:
+                    info = await self.target.describe(timeout=self.retry_s)
+                except Exception:  # noqa: BLE001 - still down
+                    continue
+                self.store = info.hidden_store  # a new process has a new ring
+                self.target.stream.reset()
+                s.draft_failed("the target restarted")
+                s.target_restored()
+            if s.draft_down and self.draft is not None and await self.attach_draft():
+                s.draft_restored()
