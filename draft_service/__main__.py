@@ -57,7 +57,10 @@ async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)
+    try:
+        cfg = parse_args(argv)
+    except (ValueError, OSError) as e:  # a bad setting: say which, no traceback
+        raise SystemExit(f"{__package__}: configuration error: {e}") from None
     configure_logging("draft")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

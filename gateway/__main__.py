@@ -12,6 +12,7 @@ from gateway.observe import GatewayMetrics
 from gateway.recovery import Recovery
 from gateway.requests import ModelLimits
 from gateway.scheduler import Scheduler
+from gateway.security import BearerTokenInterceptor, read_token, server_credentials
 from gateway.server import GatewayServicer
 from specsplit.checkpoints.target_checkpoint import resolve_target_dir
 from specsplit.serving import (
@@ -41,11 +42,19 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--max-new-tokens", type=int, default=d.default_max_new_tokens)
     p.add_argument("--max-new-tokens-cap", type=int, default=d.max_new_tokens_cap)
     p.add_argument("--max-queue", type=int, default=d.max_queue)
+    p.add_argument("--max-streams", type=int, default=d.max_streams)
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
+    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
+    p.add_argument("--tls-cert", default=os.environ.get("SPECSPLIT_TLS_CERT", ""))
+    p.add_argument("--tls-key", default=os.environ.get("SPECSPLIT_TLS_KEY", ""))
+    p.add_argument("--auth-token-file", default=None, help="file holding the bearer token (or SPECSPLIT_AUTH_TOKEN)")
     a = p.parse_args(argv)
     return GatewayConfig(target_addr=a.target, draft_addr=a.draft, model=a.model, host=a.host, port=a.port,
                          default_num_steps=a.num_steps, max_num_steps=a.max_num_steps,
                          default_max_new_tokens=a.max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
-                         max_queue=a.max_queue).validate()
+                         max_queue=a.max_queue, max_streams=a.max_streams, max_prompt_tokens=a.max_prompt_tokens,
+                         max_prompt_chars=a.max_prompt_chars, tls_cert=a.tls_cert, tls_key=a.tls_key,
+                         auth_token=read_token(a.auth_token_file, os.environ.get("SPECSPLIT_AUTH_TOKEN"))).validate()
 
 
 async def serve(cfg: GatewayConfig) -> None:
@@ -63,8 +72,9 @@ async def serve(cfg: GatewayConfig) -> None:
             scheduler.draft_restored()
         else:
             log.warning("draft service not usable yet: target-only decoding until it attaches")
-    limits = ModelLimits(info.vocab_size, info.max_context, list(info.eos_token_ids), draft is not None)
-    server, health = new_server()
+    limits = ModelLimits(info.vocab_size, info.max_context, list(info.eos_token_ids), draft is not None,
+                         cfg.max_prompt_tokens)
+    server, health = new_server([BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else None)
     loop = asyncio.get_running_loop()
     scheduler.on_target_state.append(
         lambda up: loop.create_task(set_serving(health, ["specsplit.v1.Gateway"], up)))
@@ -72,7 +82,13 @@ async def serve(cfg: GatewayConfig) -> None:
     recovery.start()
     gateway_pb2_grpc.add_GatewayServicer_to_server(
         GatewayServicer(cfg, scheduler, codec, limits, info.model_name, recovery.draft_name), server)
-    server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    addr = f"{cfg.host}:{cfg.port}"
+    if cfg.tls_cert:
+        server.add_secure_port(addr, server_credentials(cfg.tls_cert, cfg.tls_key))
+    else:
+        if cfg.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("serving plaintext gRPC on %s: set --tls-cert/--tls-key for a non-loopback address", addr)
+        server.add_insecure_port(addr)
     await server.start()
     await set_serving(health, ["specsplit.v1.Gateway"], True)
     log.info("gateway on %s:%d (target %s, draft %s)", cfg.host, cfg.port, cfg.target_addr,
@@ -90,7 +106,10 @@ async def serve(cfg: GatewayConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)
+    try:
+        cfg = parse_args(argv)
+    except (ValueError, OSError) as e:  # a bad setting: say which, no traceback
+        raise SystemExit(f"{__package__}: configuration error: {e}") from None
     configure_logging("gateway")
     install_uvloop()
     asyncio.run(serve(cfg))

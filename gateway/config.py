@@ -18,6 +18,11 @@ class GatewayConfig:
     max_new_tokens_cap: int = 4096
     max_prompt_chars: int = 1_000_000  # bound before tokenizing
     max_queue: int = 256  # requests waiting for a KV slot; beyond: RESOURCE_EXHAUSTED
+    max_prompt_tokens: int = 0  # 0: the target's context window
+    max_streams: int = 512  # concurrent Generate calls; beyond: RESOURCE_EXHAUSTED
+    tls_cert: str = ""  # PEM files: serve TLS on the public port
+    tls_key: str = ""
+    auth_token: str | None = None  # bearer token clients must send (from a file or SPECSPLIT_AUTH_TOKEN)
     draft_retry_s: float = 2.0  # how often a lost draft or target is tried again
     step_timeout_s: float = 60.0  # a draft or target step slower than this counts as a failure
 
@@ -26,10 +31,15 @@ class GatewayConfig:
             raise ValueError("target_addr is required")
         if not 0 <= self.default_num_steps <= self.max_num_steps:
             raise ValueError("default_num_steps must be within 0..max_num_steps")
-        if self.default_max_new_tokens < 1 or self.default_max_new_tokens > self.max_new_tokens_cap:
-            raise ValueError("default_max_new_tokens must be within 1..max_new_tokens_cap")
+        if self.max_new_tokens_cap < 1 or self.default_max_new_tokens < 1:
+            raise ValueError("max_new_tokens_cap and default_max_new_tokens must be >= 1")
+        self.default_max_new_tokens = min(self.default_max_new_tokens, self.max_new_tokens_cap)
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
-        if self.max_queue < 1:
-            raise ValueError("max_queue must be >= 1")
+        if self.max_queue < 1 or self.max_streams < 1:
+            raise ValueError("max_queue and max_streams must be >= 1")
+        if self.max_prompt_tokens < 0 or self.max_prompt_chars < 1:
+            raise ValueError("max_prompt_tokens must be >= 0 and max_prompt_chars >= 1")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both tls_cert and tls_key")
         return self

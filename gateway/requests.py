@@ -24,6 +24,7 @@ class ModelLimits:
     max_context: int
     eos_token_ids: list[int]
     draft_available: bool
+    max_prompt_tokens: int = 0  # 0: only the context window bounds the prompt
 
 
 def _finite(name: str, value: float) -> float:
@@ -99,6 +100,8 @@ def parse(req: gateway_pb2.GenerateRequest, codec: TextCodec | None, cfg: Gatewa
     if not limits.draft_available:
         steps = 0
     ids = prompt_ids(req, codec, cfg, limits)
+    if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
+        raise InvalidRequest(f"prompt of {len(ids)} tokens exceeds the limit of {limits.max_prompt_tokens}")
     need = len(ids) + max_new + cfg.max_num_steps + 1
     if need > limits.max_context:
         raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) does not fit the context "

@@ -22,6 +22,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                  model_name: str, draft_name: str, tracer: trace.Tracer | None = None) -> None:
         self.cfg, self.scheduler, self.codec, self.limits = cfg, scheduler, codec, limits
         self.tracer = tracer or scheduler.tracer
+        self.streams = 0  # Generate calls in progress
         self.model_name, self.draft_name = model_name, draft_name
 
     async def GetModelInfo(self, request: gateway_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
@@ -40,7 +41,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                       attributes={"gen_ai.operation.name": "text_completion",
                                                   "gen_ai.request.model": self.model_name})
         seq = None
+        self.streams += 1
         try:
+            if self.streams > self.cfg.max_streams:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"server busy: more than {self.cfg.max_streams} concurrent streams")
             try:
                 req = parse(request, self.codec, self.cfg, self.limits)
             except InvalidRequest as e:
@@ -74,6 +79,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     yield self._final(seq, event, detok)
                     return
         finally:
+            self.streams -= 1
             if seq is not None:
                 self.scheduler.cancel(seq)  # no-op when finished; releases state on a dropped client
             span.end()

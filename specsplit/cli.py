@@ -69,10 +69,10 @@ def _summary_line(s: dict) -> str:
             f"finish {s['finish_reason']}")
 
 
-def _stream(addr: str, req, as_json: bool) -> dict:  # noqa: ANN001
+def _stream(addr: str, req, as_json: bool, token: str | None = None, tls_ca: bytes | None = None) -> dict:  # noqa: ANN001
     from specsplit.client import GatewayClient
 
-    client = GatewayClient(addr)
+    client = GatewayClient(addr, token=token, tls_ca=tls_ca)
     try:
         def show(msg) -> None:  # noqa: ANN001
             if not as_json and msg.text:
@@ -101,10 +101,14 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    import os
+
     import grpc
 
+    token = Path(a.token_file).read_text().strip() if a.token_file else os.environ.get("SPECSPLIT_AUTH_TOKEN")
+    tls_ca = Path(a.tls_ca).read_bytes() if a.tls_ca else None
     try:
-        summary = _stream(a.addr, _request(a, a.prompt or DEFAULT_PROMPT), a.json)
+        summary = _stream(a.addr, _request(a, a.prompt or DEFAULT_PROMPT), a.json, token, tls_ca)
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -182,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompt", nargs="?", default=None)
     gen.add_argument("--addr", default="127.0.0.1:50051")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.add_argument("--token-file", default=None, help="bearer token file (or SPECSPLIT_AUTH_TOKEN)")
+    gen.add_argument("--tls-ca", default=None, help="PEM roots to trust: connect with TLS")
     _gen_args(gen)
     demo = sub.add_parser("demo", help="services up, one streamed generation, a summary, down")
     demo.add_argument("prompt", nargs="?", default=None)

@@ -62,13 +62,26 @@ class Generation:
 
 
 class GatewayClient:
-    def __init__(self, addr: str) -> None:
-        self.channel = grpc.insecure_channel(addr, options=channel_options())
+    def __init__(self, addr: str, token: str | None = None, tls_ca: bytes | None = None,
+                 tls_server_name: str | None = None) -> None:
+        """tls_ca: PEM roots to trust (TLS on); token: sent as 'authorization: Bearer <token>'."""
+        options = channel_options()
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        if tls_ca is not None:
+            self.channel = grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=tls_ca), options)
+        else:
+            self.channel = grpc.insecure_channel(addr, options=options)
+        self.metadata = [("authorization", f"Bearer {token}")] if token else None
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+
+    def call(self, req: gateway_pb2.GenerateRequest, timeout: float | None = None) -> Any:
+        """The raw streaming call (cancellable)."""
+        return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
     def stream(self, req: gateway_pb2.GenerateRequest, timeout: float | None = None
                ) -> Iterator[gateway_pb2.GenerateResponse]:
-        yield from self.stub.Generate(req, timeout=timeout)
+        yield from self.call(req, timeout)
 
     def generate(self, req: gateway_pb2.GenerateRequest, timeout: float | None = None,
                  on_chunk: Callable[[gateway_pb2.GenerateResponse], None] | None = None) -> Generation:
@@ -83,7 +96,7 @@ class GatewayClient:
         return out
 
     def model_info(self) -> gateway_pb2.ModelInfo:
-        return self.stub.GetModelInfo(gateway_pb2.ModelInfoRequest(), timeout=10)
+        return self.stub.GetModelInfo(gateway_pb2.ModelInfoRequest(), timeout=10, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

@@ -29,9 +29,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(addr: str, proc: subprocess.Popen[bytes] | None, timeout: float, name: str) -> None:
+def wait_serving(addr: str, proc: subprocess.Popen[bytes] | None, timeout: float, name: str,
+                 tls_ca: bytes | None = None) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(addr) as ch:
+    channel = (grpc.secure_channel(addr, grpc.ssl_channel_credentials(tls_ca),
+                                   options=[("grpc.ssl_target_name_override", "localhost")])
+               if tls_ca is not None else grpc.insecure_channel(addr))
+    with channel as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -65,6 +69,7 @@ class StackConfig:
     extra_target_args: list[str] = field(default_factory=list)
     extra_gateway_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # added to every service's environment
+    gateway_tls: bool = False  # the gateway serves TLS (its --tls-cert is also the CA to trust)
 
 
 class ServiceStack:
@@ -75,11 +80,13 @@ class ServiceStack:
         self.ports = {"target": cfg.target_port or free_port(), "draft": cfg.draft_port or free_port(),
                       "gateway": cfg.gateway_port or free_port()}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.commands: dict[str, tuple[str, list[str]]] = {}
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
     def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen[bytes]:
+        self.commands[name] = (module, args)
         out = None
         if self.cfg.log_dir is not None:
             self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +118,10 @@ class ServiceStack:
                                                "--draft", self.addr("draft") if c.with_draft else "",
                                                "--model", c.model, "--port", str(self.ports["gateway"]),
                                                "--num-steps", str(c.num_steps), *c.extra_gateway_args])
-            wait_serving(self.addr("gateway"), self.procs["gateway"], timeout, "gateway")
+            ca = None
+            if c.gateway_tls:
+                ca = Path(c.extra_gateway_args[c.extra_gateway_args.index("--tls-cert") + 1]).read_bytes()
+            wait_serving(self.addr("gateway"), self.procs["gateway"], timeout, "gateway", ca)
         except BaseException:
             self.stop()
             raise
@@ -122,6 +132,12 @@ class ServiceStack:
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+    def restart(self, name: str, timeout: float = 300.0) -> None:
+        """Start a killed service again with its original command, and wait until it serves."""
+        self.kill(name)
+        module, args = self.commands[name]
+        wait_serving(self.addr(name), self._spawn(name, module, args), timeout, name)
 
     def stop(self) -> None:
         for name in ("gateway", "draft", "target"):

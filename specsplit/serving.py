@@ -14,8 +14,9 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 log = logging.getLogger("specsplit")
 
 
-def new_server() -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    server = grpc.aio.server(options=[
+def new_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None
+               ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    server = grpc.aio.server(interceptors=[MalformedRequestInterceptor(), *(interceptors or [])], options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
@@ -59,3 +60,42 @@ def install_uvloop() -> None:
 
 def configure_logging(name: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+
+
+_MALFORMED = object()
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT, not UNKNOWN, when a unary request's bytes do not decode."""
+
+    async def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
+        handler = await continuation(handler_call_details)
+        if handler is None or not (handler.unary_unary or handler.unary_stream):
+            return handler
+        decode, method = handler.request_deserializer, handler_call_details.method
+        message = f"malformed request for {method}: not a valid protobuf message"
+
+        def tolerant(data: bytes) -> object:
+            try:
+                return decode(data)
+            except Exception:  # noqa: BLE001 - any decode failure is the client's
+                return _MALFORMED
+
+        if handler.unary_unary:
+            inner_uu = handler.unary_unary
+
+            async def unary(request, context):  # noqa: ANN001, ANN202
+                if request is _MALFORMED:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+                return await inner_uu(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary, tolerant, handler.response_serializer)
+        inner_us = handler.unary_stream
+
+        async def streaming(request, context):  # noqa: ANN001, ANN202
+            if request is _MALFORMED:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+            async for item in inner_us(request, context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(streaming, tolerant, handler.response_serializer)

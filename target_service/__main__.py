@@ -76,7 +76,10 @@ async def serve(cfg: TargetConfig, runtime: TargetRuntime) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)
+    try:
+        cfg = parse_args(argv)
+    except (ValueError, OSError) as e:  # a bad setting: say which, no traceback
+        raise SystemExit(f"{__package__}: configuration error: {e}") from None
     configure_logging("target")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
