@@ -59,7 +59,8 @@ def main() -> None:
                 tok_s, s_s = (tok_c, s_c) if n == 1 else run(addr, n, False, a.max_new_tokens, steps)
                 print(json.dumps({
                     "streams": n, "num_steps": steps, "tokens": tok_c,
-                    "concurrent_tokens_per_s": round(tok_c / s_c, 3), "one_at_a_time_tokens_per_s": round(tok_s / s_s, 3),
+                    "concurrent_tokens_per_s": round(tok_c / s_c, 3),
+                    "one_at_a_time_tokens_per_s": round(tok_s / s_s, 3),
                     "ratio": round((tok_c / s_c) / (tok_s / s_s), 3), "model": a.model, "head": a.head,
                 }), flush=True)
     print(json.dumps({"commit": git_commit(), "wall_s": round(time.time() - t_start, 1)}))
