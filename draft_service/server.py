@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,12 +10,12 @@ import grpc
 
 from draft_service.runtime import DraftRuntime
 from specsplit import wire
-from specsplit.ops import Code, DraftOp, DraftResult, ExtendPropose
-from specsplit.serving import log
+from specsplit.ops import DraftOp, DraftResult, ExtendPropose
+from specsplit.step_stream import StepCodec, serve_steps
 from specsplit.telemetry import Telemetry, record_entry_span
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
-MAX_OPS_PER_STEP = 4096
+_CODEC = StepCodec(wire.draft_op_from_proto, wire.draft_result_to_proto, DraftResult, draft_pb2.DraftStepResponse)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -46,27 +45,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Step(self, request_iterator: AsyncIterator[draft_pb2.DraftStepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[draft_pb2.DraftStepResponse]:
-        loop = asyncio.get_running_loop()
-        async for req in request_iterator:
-            t0 = time.perf_counter()
-            if len(req.ops) > MAX_OPS_PER_STEP:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_OPS_PER_STEP} ops in a step")
-            ops, bad = [], []
-            for p in req.ops:
-                op = wire.draft_op_from_proto(p)
-                (ops.append(op) if op is not None else bad.append(p.seq_id))
-            try:
-                results, timing = await loop.run_in_executor(self.executor, self.runtime.step, ops)
-            except Exception as e:
-                log.exception("draft step failed")
-                await context.abort(grpc.StatusCode.INTERNAL, f"draft step failed: {type(e).__name__}: {e}")
-            if self.telemetry.tracing:
-                self._spans(ops, results)
-            results += [DraftResult(s, Code.INVALID_ARGUMENT, "op has no extend_propose/release") for s in bad]
-            timing.total_ms = (time.perf_counter() - t0) * 1e3
-            yield draft_pb2.DraftStepResponse(step_id=req.step_id,
-                                              results=[wire.draft_result_to_proto(r) for r in results],
-                                              timing=wire.timing_to_proto(timing))
+        async for reply in serve_steps(request_iterator, context, "draft", self.executor,
+                                       lambda ops, req: self.runtime.step(ops), _CODEC,
+                                       self._spans if self.telemetry.tracing else None):
+            yield reply
 
     def _spans(self, ops: list[DraftOp], results: list[DraftResult]) -> None:
         for op, r in zip(ops, results, strict=True):

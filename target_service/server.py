@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from specsplit import wire
-from specsplit.ops import Code, Prefill, TargetOp, TargetResult, Verify
-from specsplit.serving import log
+from specsplit.ops import Prefill, TargetOp, TargetResult, Verify
+from specsplit.step_stream import StepCodec, serve_steps
 from specsplit.telemetry import Telemetry, record_entry_span
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.runtime import TargetRuntime
 
-MAX_OPS_PER_STEP = 4096
+_CODEC = StepCodec(wire.target_op_from_proto, wire.target_result_to_proto, TargetResult,
+                   target_pb2.TargetStepResponse)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -37,28 +36,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Step(self, request_iterator: AsyncIterator[target_pb2.TargetStepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[target_pb2.TargetStepResponse]:
-        loop = asyncio.get_running_loop()
-        async for req in request_iterator:
-            t0 = time.perf_counter()
-            if len(req.ops) > MAX_OPS_PER_STEP:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_OPS_PER_STEP} ops in a step")
-            ops, bad = [], []
-            for p in req.ops:
-                op = wire.target_op_from_proto(p)
-                (ops.append(op) if op is not None else bad.append(p.seq_id))
-            try:
-                results, timing = await loop.run_in_executor(self.executor, self.runtime.step, ops,
-                                                             list(req.release_generations))
-            except Exception as e:  # never a traceback to the client
-                log.exception("target step failed")
-                await context.abort(grpc.StatusCode.INTERNAL, f"target step failed: {type(e).__name__}: {e}")
-            if self.telemetry.tracing:
-                self._spans(ops, results)
-            results += [TargetResult(s, Code.INVALID_ARGUMENT, "op has no prefill/verify/release") for s in bad]
-            timing.total_ms = (time.perf_counter() - t0) * 1e3
-            yield target_pb2.TargetStepResponse(step_id=req.step_id,
-                                                results=[wire.target_result_to_proto(r) for r in results],
-                                                timing=wire.timing_to_proto(timing))
+        async for reply in serve_steps(request_iterator, context, "target", self.executor,
+                                       lambda ops, req: self.runtime.step(ops, list(req.release_generations)),
+                                       _CODEC, self._spans if self.telemetry.tracing else None):
+            yield reply
 
     def _spans(self, ops: list[TargetOp], results: list[TargetResult]) -> None:
         for op, r in zip(ops, results, strict=True):
