@@ -75,7 +75,7 @@ class DraftEngine:
     def _open(self, op: ExtendPropose) -> DraftSequence:
         if not self.free_slots:
             raise OpError(Code.RESOURCE_EXHAUSTED, "no free draft KV slot")
-        gen = torch.Generator().manual_seed((op.sampling.seed ^ _DRAFT_SEED_SALT) & (2**63 - 1))
+        gen = torch.Generator(device=self.device).manual_seed((op.sampling.seed ^ _DRAFT_SEED_SALT) & (2**63 - 1))
         seq = DraftSequence(self.free_slots.pop(), 0, op.sampling, gen)
         self.seqs[op.seq_id] = seq
         return seq
@@ -108,7 +108,7 @@ class DraftEngine:
         feats = torch.cat([f for _, _, _, f in work])
         segments = [Segment(seq.slot, seq.length, len(op.tokens)) for _, op, seq, _ in work]
         logits, prenorm = self.head.forward_batch(tokens, feats, segments, self.cache)  # [N, Vd], [N, H]
-        ends = torch.tensor([len(op.tokens) for _, op, _, _ in work]).cumsum(0) - 1
+        ends = torch.tensor([len(op.tokens) for _, op, _, _ in work], device=self.device).cumsum(0) - 1
         last_logits, hidden = logits[ends], prenorm[ends]  # [B, Vd], [B, H]
         for _, op, seq, _ in work:
             seq.length += len(op.tokens)

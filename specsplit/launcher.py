@@ -60,6 +60,8 @@ class StackConfig:
     max_context: int = 2048
     max_sequences: int = 8
     hidden_backend: str = "shm"
+    device: str | None = None  # the target's --device (None: its default, the CPU); `cuda` puts rank r on GPU r
+    draft_device: str | None = None  # the draft's --device (None: `device`)
     target_port: int = 0  # 0: a free port
     draft_port: int = 0
     gateway_port: int = 0
@@ -104,12 +106,14 @@ class ServiceStack:
             c.extra_target_args = [*c.extra_target_args, "--draft-config", str(head_config)]
         common = ["--dtype", c.dtype, "--max-context", str(c.max_context), "--max-sequences", str(c.max_sequences),
                   "--threads", str(c.threads)]
+        target_device = ["--device", c.device] if c.device else []
+        draft_device = ["--device", c.draft_device or c.device] if c.draft_device or c.device else []
         self._spawn("target", "target_service", ["--model", c.model, "--tp-size", str(c.tp_size), "--port",
                                                  str(self.ports["target"]), "--hidden-backend", c.hidden_backend,
-                                                 *common, *c.extra_target_args])
+                                                 *target_device, *common, *c.extra_target_args])
         if c.with_draft:
             self._spawn("draft", "draft_service", ["--head", c.head, "--target", c.model, "--port",
-                                                   str(self.ports["draft"]), *common])
+                                                   str(self.ports["draft"]), *common, *draft_device])
         try:
             wait_serving(self.addr("target"), self.procs["target"], timeout, "target_service")
             if c.with_draft:

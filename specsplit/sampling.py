@@ -34,9 +34,10 @@ def select_token(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> int
     return sample(probs_from_logits(logits[None], s)[0], gen)
 
 
-def dense(dist: SparseDist, vocab: int) -> torch.Tensor:
-    q = torch.zeros(vocab)
-    q[torch.tensor(dist[0], dtype=torch.long)] = torch.tensor(dist[1], dtype=torch.float32)
+def dense(dist: SparseDist, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    q = torch.zeros(vocab, device=device)
+    q[torch.tensor(dist[0], dtype=torch.long, device=device)] = torch.tensor(dist[1], dtype=torch.float32,
+                                                                             device=device)
     return q
 
 
@@ -59,8 +60,8 @@ def verify_chain(logits: torch.Tensor, draft_ids: list[int], draft_dists: list[S
     p = probs_from_logits(logits, s)  # [k+1, V]
     vocab = p.shape[-1]
     for i, x in enumerate(draft_ids):
-        q = dense(draft_dists[i], vocab)
-        u = float(torch.rand(1, generator=gen))
+        q = dense(draft_dists[i], vocab, p.device)
+        u = float(torch.rand(1, generator=gen, device=gen.device))
         if q[x] > 0 and u * float(q[x]) < float(p[i, x]):
             continue
         residual = torch.clamp(p[i] - q, min=0.0)

@@ -151,7 +151,7 @@ class TargetEngine:
 
     def _plan(self, i: int, op: TargetOp) -> Work:
         if isinstance(op, Prefill):
-            gen = torch.Generator().manual_seed(op.sampling.seed)
+            gen = torch.Generator(device=self.device).manual_seed(op.sampling.seed)  # where the logits are
             seq = Sequence(self.free_slots.pop(), 0, -1, op.sampling, gen)
             self.seqs[op.seq_id] = seq
             return Work(i, op, seq, op.prompt_ids, 0, seq.slot)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -24,13 +25,21 @@ from target_service.engine import Plan, TargetEngine
 _STOP = "stop"
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of `rank`: `cuda:K` (plain `cuda`: K = 0) puts rank r on GPU K + r; other devices are shared."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev
+    return torch.device("cuda", (dev.index or 0) + rank)
+
+
 def build_model(cfg: TargetConfig, tp: TensorParallel) -> LlamaModel:
     model_dir = resolve_target_dir(cfg.model)
     mcfg = load_target_config(model_dir)
     if cfg.max_context > mcfg.max_position:
         raise ValueError(f"max_context {cfg.max_context} exceeds the model's {mcfg.max_position} positions")
     aux = cfg.resolve_aux_layer_ids(mcfg.default_aux_layer_ids())
-    with torch.device(cfg.device):
+    with torch.device(rank_device(cfg.device, tp.rank)):
         model = LlamaModel(mcfg, tp, aux)
     model.load_full_weights(load_safetensors_dir(model_dir))
     return model.to(DTYPES[cfg.dtype]).eval()
@@ -42,14 +51,24 @@ class TargetRuntime:
 
     def __init__(self, cfg: TargetConfig, tp: TensorParallel, model: LlamaModel | None = None) -> None:
         self.cfg, self.tp = cfg, tp
+        self.device = rank_device(cfg.device, tp.rank)
         self.model = model or build_model(cfg, tp)
         self.engine = TargetEngine(cfg, self.model)
         self.writer = None
         if tp.rank == 0:
             width = 3 * self.model.cfg.hidden_size
-            self.writer = open_writer(cfg.hidden_backend, cfg.ring_rows, width, DTYPES[cfg.dtype], cfg.device)
+            self.writer = open_writer(cfg.hidden_backend, cfg.ring_rows, width, DTYPES[cfg.dtype], self.device)
+
+    def _on_device(self) -> contextlib.AbstractContextManager[object]:
+        # the current CUDA device is per thread and steps run on the server's engine thread:
+        # NCCL's broadcast_object_list (and anything else that takes the current device) must find this rank's GPU
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def step(self, ops: list[TargetOp], release_generations: list[int]) -> tuple[list[TargetResult], StepTiming]:
+        with self._on_device():
+            return self._step(ops, release_generations)
+
+    def _step(self, ops: list[TargetOp], release_generations: list[int]) -> tuple[list[TargetResult], StepTiming]:
         assert self.writer is not None, "only rank 0 serves steps"
         t0 = time.perf_counter()
         for g in release_generations:
@@ -85,19 +104,30 @@ class TargetRuntime:
                 "ring_live_allocations": self.writer.allocator.live_allocations}
 
     def close(self) -> None:
-        if self.tp.world_size > 1:
-            dist.broadcast_object_list([_STOP], src=0)
-        if self.writer is not None:
-            self.writer.close()
+        with self._on_device():
+            if self.tp.world_size > 1:
+                dist.broadcast_object_list([_STOP], src=0)
+            if self.writer is not None:
+                self.writer.close()
 
 
 def init_distributed(rank: int, world_size: int, port: int, device: str) -> TensorParallel:
+    """Join the rank group. On CUDA this rank's GPU (see rank_device) becomes the current
+    device first, so NCCL and broadcast_object_list work on it."""
+    dev = rank_device(device, rank)
+    if dev.type == "cuda":
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"rank {rank} of {world_size} on --device {device} needs {dev}, but only "
+                             f"{torch.cuda.device_count()} CUDA devices are visible")
+        torch.cuda.set_device(dev)
     if world_size > 1:
-        backend = "nccl" if device.startswith("cuda") else "gloo"
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        bind = {"device_id": dev} if backend == "nccl" else {}
         if "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
-            dist.init_process_group(backend)  # started by torchrun
+            dist.init_process_group(backend, **bind)  # started by torchrun
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                    **bind)
     return TensorParallel(rank, world_size)
 
 
