@@ -4,6 +4,7 @@ in-process baseline for benchmarks and the harness for losslessness tests."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 from draft_service.config import DraftConfig
@@ -54,8 +55,14 @@ class LocalEngines:
                     if isinstance(ev, Finished):
                         results.append(LocalResult(seq.generated, ev.reason, seq.stats))
                         break
+            deadline = time.monotonic() + 60
             while sched.busy:  # let the last releases go out
-                await asyncio.sleep(0.001)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"scheduler still busy after the last result: running={len(sched.running)} "
+                                       f"waiting={len(sched.waiting)} target_down={sched.target_down} "
+                                       f"draft_down={sched.draft_down} releases={sched.target_releases} "
+                                       f"draft_releases={sched.draft_releases} free={sched.free_generations}")
+                await asyncio.sleep(0.005)
             return results
         finally:
             await sched.stop()

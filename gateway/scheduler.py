@@ -196,13 +196,18 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.in_cycle or self.waiting or self.running or self.target_releases or self.draft_releases
+        """Work the loop can do now (with the target down, only releases for the draft)."""
+        if self.in_cycle:
+            return True
+        if self.target_down:
+            return bool(self.draft_releases)
+        return bool(self.waiting or self.running or self.target_releases or self.draft_releases
                     or self.free_generations)
 
     # -- the loop
     async def _run(self) -> None:
         while True:
-            if not self.busy or (self.target_down and not self.draft_releases):
+            if not self.busy:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
