@@ -144,12 +144,12 @@ class ServiceStack:
         wait_serving(self.addr(name), self._spawn(name, module, args), timeout, name)
 
     def stop(self) -> None:
+        """Gateway first (it closes its streams), then draft and target."""
         for name in ("gateway", "draft", "target"):
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
                 continue
             os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
