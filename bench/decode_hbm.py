@@ -38,7 +38,7 @@ def main() -> None:
     torch.set_default_dtype(torch.float32)
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.02, generator=g)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
