@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--hbm-tb-s", type=float, default=4.8, help="H200 HBM3e bandwidth")
+    p.add_argument("--profile", action="store_true", help="also print a torch.profiler table of 4 steps (stderr)")
     a = p.parse_args()
     cfg = LLAMA_31_8B
     torch.set_default_dtype(torch.bfloat16)
@@ -42,7 +43,7 @@ def main() -> None:
             if param.dim() > 1:
                 param.normal_(0.0, 0.02, generator=g)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    cache = model.new_cache(1, a.prompt + a.tokens + 8)
+    cache = model.new_cache(1, a.prompt + a.tokens + 16)
     tokens = torch.randint(0, cfg.vocab_size, (a.prompt,), device="cuda", generator=g)
     logits, _ = model(tokens, 0, cache, 0)
     nxt = logits[-1].argmax().view(1)
@@ -59,6 +60,17 @@ def main() -> None:
     dt = time.perf_counter() - t0
     n = a.tokens - 8
     bound = a.hbm_tb_s * 1e12 / weight_bytes
+    if a.profile:
+        import sys
+
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(4):
+                logits, _ = model(nxt, pos + n + i, cache, 0)
+                nxt = logits[-1].argmax().view(1)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), file=sys.stderr)
     print(json.dumps({
         "bench": "decode_hbm", "model": cfg.name, "dtype": "bfloat16", "batch": 1, "mode": "eager",
         "weight_gb": round(weight_bytes / 1e9, 3), "tokens": n, "ms_per_token": round(dt / n * 1e3, 3),
