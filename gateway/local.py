@@ -41,6 +41,7 @@ class LocalEngines:
                         ) -> list[LocalResult]:
         draft = draft_client or (LocalDraft(self.draft) if self.draft is not None else None)
         sched = Scheduler(LocalTarget(self.target), draft, self.target.cfg.max_sequences, max_queue=10_000)
+        self.scheduler = sched  # for tests that inject faults
         if draft is not None:
             sched.draft_restored()
         sched.start()

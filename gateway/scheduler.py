@@ -123,6 +123,7 @@ class Scheduler:
         self.wake = asyncio.Event()
         self.target_releases: list[int] = []
         self.draft_releases: list[int] = []
+        self.draft_orphans: list[int] = []  # finished while the draft was down
         self.free_generations: list[int] = []  # ring allocations to reclaim on the next target call
         self.task: asyncio.Task[None] | None = None
         self.cycles = 0
@@ -173,6 +174,8 @@ class Scheduler:
     def draft_restored(self) -> None:
         """The draft is attached again (maybe a new process): it will be resynced per sequence."""
         self.draft_down = False
+        self.draft_releases += self.draft_orphans  # harmless for a new process, needed for the same one
+        self.draft_orphans = []
         log.info("draft attached: speculation resumes")
         self.wake.set()
 
@@ -326,6 +329,9 @@ class Scheduler:
             if isinstance(op, Prefill):
                 self.running.remove(s)
                 self.waiting.appendleft(s)
+            elif isinstance(op, Recapture):  # no scratch slot: go on target-only rather than stall
+                log.info("sequence %d cannot be resynced now (%s): target-only from here", s.seq_id, r.message)
+                s.spec = False
             return
         if r.code != Code.OK:
             status = grpc.StatusCode.INVALID_ARGUMENT if r.code == Code.INVALID_ARGUMENT else grpc.StatusCode.INTERNAL
@@ -384,8 +390,8 @@ class Scheduler:
             self.running.remove(s)
             if s.prefilled and not self.target_down:
                 self.target_releases.append(s.seq_id)
-            if s.in_draft and not self.draft_down:
-                self.draft_releases.append(s.seq_id)
+            if s.in_draft:  # while the draft is down, kept until it is back (it may be the same process)
+                (self.draft_orphans if self.draft_down else self.draft_releases).append(s.seq_id)
         if s.pending is not None:
             if not self.target_down:
                 self.free_generations.append(s.pending[1].generation)

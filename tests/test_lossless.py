@@ -85,3 +85,35 @@ def test_concurrent_sequences_equal_solo_runs(tiny_engines: LocalEngines) -> Non
     together = tiny_engines.generate([request(p, s, 30, {511}) for p, s in zip(TINY_PROMPTS, [0, 2, 4, 6],
                                                                                 strict=True)])
     assert [r.tokens for r in together] == solo
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_draft_failure_mid_generation_keeps_tokens_and_never_stalls(tiny_target: Path, tiny_head: Path,
+                                                                    slots: int) -> None:
+    """The draft fails once and is back at once: with a free KV slot the sequence is
+    resynced (Recapture); without one it goes on target-only. Tokens never change."""
+    import asyncio
+
+    engines = LocalEngines(TargetConfig(model=str(tiny_target), max_context=256, max_sequences=slots),
+                           DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
+    try:
+        (base,) = engines.generate([request([5, 6, 7], 0, 40, set())])
+
+        class FailsOnce:
+            calls = 0
+
+            async def step(self, ops):  # noqa: ANN001, ANN202
+                self.calls += 1
+                if self.calls == 4:  # back a moment later, as the gateway's recovery would bring it
+                    asyncio.get_running_loop().call_later(0.02, engines.scheduler.draft_restored)
+                    raise ConnectionError("draft went away")
+                return await LocalDraft(engines.draft).step(ops)
+
+        flaky = FailsOnce()
+        (spec,) = engines.generate([request([5, 6, 7], 3, 40, set())], flaky)
+        assert spec.tokens == base.tokens and spec.finish == "length"
+        if slots > 1:
+            assert flaky.calls > 5  # resynced: the draft was used again after the failure
+        assert engines.draft.stats()["active_sequences"] == 0 and engines.target.stats()["active_sequences"] == 0
+    finally:
+        engines.close()
