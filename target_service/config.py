@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from specsplit.handoff.base import DTYPES
@@ -27,7 +27,6 @@ class TargetConfig:
     port: int = 50061
     dist_port: int = 0  # gloo/NCCL rendezvous port for tp_size > 1 (0: pick a free one)
     threads: int = 0  # torch intra-op threads per rank (0: torch's default)
-    extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> TargetConfig:
         if self.dtype not in DTYPES:
