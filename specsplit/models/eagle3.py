@@ -7,7 +7,17 @@ import torch
 from torch import nn
 
 from specsplit.models.config import Eagle3Config
-from specsplit.models.layers import MLP, Attention, KVCache, RMSNorm, Rotary, Segment, load_linear, segment_positions
+from specsplit.models.layers import (
+    MLP,
+    Attention,
+    Batch,
+    KVCache,
+    RMSNorm,
+    Rotary,
+    Segment,
+    StaticBatch,
+    segment_positions,
+)
 from specsplit.models.parallel import ParallelLMHead, TensorParallel, shard_heads
 
 
@@ -23,9 +33,9 @@ class Eagle3MidLayer(nn.Module):
         self.mlp = MLP(h, cfg.intermediate_size, tp)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                cache: KVCache, segments: list[Segment]) -> torch.Tensor:
+                cache: KVCache, batch: Batch) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [N, 2H]
-        h = hidden + self.self_attn(x, positions, rotary, cache, 0, segments)
+        h = hidden + self.self_attn(x, positions, rotary, cache, 0, batch)
         return h + self.mlp(self.post_attention_layernorm(h))  # pre-norm sum [T, H]
 
 
@@ -59,10 +69,24 @@ class Eagle3Head(nn.Module):
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [N], hidden [N, 3H] (target features) or [N, H] (own previous step)
         -> draft-vocab logits [N, Vd], pre-norm hidden [N, H] for the next step."""
+        return self._forward(tokens, hidden, segment_positions(segments, tokens.device), segments, cache)
+
+    @torch.inference_mode()
+    def forward_static(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                       slots: torch.Tensor, ctx: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """A padded batch for CUDA graphs: tokens, positions [B, T], hidden [B, T, 3H or H],
+        slots [B] -> logits [B, T, Vd], pre-norm hidden [B, T, H]."""
+        b, t = tokens.shape
+        batch = StaticBatch.build(slots, positions, ctx)
+        logits, prenorm = self._forward(tokens.reshape(-1), hidden.reshape(b * t, -1), positions.reshape(-1),
+                                        batch, cache)
+        return logits.view(b, t, -1), prenorm.view(b, t, -1)
+
+    def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, batch: Batch,
+                 cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden.to(self.fc.weight.dtype))
-        positions = segment_positions(segments, tokens.device)
-        prenorm = self.midlayer(self.embed_tokens(tokens), hidden, positions, self.rotary, cache, segments)
+        prenorm = self.midlayer(self.embed_tokens(tokens), hidden, positions, self.rotary, cache, batch)
         return self.lm_head(self.norm(prenorm)).float(), prenorm
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -77,10 +101,8 @@ class Eagle3Head(nn.Module):
         m = self.midlayer
         for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
             getattr(m, name).weight.data.copy_(weights[f"midlayer.{name}.weight"])
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            load_linear(getattr(m.self_attn, name), weights, f"midlayer.self_attn.{name}")
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            load_linear(getattr(m.mlp, name), weights, f"midlayer.mlp.{name}")
+        m.self_attn.load(weights, "midlayer.self_attn")
+        m.mlp.load(weights, "midlayer.mlp")
         self.norm.weight.data.copy_(weights["norm.weight"])
         lm = weights.get("lm_head.weight")
         if lm is None:

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.models.parallel import (
-    ColumnParallelLinear,
     HeadShard,
+    MergedColumnParallelLinear,
     RowParallelLinear,
     TensorParallel,
     split_range,
@@ -81,6 +81,25 @@ def segment_positions(segments: list[Segment], device: torch.device | str) -> to
     return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segments])  # [N]
 
 
+@dataclass
+class StaticBatch:
+    """B sequences of T tokens each (padded), described by tensors only, so that one CUDA
+    graph serves every step of that shape: each sequence reads keys [0, ctx) of its slot."""
+
+    slots: torch.Tensor  # [B] KV slot of each sequence
+    positions: torch.Tensor  # [B, T]
+    ctx: int  # keys read per sequence: a bucket >= max(positions) + 1
+    allowed: torch.Tensor  # [B, 1, T, ctx] key s is visible to query t: s <= positions[b, t]
+
+    @staticmethod
+    def build(slots: torch.Tensor, positions: torch.Tensor, ctx: int) -> StaticBatch:
+        keys = torch.arange(ctx, device=positions.device)
+        return StaticBatch(slots, positions, ctx, (keys[None, None, :] <= positions[:, :, None])[:, None])
+
+
+Batch = list[Segment] | StaticBatch
+
+
 class KVCache:
     """Preallocated per-sequence KV slots: [layers, slots, max_len, kv_heads, head_dim]."""
 
@@ -101,6 +120,15 @@ class KVCache:
         self.v[layer, slot, start:end] = v
         return self.k[layer, slot, :end], self.v[layer, slot, :end]
 
+    def write_and_gather(self, layer: int, batch: StaticBatch, k: torch.Tensor, v: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, T, kv_heads, head_dim] at each sequence's positions; return keys and
+        values [B, ctx, kv_heads, head_dim]. No host synchronisation: capturable."""
+        rows = batch.slots[:, None]  # [B, 1] broadcast against positions [B, T]
+        self.k[layer].index_put_((rows, batch.positions), k)
+        self.v[layer].index_put_((rows, batch.positions), v)
+        return self.k[layer, batch.slots, : batch.ctx], self.v[layer, batch.slots, : batch.ctx]
+
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """q [T, Hq, D] at positions start..start+T-1 against k, v [S, Hkv, D], S = start+T."""
@@ -114,6 +142,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return out.transpose(0, 1).reshape(t, -1)
 
 
+def static_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """q [B, T, Hq, D] against k, v [B, ctx, Hkv, D] under the mask [B, 1, T, ctx] -> [B*T, Hq*D]."""
+    b, t, hq, d = q.shape
+    ctx, hkv = k.shape[1], k.shape[2]
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # [B, ctx, Hkv, D] -> [B, Hq, ctx, D], each KV head per group
+        x = x.permute(0, 2, 1, 3)
+        return x if hkv == hq else x[:, :, None].expand(b, hkv, hq // hkv, ctx, d).reshape(b, hq, ctx, d)
+
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), heads(k), heads(v), attn_mask=allowed)  # [B, Hq, T, D]
+    return out.transpose(1, 2).reshape(b * t, hq * d)
+
+
 class Attention(nn.Module):
     def __init__(self, in_features: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  shard: HeadShard, tp: TensorParallel, bias: bool = False, qk_norm_eps: float | None = None
@@ -121,53 +162,56 @@ class Attention(nn.Module):
         super().__init__()
         d = head_dim
         self.head_dim, self.shard = d, shard
-        self.q_proj = ColumnParallelLinear(in_features, shard.q_start * d, (shard.q_start + shard.q_count) * d, bias)
-        kv = (shard.kv_start * d, (shard.kv_start + shard.kv_count) * d)
-        self.k_proj = ColumnParallelLinear(in_features, *kv, bias=bias)
-        self.v_proj = ColumnParallelLinear(in_features, *kv, bias=bias)
-        self.o_proj = RowParallelLinear(shard.q_start * d, (shard.q_start + shard.q_count) * d, hidden, tp)
+        q_rows = (shard.q_start * d, (shard.q_start + shard.q_count) * d)
+        kv_rows = (shard.kv_start * d, (shard.kv_start + shard.kv_count) * d)
+        self.qkv_proj = MergedColumnParallelLinear(in_features, [q_rows, kv_rows, kv_rows], bias)
+        self.o_proj = RowParallelLinear(*q_rows, hidden, tp)
         self.q_norm = RMSNorm(d, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(d, qk_norm_eps) if qk_norm_eps is not None else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache: KVCache,
-                layer: int, segments: list[Segment]) -> torch.Tensor:
-        """x [N, in]: the tokens of every segment, flattened. Projections run once for the
-        whole batch; attention runs per segment against its own KV slot."""
+                layer: int, batch: Batch) -> torch.Tensor:
+        """x [N, in]: the tokens of every sequence, flattened. Projections run once for the
+        whole batch; attention runs per segment against its own KV slot, or for a static
+        batch in one padded call."""
         n, d = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(n, -1, d)
-        k = self.k_proj(x).view(n, -1, d)
-        v = self.v_proj(x).view(n, -1, d)
+        q, k, v = (y.reshape(n, -1, d) for y in self.qkv_proj.split(self.qkv_proj(x)))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, positions), rotary(k, positions)
+        if isinstance(batch, StaticBatch):
+            b, t = batch.positions.shape
+            k_all, v_all = cache.write_and_gather(layer, batch, k.view(b, t, -1, d), v.view(b, t, -1, d))
+            return self.o_proj(static_attention(q.view(b, t, -1, d), k_all, v_all, batch.allowed))
         outs, off = [], 0
-        for seg in segments:
+        for seg in batch:
             part = slice(off, off + seg.length)
             k_all, v_all = cache.write_and_read(layer, seg.slot, seg.start, k[part], v[part])
             outs.append(causal_attention(q[part], k_all, v_all, seg.start))
             off += seg.length
         return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
+    def load(self, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        names = ("q_proj", "k_proj", "v_proj")
+        self.qkv_proj.load_parts([weights[f"{prefix}.{n}.weight"] for n in names],
+                                 [weights.get(f"{prefix}.{n}.bias") for n in names])
+        self.o_proj.load_full(weights[f"{prefix}.o_proj.weight"])
+        if self.q_norm is not None and self.k_norm is not None:
+            self.q_norm.weight.data.copy_(weights[f"{prefix}.q_norm.weight"])
+            self.k_norm.weight.data.copy_(weights[f"{prefix}.k_norm.weight"])
+
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, tp: TensorParallel) -> None:
         super().__init__()
         i0, i1 = split_range(intermediate, tp.world_size, tp.rank)
-        self.gate_proj = ColumnParallelLinear(hidden, i0, i1)
-        self.up_proj = ColumnParallelLinear(hidden, i0, i1)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [(i0, i1), (i0, i1)])
         self.down_proj = RowParallelLinear(i0, i1, hidden, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
-
-def load_linear(module: nn.Module, weights: dict[str, torch.Tensor], prefix: str) -> None:
-    """Load a (possibly parallel) linear layer from full, unsharded weights."""
-    weight = weights[f"{prefix}.weight"]
-    bias = weights.get(f"{prefix}.bias")
-    if isinstance(module, ColumnParallelLinear):
-        module.load_full(weight, bias)
-    elif isinstance(module, RowParallelLinear):
-        module.load_full(weight)
-    else:
-        raise TypeError(f"{prefix}: not a parallel linear layer")
+    def load(self, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        self.gate_up_proj.load_parts([weights[f"{prefix}.gate_proj.weight"], weights[f"{prefix}.up_proj.weight"]])
+        self.down_proj.load_full(weights[f"{prefix}.down_proj.weight"])

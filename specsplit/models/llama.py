@@ -6,7 +6,17 @@ import torch
 from torch import nn
 
 from specsplit.models.config import LlamaConfig
-from specsplit.models.layers import MLP, Attention, KVCache, RMSNorm, Rotary, Segment, load_linear, segment_positions
+from specsplit.models.layers import (
+    MLP,
+    Attention,
+    Batch,
+    KVCache,
+    RMSNorm,
+    Rotary,
+    Segment,
+    StaticBatch,
+    segment_positions,
+)
 from specsplit.models.parallel import ParallelLMHead, TensorParallel, shard_heads
 
 
@@ -22,8 +32,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache: KVCache,
-                layer: int, segments: list[Segment]) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, cache, layer, segments)
+                layer: int, batch: Batch) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, cache, layer, batch)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -58,11 +68,24 @@ class LlamaModel(nn.Module):
                       capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Several sequences in one pass: tokens [N] (segments concatenated) -> logits [N, V],
         aux [N, 3H] (the outputs of the capture layers) or None."""
-        positions = segment_positions(segments, tokens.device)
+        return self._forward(tokens, segment_positions(segments, tokens.device), segments, cache, capture)
+
+    @torch.inference_mode()
+    def forward_static(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: int,
+                       cache: KVCache, capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A padded batch for CUDA graphs: tokens, positions [B, T], slots [B] -> logits [B, T, V],
+        aux [B, T, 3H] or None. Keys [0, ctx) of each slot are read; no host synchronisation."""
+        b, t = tokens.shape
+        batch = StaticBatch.build(slots, positions, ctx)
+        logits, aux = self._forward(tokens.reshape(-1), positions.reshape(-1), batch, cache, capture)
+        return logits.view(b, t, -1), None if aux is None else aux.view(b, t, -1)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: Batch, cache: KVCache,
+                 capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.embed_tokens(tokens)  # [N, H]
         captured: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, self.rotary, cache, i, segments)
+            h = layer(h, positions, self.rotary, cache, i, batch)
             if capture and i in self.aux_layer_ids:
                 captured.append(h)
         aux = torch.cat([captured[self.aux_layer_ids.index(i)] for i in self.aux_layer_ids], -1) if capture else None
@@ -78,13 +101,8 @@ class LlamaModel(nn.Module):
             p = f"model.layers.{i}"
             layer.input_layernorm.weight.data.copy_(weights[f"{p}.input_layernorm.weight"])
             layer.post_attention_layernorm.weight.data.copy_(weights[f"{p}.post_attention_layernorm.weight"])
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                load_linear(getattr(layer.self_attn, name), weights, f"{p}.self_attn.{name}")
-            if layer.self_attn.q_norm is not None:
-                layer.self_attn.q_norm.weight.data.copy_(weights[f"{p}.self_attn.q_norm.weight"])
-                layer.self_attn.k_norm.weight.data.copy_(weights[f"{p}.self_attn.k_norm.weight"])
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                load_linear(getattr(layer.mlp, name), weights, f"{p}.mlp.{name}")
+            layer.self_attn.load(weights, f"{p}.self_attn")
+            layer.mlp.load(weights, f"{p}.mlp")
 
 
 def random_llama_weights(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:

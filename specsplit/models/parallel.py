@@ -28,6 +28,10 @@ class TensorParallel:
         """Concatenate equal-sized shards along the last dimension."""
         if self.world_size == 1:
             return x
+        if x.is_cuda:  # one output tensor: capturable in a CUDA graph
+            out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)  # [W, ..., shard]
+            dist.all_gather_into_tensor(out, x.contiguous())
+            return out.movedim(0, -2).reshape(*x.shape[:-1], -1)
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
@@ -59,17 +63,24 @@ def shard_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadSh
     return HeadShard(tp.rank * q_count, q_count, tp.rank * num_kv_heads // tp.world_size, 1)
 
 
-class ColumnParallelLinear(nn.Linear):
-    """y_local = x @ W[rows].T : each rank owns a slice of the output features."""
+class MergedColumnParallelLinear(nn.Linear):
+    """Several column-parallel projections of one input in one GEMM (q|k|v, gate|up):
+    each rank stores its row slice of every part, stacked; `split` separates the outputs."""
 
-    def __init__(self, in_features: int, out_start: int, out_end: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_end - out_start, bias=bias)
-        self.out_start, self.out_end = out_start, out_end
+    def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool = False) -> None:
+        super().__init__(in_features, sum(end - start for start, end in parts), bias=bias)
+        self.parts = parts  # [(out_start, out_end)] of each part, in full-weight rows
+        self.sizes = [end - start for start, end in parts]
 
-    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight.data.copy_(weight[self.out_start : self.out_end])
-        if self.bias is not None and bias is not None:
-            self.bias.data.copy_(bias[self.out_start : self.out_end])
+    def load_parts(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> None:
+        self.weight.data.copy_(torch.cat([w[s:e] for w, (s, e) in zip(weights, self.parts, strict=True)]))
+        if self.bias is not None:
+            if biases is None or any(b is None for b in biases):
+                raise KeyError("a biased merged projection needs the bias of every part")
+            self.bias.data.copy_(torch.cat([b[s:e] for b, (s, e) in zip(biases, self.parts, strict=True)]))
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(y, self.sizes, dim=-1)
 
 
 class RowParallelLinear(nn.Linear):
