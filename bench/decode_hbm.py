@@ -1,8 +1,12 @@
-"""Target-only decode at batch 1 on one GPU against the HBM bound (issue 3a baseline).
+"""Target-only decode at batch 1 on one GPU against the HBM bound (issue 3a).
 
 Builds a Llama-3.1-8B-shaped target with random bf16 weights directly on the GPU, runs a
-short prefill, then greedy decoding, and prints JSON: tokens/s and the fraction of the
-bound weight_bytes / HBM bandwidth. Eager PyTorch for now (no CUDA graphs yet).
+short prefill, then greedy decoding three ways in one run, and prints one JSON line each:
+  segments  the eager per-segment path (what CPU serving runs),
+  static    the padded static batch run eagerly,
+  graphs    the static batch replayed from CUDA graphs (what CUDA serving runs),
+with tokens/s, the fraction of the bound weight_bytes / HBM bandwidth and the speed-up over
+`segments`. The three greedy token streams must agree (checked, reported).
 
   python -m bench.decode_hbm --tokens 128
 """
@@ -11,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
 
 from specsplit.models.config import LlamaConfig
+from specsplit.models.cuda_graphs import GraphCache, bucket_up, pow2_buckets
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
 
@@ -25,12 +31,64 @@ LLAMA_31_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_layers=
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
 
+def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, ctx_buckets: tuple[int, ...],
+           profile: bool = False) -> tuple[float, list[int]]:
+    """Prefill then `steps` greedy decode steps timed after 8 warm-up steps: (seconds, tokens)."""
+    cache = model.new_cache(1, ctx_buckets[-1])
+    graphs = GraphCache(torch.device("cuda"), enabled=mode == "graphs")
+    logits, _ = model(prompt, 0, cache, 0)
+    nxt = logits[-1].argmax().view(1, 1)  # [1, 1]
+    slots = torch.zeros(1, dtype=torch.long, device="cuda")
+    out: list[torch.Tensor] = []
+
+    def step(pos: int) -> torch.Tensor:
+        if mode == "segments":
+            lg, _ = model(nxt.view(1), pos, cache, 0)
+            return lg[-1].argmax().view(1, 1)
+        ctx = bucket_up(pos + 1, ctx_buckets)
+        positions = torch.full((1, 1), pos, dtype=torch.long, device="cuda")
+
+        def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
+            return model.forward_static(tokens, positions, slots, ctx, cache)
+
+        with torch.inference_mode():
+            lg, _ = graphs.run((1, 1, ctx), fn, tokens=nxt, positions=positions, slots=slots)
+            return lg[0, -1].argmax().view(1, 1)
+
+    pos = prompt.shape[0]
+    for _ in range(8):  # warm-up (captures the graph of the first context bucket)
+        nxt = step(pos)
+        out.append(nxt)
+        pos += 1
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = step(pos)
+        out.append(nxt)
+        pos += 1
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(4):
+                nxt = step(pos)
+                pos += 1
+            torch.cuda.synchronize()
+        print(f"== {mode}", file=sys.stderr)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), file=sys.stderr)
+    return dt, [int(t) for t in torch.cat(out).flatten().tolist()]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--hbm-tb-s", type=float, default=4.8, help="H200 HBM3e bandwidth")
-    p.add_argument("--profile", action="store_true", help="also print a torch.profiler table of 4 steps (stderr)")
+    p.add_argument("--modes", default="segments,static,graphs")
+    p.add_argument("--profile", action="store_true", help="also print a torch.profiler table per mode (stderr)")
     a = p.parse_args()
     cfg = LLAMA_31_8B
     torch.set_default_dtype(torch.bfloat16)
@@ -43,41 +101,23 @@ def main() -> None:
             if param.dim() > 1:
                 param.normal_(0.0, 0.02, generator=g)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    cache = model.new_cache(1, a.prompt + a.tokens + 16)
-    tokens = torch.randint(0, cfg.vocab_size, (a.prompt,), device="cuda", generator=g)
-    logits, _ = model(tokens, 0, cache, 0)
-    nxt = logits[-1].argmax().view(1)
-    for i in range(8):  # warm-up
-        logits, _ = model(nxt, a.prompt + i, cache, 0)
-        nxt = logits[-1].argmax().view(1)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    pos = a.prompt + 8
-    for i in range(a.tokens - 8):
-        logits, _ = model(nxt, pos + i, cache, 0)
-        nxt = logits[-1].argmax().view(1)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    n = a.tokens - 8
     bound = a.hbm_tb_s * 1e12 / weight_bytes
-    if a.profile:
-        import sys
-
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(4):
-                logits, _ = model(nxt, pos + n + i, cache, 0)
-                nxt = logits[-1].argmax().view(1)
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), file=sys.stderr)
-    print(json.dumps({
-        "bench": "decode_hbm", "model": cfg.name, "dtype": "bfloat16", "batch": 1, "mode": "eager",
-        "weight_gb": round(weight_bytes / 1e9, 3), "tokens": n, "ms_per_token": round(dt / n * 1e3, 3),
-        "tokens_per_s": round(n / dt, 2), "hbm_bound_tokens_per_s": round(bound, 1),
-        "fraction_of_bound": round(n / dt / bound, 4), "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-    }))
+    prompt = torch.randint(0, cfg.vocab_size, (a.prompt,), device="cuda", generator=g)
+    ctx_buckets = pow2_buckets(128, a.prompt + a.tokens + 16)
+    base_tps, base_tokens = None, None
+    for mode in a.modes.split(","):
+        dt, tokens = decode(model, mode, prompt, a.tokens, ctx_buckets, a.profile)
+        tps = a.tokens / dt
+        base_tps, base_tokens = base_tps or tps, base_tokens or tokens
+        print(json.dumps({
+            "bench": "decode_hbm", "model": cfg.name, "dtype": "bfloat16", "batch": 1, "mode": mode,
+            "weight_gb": round(weight_bytes / 1e9, 3), "tokens": a.tokens,
+            "ms_per_token": round(dt / a.tokens * 1e3, 3),
+            "tokens_per_s": round(tps, 2), "hbm_bound_tokens_per_s": round(bound, 1),
+            "fraction_of_bound": round(tps / bound, 4), "speedup_vs_first_mode": round(tps / base_tps, 3),
+            "same_tokens_as_first_mode": tokens == base_tokens, "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+        }), flush=True)
 
 
 if __name__ == "__main__":

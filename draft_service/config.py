@@ -19,6 +19,7 @@ class DraftConfig:
     host: str = "127.0.0.1"
     port: int = 50062
     threads: int = 0
+    cuda_graphs: bool = True  # extend and proposal steps in CUDA graphs (on CUDA devices only)
 
     def validate(self) -> DraftConfig:
         if self.dtype not in DTYPES:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specsplit.handoff.base import HiddenReader
+from specsplit.models.cuda_graphs import GraphCache, bucket_up, pow2_buckets
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.layers import Segment
 from specsplit.ops import Code, DraftOp, DraftResult, ExtendPropose, OpError, Release, Sampling, SparseDist
@@ -30,14 +31,22 @@ class DraftSequence:
 
 
 class DraftEngine:
-    def __init__(self, head: Eagle3Head, max_sequences: int, max_context: int, max_steps: int) -> None:
+    def __init__(self, head: Eagle3Head, max_sequences: int, max_context: int, max_steps: int,
+                 cuda_graphs: bool = True) -> None:
         self.head, self.max_steps, self.max_context = head, max_steps, max_context
-        self.cache = head.new_cache(max_sequences, max_context + max_steps)
+        # a spare slot for the padding rows of static batches; room for padded extends and proposals
+        self.pad_slot = max_sequences
+        self.cache = head.new_cache(max_sequences + 1, max_context + 2 * max_steps + 2)
         self.free_slots = list(range(max_sequences - 1, -1, -1))
         self.seqs: dict[int, DraftSequence] = {}
         self.reader: HiddenReader | None = None
         self.device = head.fc.weight.device
         self.vocab = head.cfg.vocab_size
+        self.graphs = GraphCache(self.device, cuda_graphs)
+        # padded static batches on CUDA, with or without graphs (the same kernels either way); tests turn them on on CPU
+        self.use_static = self.device.type == "cuda"
+        self.batch_buckets = pow2_buckets(1, max_sequences)
+        self.ctx_buckets = pow2_buckets(min(128, self.cache.max_len), self.cache.max_len)
 
     def execute(self, ops: list[DraftOp]) -> list[DraftResult]:
         """Validate every entry, extend all sequences in one forward, then propose step by
@@ -104,6 +113,8 @@ class DraftEngine:
 
     def _extend_and_propose(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]]
                             ) -> list[tuple[list[int], list[SparseDist]]]:
+        if self.use_static and max(len(op.tokens) for _, op, _, _ in work) <= self.max_steps + 1:
+            return self._propose_static(work)  # cycles' extends; prompt-length extends run eagerly
         tokens = torch.tensor([t for _, op, _, _ in work for t in op.tokens], dtype=torch.long, device=self.device)
         feats = torch.cat([f for _, _, _, f in work])
         segments = [Segment(seq.slot, seq.length, len(op.tokens)) for _, op, seq, _ in work]
@@ -129,6 +140,68 @@ class DraftEngine:
             active = [active[j] for j in more]
             step += 1
         return out
+
+    def _propose_static(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]]
+                        ) -> list[tuple[list[int], list[SparseDist]]]:
+        """The same extend and proposal as a padded static batch: one extend forward, then one
+        forward per step for all sequences, tokens chosen on the device (greedy) so that the
+        whole proposal needs one host synchronisation. Every sequence runs the batch's largest
+        num_steps and keeps its own; the extra steps write KV entries the next extend overwrites."""
+        n = len(work)
+        b = bucket_up(n, self.batch_buckets)
+        t = max(len(op.tokens) for _, op, _, _ in work)
+        steps = max(op.num_steps for _, op, _, _ in work)
+        assert b is not None
+        tokens = torch.zeros(b, t, dtype=torch.long)
+        positions = torch.arange(t).repeat(b, 1)  # [B, T]
+        slots = torch.full((b,), self.pad_slot, dtype=torch.long)
+        last = torch.zeros(b, dtype=torch.long)  # index of each sequence's last real token
+        feats = torch.zeros(b, t, work[0][3].shape[-1], dtype=self.head.fc.weight.dtype, device=self.device)
+        for i, (_, op, seq, f) in enumerate(work):
+            tokens[i, : len(op.tokens)] = torch.tensor(op.tokens)
+            positions[i] += seq.length
+            slots[i], last[i] = seq.slot, len(op.tokens) - 1
+            feats[i, : len(op.tokens)] = f
+        ends = positions[torch.arange(b), last] + 1  # [B] each sequence's length after the extend
+        slots_dev, rows = slots.to(self.device), torch.arange(b, device=self.device)
+        logits, prenorm = self._static_forward(tokens, feats, positions, slots_dev, int(positions.max()) + 1)
+        last_dev = last.to(self.device)
+        last_logits, hidden = logits[rows, last_dev], prenorm[rows, last_dev]  # [B, Vd], [B, H]
+        for _, op, seq, _ in work:
+            seq.length += len(op.tokens)
+        sampled = [i for i, (_, _, seq, _) in enumerate(work) if not seq.sampling.greedy]
+        out: list[tuple[list[int], list[SparseDist]]] = [([], []) for _ in work]
+        chosen = torch.empty(b, steps, dtype=torch.long, device=self.device)  # [B, steps] target ids
+        for step in range(steps):
+            chosen[:, step] = self.head.to_target_ids(torch.argmax(last_logits, dim=-1))
+            for i in sampled:
+                if work[i][1].num_steps > step:
+                    chosen[i, step] = self._choose(work[i][2], last_logits[i], ([], out[i][1]))
+            if step + 1 < steps:
+                pos = (ends + step)[:, None]  # [B, 1]
+                logits, prenorm = self._static_forward(chosen[:, step : step + 1], hidden[:, None], pos, slots_dev,
+                                                       int(pos.max()) + 1)
+                last_logits, hidden = logits[:, 0], prenorm[:, 0]
+        ids = chosen.tolist()
+        for i, (_, op, _, _) in enumerate(work):
+            out[i][0].extend(ids[i][: op.num_steps])
+        return out
+
+    def _static_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                        slots: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions [B, T], hidden [B, T, 3H or H] -> logits [B, T, Vd], prenorm [B, T, H]."""
+        ctx = bucket_up(needed, self.ctx_buckets)
+        assert ctx is not None
+        b, t = tokens.shape
+
+        def fn(tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
+            return self.head.forward_static(tokens, hidden, positions, slots, ctx, self.cache)
+
+        with torch.inference_mode():
+            logits, prenorm = self.graphs.run((b, t, hidden.shape[-1], ctx), fn, tokens=tokens.to(self.device),
+                                              hidden=hidden, positions=positions.to(self.device), slots=slots)
+        assert logits is not None and prenorm is not None
+        return logits, prenorm
 
     def _choose(self, seq: DraftSequence, logits: torch.Tensor, out: tuple[list[int], list[SparseDist]]) -> int:
         """Pick one draft token from draft-vocab logits [Vd]; record its target id (and q)."""

@@ -69,6 +69,7 @@ class StackConfig:
     threads: int = 0
     log_dir: Path | None = None  # None: inherit stdout/stderr
     extra_target_args: list[str] = field(default_factory=list)
+    extra_draft_args: list[str] = field(default_factory=list)
     extra_gateway_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # added to every service's environment
     gateway_tls: bool = False  # the gateway serves TLS (its --tls-cert is also the CA to trust)
@@ -113,7 +114,8 @@ class ServiceStack:
                                                  *target_device, *common, *c.extra_target_args])
         if c.with_draft:
             self._spawn("draft", "draft_service", ["--head", c.head, "--target", c.model, "--port",
-                                                   str(self.ports["draft"]), *common, *draft_device])
+                                                   str(self.ports["draft"]), *common, *draft_device,
+                                                   *c.extra_draft_args])
         try:
             wait_serving(self.addr("target"), self.procs["target"], timeout, "target_service")
             if c.with_draft:

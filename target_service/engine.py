@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specsplit.models.cuda_graphs import GraphCache, bucket_up, pow2_buckets
 from specsplit.models.layers import Segment
 from specsplit.models.llama import LlamaModel
 from specsplit.ops import (
@@ -70,10 +71,17 @@ class TargetEngine:
     def __init__(self, cfg: TargetConfig, model: LlamaModel) -> None:
         self.cfg, self.model = cfg, model
         self.vocab = model.cfg.vocab_size
-        self.cache = model.new_cache(cfg.max_sequences, cfg.max_context)
+        # one extra slot takes the padding rows of static batches; room for a padded verify past the context
+        self.pad_slot = cfg.max_sequences
+        self.cache = model.new_cache(cfg.max_sequences + 1, cfg.max_context + cfg.max_draft_tokens + 1)
         self.free_slots = list(range(cfg.max_sequences - 1, -1, -1))
         self.seqs: dict[int, Sequence] = {}
         self.device = model.embed_tokens.weight.device
+        self.graphs = GraphCache(self.device, cfg.cuda_graphs)
+        # padded static batches on CUDA, with or without graphs (the same kernels either way); tests turn them on on CPU
+        self.use_static = self.device.type == "cuda"
+        self.batch_buckets = pow2_buckets(1, cfg.max_sequences)
+        self.ctx_buckets = pow2_buckets(min(128, self.cache.max_len), self.cache.max_len)
 
     # -- validation shared by rank 0 (before allocating ring rows) and every rank
     def check(self, op: TargetOp) -> None:
@@ -161,19 +169,53 @@ class TargetEngine:
         return Work(i, op, seq, seq.tokens, 0, self.free_slots.pop())  # Recapture: in a scratch slot
 
     def _run(self, work: list[Work], outcomes: list[Outcome | None]) -> None:
-        tokens = torch.tensor([t for w in work for t in w.tokens], dtype=torch.long, device=self.device)
-        segments = [Segment(w.slot, w.start, len(w.tokens)) for w in work]
         capture = any(getattr(w.op, "capture", True) for w in work)
         try:
-            logits, aux = self.model.forward_batch(tokens, segments, self.cache, capture)  # [N, V], [N, 3H]
+            parts = self._forward_static(work, capture) if self._static(work) else self._forward_eager(work, capture)
         finally:
             self.free_slots += [w.slot for w in work if isinstance(w.op, Recapture)]
-        off = 0
+        for w, (logits, rows) in zip(work, parts, strict=True):
+            outcomes[w.index] = self._finish(w, logits, rows if getattr(w.op, "capture", True) else None)
+
+    def _static(self, work: list[Work]) -> bool:
+        """Verifies (decode = a verify of no drafts) run as a padded static batch in a CUDA graph."""
+        return self.use_static and all(isinstance(w.op, Verify) for w in work)
+
+    def _forward_eager(self, work: list[Work], capture: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        tokens = torch.tensor([t for w in work for t in w.tokens], dtype=torch.long, device=self.device)
+        segments = [Segment(w.slot, w.start, len(w.tokens)) for w in work]
+        logits, aux = self.model.forward_batch(tokens, segments, self.cache, capture)  # [N, V], [N, 3H]
+        parts, off = [], 0
         for w in work:
             part = slice(off, off + len(w.tokens))
             off += len(w.tokens)
-            rows = aux[part] if aux is not None and getattr(w.op, "capture", True) else None
-            outcomes[w.index] = self._finish(w, logits[part], rows)
+            parts.append((logits[part], None if aux is None else aux[part]))
+        return parts
+
+    def _forward_static(self, work: list[Work], capture: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """B sequences padded to the batch bucket, each to the longest chain T; padding rows write
+        the spare slot, padding tokens write KV entries past the sequence that later steps overwrite."""
+        b = bucket_up(len(work), self.batch_buckets)
+        t = max(len(w.tokens) for w in work)
+        ctx = bucket_up(max(w.start for w in work) + t, self.ctx_buckets)
+        assert b is not None and ctx is not None
+        tokens = torch.zeros(b, t, dtype=torch.long)
+        positions = torch.arange(t).repeat(b, 1)  # [B, T]
+        slots = torch.full((b,), self.pad_slot, dtype=torch.long)
+        for i, w in enumerate(work):
+            tokens[i, : len(w.tokens)] = torch.tensor(w.tokens)
+            positions[i] += w.start
+            slots[i] = w.slot
+
+        def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
+            return self.model.forward_static(tokens, positions, slots, ctx, self.cache, capture)
+
+        with torch.inference_mode():
+            logits, aux = self.graphs.run((b, t, ctx, capture), fn, tokens=tokens.to(self.device),
+                                          positions=positions.to(self.device), slots=slots.to(self.device))
+        assert logits is not None
+        return [(logits[i, : len(w.tokens)], None if aux is None else aux[i, : len(w.tokens)])
+                for i, w in enumerate(work)]
 
     def _finish(self, w: Work, logits: torch.Tensor, rows: torch.Tensor | None) -> Outcome:
         op, seq = w.op, w.seq

@@ -1,0 +1,79 @@
+"""CUDA graphs for static-shape forwards, one per shape bucket, captured on first use.
+
+A forward with static shapes (see `forward_static`) is captured once per key, e.g.
+(batch bucket, tokens per sequence, context bucket); later steps of that key copy their
+inputs into the graph's input buffers and replay it: one launch instead of hundreds.
+With graphs disabled (or off CUDA) the same function runs eagerly on the same shapes, so
+the two modes compute the same kernels and give identical results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+Outputs = tuple[torch.Tensor | None, ...]
+StaticFn = Callable[..., Outputs]
+
+
+def bucket_up(n: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket >= n, or None when n is above the largest."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """smallest, 2*smallest, ... and `largest` itself as the last bucket."""
+    out, b = [], smallest
+    while b < largest:
+        out.append(b)
+        b *= 2
+    return (*out, largest)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    outputs: Outputs
+
+
+class GraphCache:
+    """Captured graphs by key. `run(key, fn, **inputs)` returns fn's outputs: the graph's
+    static output tensors, valid until the next run of the same key."""
+
+    def __init__(self, device: torch.device, enabled: bool = True, max_graphs: int = 256) -> None:
+        self.enabled = enabled and device.type == "cuda"
+        self.device, self.max_graphs = device, max_graphs
+        self.graphs: dict[tuple[object, ...], _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self.replays = 0
+
+    def run(self, key: tuple[object, ...], fn: StaticFn, **inputs: torch.Tensor) -> Outputs:
+        if not self.enabled:
+            return fn(**inputs)
+        captured = self.graphs.get(key)
+        if captured is None:
+            if len(self.graphs) >= self.max_graphs:
+                return fn(**inputs)  # shapes beyond the budget run eagerly
+            captured = self.graphs[key] = self._capture(fn, inputs)
+        else:
+            for name, x in inputs.items():
+                captured.inputs[name].copy_(x, non_blocking=True)
+        captured.graph.replay()
+        self.replays += 1
+        return captured.outputs
+
+    def _capture(self, fn: StaticFn, inputs: dict[str, torch.Tensor]) -> _Captured:
+        static = {name: x.clone() for name, x in inputs.items()}
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up: lazy initialisation (cuBLAS handles, workspaces) off the graph
+            for _ in range(2):
+                fn(**static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn(**static)
+        return _Captured(graph, static, outputs)

@@ -1,0 +1,163 @@
+"""CUDA graphs: replaying a captured static batch gives exactly what running it eagerly gives.
+
+On CUDA both modes run the padded static batches (`forward_static`), so their kernels are the
+same and the outputs must be bitwise equal; greedy speculation with graphs must still equal
+target-only decoding.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_service.config import DraftConfig
+from gateway.clients import LocalDraft
+from gateway.local import LocalEngines
+from gateway.scheduler import GenerationRequest
+from specsplit.checkpoints.target_checkpoint import load_safetensors_dir, load_target_config
+from specsplit.client import make_request
+from specsplit.launcher import StackConfig
+from specsplit.models.cuda_graphs import GraphCache
+from specsplit.models.llama import LlamaModel
+from specsplit.models.parallel import TensorParallel
+from specsplit.ops import Sampling
+from specsplit.replay import ReplayDraft
+from target_service.config import TargetConfig
+from tests.test_gpu_services import TINY_PROMPTS, needs_gpus, run_stack
+
+pytestmark = pytest.mark.gpu
+SMOLLM2_GGUF = os.environ.get("SPECSPLIT_SMOLLM2_GGUF", "/root/stage/smollm2.gguf")
+
+
+def engines(target: Path | str, head: Path | str, graphs: bool, dtype: str = "bfloat16") -> LocalEngines:
+    return LocalEngines(TargetConfig(model=str(target), device="cuda", dtype=dtype, hidden_backend="cuda_ipc",
+                                     max_context=512, cuda_graphs=graphs),
+                        DraftConfig(head=str(head), target=str(target), device="cuda", dtype=dtype,
+                                    max_context=512, cuda_graphs=graphs))
+
+
+def greedy(e: LocalEngines, prompts: list[list[int]], steps: int, rate: float | None = None,
+           refs: dict[int, list[int]] | None = None) -> list[list[int]]:
+    draft = ReplayDraft(LocalDraft(e.draft), refs, rate, e.target.model.cfg.vocab_size) if rate else None
+    return [r.tokens for r in e.generate([GenerationRequest(p, 32, Sampling(), set(), steps) for p in prompts],
+                                         draft)]
+
+
+@needs_gpus(1)
+def test_model_graph_replay_is_bitwise_equal_to_eager(tiny_target: Path) -> None:
+    cfg = load_target_config(tiny_target)
+    dev = torch.device("cuda")
+    with dev:
+        model = LlamaModel(cfg, TensorParallel(), cfg.default_aux_layer_ids())
+    model.load_full_weights(load_safetensors_dir(tiny_target))
+    model = model.to(torch.bfloat16).eval()
+    outs = []
+    for enabled in (False, True):
+        cache = model.new_cache(4, 256)
+        graphs = GraphCache(dev, enabled)
+        got = []
+        for step, (b, t) in enumerate([(1, 1), (1, 1), (4, 5), (2, 3), (4, 5), (1, 1)]):
+            g = torch.Generator().manual_seed(step)
+            tokens = torch.randint(0, cfg.vocab_size, (b, t), generator=g).to(dev)
+            positions = (torch.arange(t)[None] + torch.tensor([20 * i + step for i in range(b)])[:, None]).to(dev)
+            slots = torch.arange(b, device=dev)
+
+            def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache=cache) -> tuple:  # noqa: ANN001
+                return model.forward_static(tokens, positions, slots, 128, cache, True)
+
+            with torch.inference_mode():
+                logits, aux = graphs.run((b, t), fn, tokens=tokens, positions=positions, slots=slots)
+                got.append((logits.clone(), aux.clone()))
+        if enabled:
+            assert len(graphs.graphs) == 3 and graphs.replays == 6
+        outs.append((got, cache.k.clone()))
+    (eager, k_eager), (graph, k_graph) = outs
+    for (le, ae), (lg, ag) in zip(eager, graph, strict=True):
+        assert torch.equal(le, lg) and torch.equal(ae, ag)
+    assert torch.equal(k_eager, k_graph)
+
+
+@needs_gpus(1)
+def test_engines_with_and_without_graphs_give_identical_tokens(tiny_target: Path, tiny_head: Path) -> None:
+    results = {}
+    for graphs in (False, True):
+        e = engines(tiny_target, tiny_head, graphs)
+        try:
+            base = greedy(e, TINY_PROMPTS, 0)
+            refs = {i + 1: p + b for i, (p, b) in enumerate(zip(TINY_PROMPTS, base, strict=True))}
+            results[graphs] = (base, greedy(e, TINY_PROMPTS, 4), greedy(e, TINY_PROMPTS, 5, 0.8, refs))
+            if graphs:
+                assert e.target.engine.graphs.replays > 0 and e.draft.engine.graphs.replays > 0
+            else:
+                assert not e.target.engine.graphs.graphs and not e.draft.engine.graphs.graphs
+            assert e.target.stats()["active_sequences"] == 0
+        finally:
+            e.close()
+    assert results[True] == results[False]
+    base, spec, replayed = results[True]
+    assert spec == base and replayed == base  # bf16 speculation with graphs is lossless too
+
+
+@needs_gpus(1)
+def test_draft_proposals_with_and_without_graphs_are_identical(tiny_target: Path, tiny_head: Path) -> None:
+    """The draft's proposals (not only the target's tokens) do not depend on graphs."""
+    class Recording(LocalDraft):
+        seen: list[list[int]]
+
+        async def step(self, ops):  # noqa: ANN001, ANN202
+            results, timing = await super().step(ops)
+            self.seen.extend(r.draft_ids for r in results)
+            return results, timing
+
+    proposals = {}
+    for graphs in (False, True):
+        e = engines(tiny_target, tiny_head, graphs)
+        recording = Recording(e.draft)
+        recording.seen = proposals[graphs] = []
+        try:
+            e.generate([GenerationRequest(p, 24, Sampling(), set(), s) for p, s in zip(TINY_PROMPTS, [1, 3, 5, 7],
+                                                                                    strict=True)], recording)
+        finally:
+            e.close()
+    assert proposals[True] == proposals[False] and len(proposals[True]) > 8
+
+
+@needs_gpus(1)
+def test_smollm2_bf16_graphs_identical_and_fp32_lossless(tiny_head: Path) -> None:
+    if not Path(SMOLLM2_GGUF).exists():
+        pytest.skip(f"SmolLM2 GGUF not at {SMOLLM2_GGUF} (set SPECSPLIT_SMOLLM2_GGUF)")
+    from specsplit.checkpoints.target_checkpoint import resolve_target_dir
+    from specsplit.tokenizer import TextCodec
+
+    codec = TextCodec.from_checkpoint(resolve_target_dir(SMOLLM2_GGUF))
+    prompts = [codec.encode(codec.render_chat(p)) for p in ("What is the capital of France?",
+                                                            "Write a haiku about the sea.")]
+    out = {}
+    for graphs, dtype in ((False, "bfloat16"), (True, "bfloat16"), (True, "float32")):
+        e = engines(SMOLLM2_GGUF, "random", graphs, dtype)
+        try:
+            base = greedy(e, prompts, 0)
+            refs = {i + 1: p + b for i, (p, b) in enumerate(zip(prompts, base, strict=True))}
+            out[graphs, dtype] = (base, greedy(e, prompts, 5, 0.85, refs))
+        finally:
+            e.close()
+    assert out[True, "bfloat16"] == out[False, "bfloat16"]
+    base, replayed = out[True, "float32"]
+    assert replayed == base
+
+
+@needs_gpus(2)
+def test_tp2_services_graphs_equal_eager(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
+    """NCCL all-reduces and all-gathers inside captured graphs on both ranks."""
+    specs = [([1, 2, 3], 3), ([5] * 12, 0), (list(range(30, 70)), 5)]
+    reqs = [make_request(token_ids=p, max_new_tokens=24, num_steps=s) for p, s in specs]
+    base = dict(model=str(tiny_target), head=str(tiny_head), max_context=256, dtype="bfloat16",
+                hidden_backend="cuda_ipc", draft_device="cuda:0", device="cuda", tp_size=2)
+    eager = run_stack(StackConfig(**base, extra_target_args=["--no-cuda-graphs"],
+                                  extra_draft_args=["--no-cuda-graphs"], log_dir=tmp_path / "eager"), reqs)
+    graphs = run_stack(StackConfig(**base, log_dir=tmp_path / "graphs"), reqs)
+    assert all(len(t) == 24 for t in graphs)
+    assert graphs == eager
