@@ -13,6 +13,7 @@ from specsplit.models.layers import (
     Batch,
     KVCache,
     RMSNorm,
+    RopeTables,
     Rotary,
     Segment,
     StaticBatch,
@@ -32,10 +33,10 @@ class Eagle3MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(h, cfg.intermediate_size, tp)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: RopeTables,
                 cache: KVCache, batch: Batch) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [N, 2H]
-        h = hidden + self.self_attn(x, positions, rotary, cache, 0, batch)
+        h = hidden + self.self_attn(x, rope, cache, 0, batch)
         return h + self.mlp(self.post_attention_layernorm(h))  # pre-norm sum [T, H]
 
 
@@ -86,7 +87,8 @@ class Eagle3Head(nn.Module):
                  cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden.to(self.fc.weight.dtype))
-        prenorm = self.midlayer(self.embed_tokens(tokens), hidden, positions, self.rotary, cache, batch)
+        rope = self.rotary.tables(positions, hidden.dtype)
+        prenorm = self.midlayer(self.embed_tokens(tokens), hidden, rope, cache, batch)
         return self.lm_head(self.norm(prenorm)).float(), prenorm
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

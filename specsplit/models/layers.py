@@ -26,9 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # computed in float32, one kernel on CUDA
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -58,13 +56,20 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos().float(), persistent=False)  # [max_pos, head_dim]
         self.register_buffer("sin", emb.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [tokens, heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos, sin [tokens, 1, head_dim] for these positions: looked up once per forward."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated by its positions' angles."""
+    cos, sin = rope
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return torch.addcmul(x * cos, rotated, sin)
 
 
 @dataclass(frozen=True)
@@ -169,16 +174,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(d, qk_norm_eps) if qk_norm_eps is not None else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache: KVCache,
-                layer: int, batch: Batch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables, cache: KVCache, layer: int, batch: Batch) -> torch.Tensor:
         """x [N, in]: the tokens of every sequence, flattened. Projections run once for the
         whole batch; attention runs per segment against its own KV slot, or for a static
         batch in one padded call."""
         n, d = x.shape[0], self.head_dim
-        q, k, v = (y.reshape(n, -1, d) for y in self.qkv_proj.split(self.qkv_proj(x)))
+        qkv = self.qkv_proj(x)  # [N, (Hq + 2 Hkv) * D]
+        hq = self.shard.q_count
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, positions), rotary(k, positions)
+            q, k, v = (y.reshape(n, -1, d) for y in self.qkv_proj.split(qkv))
+            q, k = apply_rope(self.q_norm(q), rope), apply_rope(self.k_norm(k), rope)
+        else:  # q and k rotated in one pass
+            qk = apply_rope(qkv[:, : (hq + self.shard.kv_count) * d].view(n, -1, d), rope)  # [N, Hq + Hkv, D]
+            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + self.shard.kv_count) * d :].view(n, -1, d)
         if isinstance(batch, StaticBatch):
             b, t = batch.positions.shape
             k_all, v_all = cache.write_and_gather(layer, batch, k.view(b, t, -1, d), v.view(b, t, -1, d))

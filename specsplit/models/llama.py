@@ -12,6 +12,7 @@ from specsplit.models.layers import (
     Batch,
     KVCache,
     RMSNorm,
+    RopeTables,
     Rotary,
     Segment,
     StaticBatch,
@@ -31,9 +32,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache: KVCache,
-                layer: int, batch: Batch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, cache, layer, batch)
+    def forward(self, h: torch.Tensor, rope: RopeTables, cache: KVCache, layer: int, batch: Batch) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, cache, layer, batch)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -83,9 +83,10 @@ class LlamaModel(nn.Module):
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: Batch, cache: KVCache,
                  capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.embed_tokens(tokens)  # [N, H]
+        rope = self.rotary.tables(positions, h.dtype)
         captured: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, self.rotary, cache, i, batch)
+            h = layer(h, rope, cache, i, batch)
             if capture and i in self.aux_layer_ids:
                 captured.append(h)
         aux = torch.cat([captured[self.aux_layer_ids.index(i)] for i in self.aux_layer_ids], -1) if capture else None
