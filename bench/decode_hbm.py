@@ -20,15 +20,12 @@ import time
 
 import torch
 
-from specsplit.models.config import LlamaConfig
+from specsplit.checkpoints.shapes import SHAPES
 from specsplit.models.cuda_graphs import GraphCache, bucket_up, pow2_buckets
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
 
-LLAMA_31_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                          vocab_size=128256, rope_theta=500000.0, max_position=8192, name="llama-3.1-8b-shape",
-                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+LLAMA_31_8B = SHAPES["llama-3.1-8b"]
 
 
 def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, ctx_buckets: tuple[int, ...],

@@ -9,7 +9,8 @@ import torch
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine
 from specsplit.checkpoints.eagle_head import load_head, resolve_head_dir
-from specsplit.checkpoints.target_checkpoint import load_safetensors_dir, resolve_target_dir
+from specsplit.checkpoints.shapes import random_embedding, random_weights_spec
+from specsplit.checkpoints.target_checkpoint import load_safetensors_dir, load_target_config, resolve_target_dir
 from specsplit.handoff import open_reader
 from specsplit.handoff.base import DTYPES, Descriptor
 from specsplit.models.eagle3 import Eagle3Head
@@ -21,8 +22,12 @@ EMBED_KEY = "model.embed_tokens.weight"
 def build_head(cfg: DraftConfig) -> Eagle3Head:
     head_cfg, weights = load_head(resolve_head_dir(cfg.head, cfg.target))
     embed = weights.get("embed_tokens.weight")
-    if embed is None:
-        embed = load_safetensors_dir(resolve_target_dir(cfg.target), only={EMBED_KEY})[EMBED_KEY]
+    target_dir = resolve_target_dir(cfg.target)
+    random_spec = random_weights_spec(target_dir)
+    if embed is None and random_spec is not None:  # a timing shape: a seeded random table
+        embed = random_embedding(load_target_config(target_dir), int(random_spec["seed"]), random_spec["std"])
+    elif embed is None:
+        embed = load_safetensors_dir(target_dir, only={EMBED_KEY})[EMBED_KEY]
     if embed.shape != (head_cfg.vocab_size, head_cfg.hidden_size):
         raise ValueError(f"target embedding {tuple(embed.shape)} does not fit the head "
                          f"(vocab {head_cfg.vocab_size}, hidden {head_cfg.hidden_size})")

@@ -15,6 +15,8 @@ from gateway.scheduler import Scheduler
 from gateway.security import BearerTokenInterceptor, read_token, server_credentials
 from gateway.server import GatewayServicer
 from specsplit.checkpoints.target_checkpoint import resolve_target_dir
+from specsplit.replay import LABEL as REPLAY_LABEL
+from specsplit.replay import ReplayDraft, Replayer
 from specsplit.serving import (
     configure_logging,
     install_uvloop,
@@ -47,6 +49,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
     p.add_argument("--tls-cert", default=os.environ.get("SPECSPLIT_TLS_CERT", ""))
     p.add_argument("--tls-key", default=os.environ.get("SPECSPLIT_TLS_KEY", ""))
+    p.add_argument("--replay-references", default="",
+                   help="benchmarks only: a JSON list of token-id lists (prompt + target-only output); the draft's "
+                        "proposals are replaced by their continuations (replayed acceptance)")
+    p.add_argument("--replay-accept-rate", type=float, default=d.replay_accept_rate)
     p.add_argument("--auth-token-file", default=None, help="file holding the bearer token (or SPECSPLIT_AUTH_TOKEN)")
     a = p.parse_args(argv)
     return GatewayConfig(target_addr=a.target, draft_addr=a.draft, model=a.model, host=a.host, port=a.port,
@@ -54,7 +60,14 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                          default_max_new_tokens=a.max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
                          max_queue=a.max_queue, max_streams=a.max_streams, max_prompt_tokens=a.max_prompt_tokens,
                          max_prompt_chars=a.max_prompt_chars, tls_cert=a.tls_cert, tls_key=a.tls_key,
+                         replay_references=a.replay_references, replay_accept_rate=a.replay_accept_rate,
                          auth_token=read_token(a.auth_token_file, os.environ.get("SPECSPLIT_AUTH_TOKEN"))).validate()
+
+
+def draft_label(cfg: GatewayConfig, name: str) -> str:
+    if name and cfg.replay_references:
+        return f"{name} ({REPLAY_LABEL} {cfg.replay_accept_rate:.2f})"
+    return name
 
 
 async def serve(cfg: GatewayConfig) -> None:
@@ -63,7 +76,13 @@ async def serve(cfg: GatewayConfig) -> None:
     info = await target.describe(timeout=300.0)
     draft = GrpcDraft(cfg.draft_addr) if cfg.draft_addr else None
     telemetry = setup_telemetry("specsplit-gateway")
-    scheduler = Scheduler(target, draft, info.max_sequences, cfg.max_queue, telemetry.tracer,
+    loop_draft = draft
+    if draft is not None and cfg.replay_references:
+        loop_draft = ReplayDraft(draft, Replayer.from_file(cfg.replay_references, cfg.replay_accept_rate,
+                                                           info.vocab_size))
+        log.warning("benchmark mode: %s at rate %.2f from %s", REPLAY_LABEL, cfg.replay_accept_rate,
+                    cfg.replay_references)
+    scheduler = Scheduler(target, loop_draft, info.max_sequences, cfg.max_queue, telemetry.tracer,
                           GatewayMetrics.create(telemetry.meter), cfg.step_timeout_s)
     recovery = Recovery(scheduler, target, draft, info.hidden_store, list(info.aux_layer_ids), cfg.max_num_steps,
                         cfg.draft_retry_s)
@@ -81,7 +100,7 @@ async def serve(cfg: GatewayConfig) -> None:
     scheduler.start()
     recovery.start()
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(cfg, scheduler, codec, limits, info.model_name, recovery.draft_name), server)
+        GatewayServicer(cfg, scheduler, codec, limits, info.model_name, draft_label(cfg, recovery.draft_name)), server)
     addr = f"{cfg.host}:{cfg.port}"
     if cfg.tls_cert:
         server.add_secure_port(addr, server_credentials(cfg.tls_cert, cfg.tls_key))

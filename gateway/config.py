@@ -25,6 +25,8 @@ class GatewayConfig:
     auth_token: str | None = None  # bearer token clients must send (from a file or SPECSPLIT_AUTH_TOKEN)
     draft_retry_s: float = 2.0  # how often a lost draft or target is tried again
     step_timeout_s: float = 60.0  # a draft or target step slower than this counts as a failure
+    replay_references: str = ""  # benchmarks only: JSON token-id lists whose continuations the draft "proposes"
+    replay_accept_rate: float = 0.8  # per-token acceptance the replayed proposals are given
 
     def validate(self) -> GatewayConfig:
         if not self.target_addr:
@@ -36,6 +38,8 @@ class GatewayConfig:
         self.default_max_new_tokens = min(self.default_max_new_tokens, self.max_new_tokens_cap)
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        if not 0.0 <= self.replay_accept_rate <= 1.0:
+            raise ValueError("replay_accept_rate must be within [0, 1]")
         if self.max_queue < 1 or self.max_streams < 1:
             raise ValueError("max_queue and max_streams must be >= 1")
         if self.max_prompt_tokens < 0 or self.max_prompt_chars < 1:

@@ -5,34 +5,72 @@ mistakes injected at a chosen per-token acceptance rate. Output from it must say
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 from gateway.clients import DraftClient
 from specsplit.ops import DraftOp, DraftResult, ExtendPropose, StepTiming
 
+LABEL = "replayed acceptance"
+
+
+class Replayer:
+    """Rewrites proposals. A sequence is matched to its reference (prompt + target-only greedy
+    output) by its first extend, which carries tokens 1..n of the sequence."""
+
+    def __init__(self, references: list[list[int]], accept_rate: float, vocab: int, seed: int = 0) -> None:
+        if not 0.0 <= accept_rate <= 1.0:
+            raise ValueError(f"accept rate {accept_rate} outside [0, 1]")
+        self.references, self.accept_rate, self.vocab = references, accept_rate, vocab
+        self.rng = random.Random(seed)
+        self.by_seq: dict[int, tuple[list[int], int]] = {}  # seq_id -> (reference, tokens consumed so far)
+
+    @classmethod
+    def from_file(cls, path: str | Path, accept_rate: float, vocab: int) -> Replayer:
+        refs = json.loads(Path(path).read_text())
+        if not isinstance(refs, list) or not all(isinstance(r, list) for r in refs):
+            raise ValueError(f"{path}: expected a JSON list of token-id lists")
+        return cls([[int(t) for t in r] for r in refs], accept_rate, vocab)
+
+    def rewrite(self, op: ExtendPropose, draft_ids: list[int]) -> list[int]:
+        if op.position == 0:
+            ref = next((r for r in self.references if r[1 : 1 + len(op.tokens)] == op.tokens), None)
+            if ref is None:
+                self.by_seq.pop(op.seq_id, None)
+                return draft_ids
+            self.by_seq[op.seq_id] = (ref, 0)
+        if op.seq_id not in self.by_seq:
+            return draft_ids
+        ref, seen = self.by_seq[op.seq_id]
+        n = seen + len(op.tokens)  # the draft has seen tokens 1..n; the next true token is ref[n + 1]
+        self.by_seq[op.seq_id] = (ref, n)
+        out = []
+        for i in range(len(draft_ids)):
+            true = ref[n + 1 + i] if n + 1 + i < len(ref) else 0
+            out.append(true if self.rng.random() < self.accept_rate else (true + 1) % self.vocab)
+        return out
+
+    def forget(self, seq_id: int) -> None:
+        self.by_seq.pop(seq_id, None)
+
 
 class ReplayDraft:
-    def __init__(self, inner: DraftClient, references: dict[int, list[int]], accept_rate: float, vocab: int,
-                 seed: int = 0) -> None:
-        """references: seq_id -> the full sequence (prompt + target-only greedy output)."""
-        self.inner, self.references, self.accept_rate, self.vocab = inner, references, accept_rate, vocab
-        self.rng = random.Random(seed)
-        self.lengths: dict[int, int] = {}  # tokens the draft has consumed so far (prompt[1:] onwards)
+    """A draft client whose proposals are rewritten by a Replayer."""
+
+    def __init__(self, inner: DraftClient, replayer: Replayer) -> None:
+        self.inner, self.replayer = inner, replayer
 
     async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
         results, timing = await self.inner.step(ops)
         by_op = {op.seq_id: op for op in ops if isinstance(op, ExtendPropose)}
         for r in results:
             op = by_op.get(r.seq_id)
-            ref = self.references.get(r.seq_id)
-            if op is None or ref is None or not r.draft_ids:
-                continue
-            # the draft has now seen tokens 1..n of the sequence; the next true token is ref[n + 1]
-            n = self.lengths.get(r.seq_id, 0) + len(op.tokens)
-            self.lengths[r.seq_id] = n
-            ids = []
-            for i in range(len(r.draft_ids)):
-                true = ref[n + 1 + i] if n + 1 + i < len(ref) else 0
-                ids.append(true if self.rng.random() < self.accept_rate else (true + 1) % self.vocab)
-            r.draft_ids = ids
+            if op is None:
+                self.replayer.forget(r.seq_id)
+            elif r.draft_ids:
+                r.draft_ids = self.replayer.rewrite(op, r.draft_ids)
         return results, timing
+
+    def __getattr__(self, name: str) -> object:  # stream, attach, close: the inner client's
+        return getattr(self.inner, name)

@@ -9,6 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from specsplit.checkpoints.shapes import init_random_, random_weights_spec
 from specsplit.checkpoints.target_checkpoint import (
     load_safetensors_dir,
     load_target_config,
@@ -40,9 +41,13 @@ def build_model(cfg: TargetConfig, tp: TensorParallel) -> LlamaModel:
         raise ValueError(f"max_context {cfg.max_context} exceeds the model's {mcfg.max_position} positions")
     aux = cfg.resolve_aux_layer_ids(mcfg.default_aux_layer_ids())
     with torch.device(rank_device(cfg.device, tp.rank)):
-        model = LlamaModel(mcfg, tp, aux)
-    model.load_full_weights(load_safetensors_dir(model_dir))
-    return model.to(DTYPES[cfg.dtype]).eval()
+        model = LlamaModel(mcfg, tp, aux).to(DTYPES[cfg.dtype])
+    random_spec = random_weights_spec(model_dir)
+    if random_spec is not None:  # a timing shape: each rank draws its own shard
+        init_random_(model, int(random_spec["seed"]) + tp.rank, random_spec["std"])
+    else:
+        model.load_full_weights(load_safetensors_dir(model_dir))
+    return model.eval()
 
 
 class TargetRuntime:

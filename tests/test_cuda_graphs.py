@@ -24,7 +24,7 @@ from specsplit.models.cuda_graphs import GraphCache
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
 from specsplit.ops import Sampling
-from specsplit.replay import ReplayDraft
+from specsplit.replay import ReplayDraft, Replayer
 from target_service.config import TargetConfig
 from tests.test_gpu_services import TINY_PROMPTS, needs_gpus, run_stack
 
@@ -40,8 +40,9 @@ def engines(target: Path | str, head: Path | str, graphs: bool, dtype: str = "bf
 
 
 def greedy(e: LocalEngines, prompts: list[list[int]], steps: int, rate: float | None = None,
-           refs: dict[int, list[int]] | None = None) -> list[list[int]]:
-    draft = ReplayDraft(LocalDraft(e.draft), refs, rate, e.target.model.cfg.vocab_size) if rate else None
+           refs: list[list[int]] | None = None) -> list[list[int]]:
+    vocab = e.target.model.cfg.vocab_size
+    draft = ReplayDraft(LocalDraft(e.draft), Replayer(refs or [], rate, vocab)) if rate else None
     return [r.tokens for r in e.generate([GenerationRequest(p, 32, Sampling(), set(), steps) for p in prompts],
                                          draft)]
 
@@ -87,7 +88,7 @@ def test_engines_with_and_without_graphs_give_identical_tokens(tiny_target: Path
         e = engines(tiny_target, tiny_head, graphs)
         try:
             base = greedy(e, TINY_PROMPTS, 0)
-            refs = {i + 1: p + b for i, (p, b) in enumerate(zip(TINY_PROMPTS, base, strict=True))}
+            refs = [p + b for p, b in zip(TINY_PROMPTS, base, strict=True)]
             results[graphs] = (base, greedy(e, TINY_PROMPTS, 4), greedy(e, TINY_PROMPTS, 5, 0.8, refs))
             if graphs:
                 assert e.target.engine.graphs.replays > 0 and e.draft.engine.graphs.replays > 0
@@ -140,7 +141,7 @@ def test_smollm2_bf16_graphs_identical_and_fp32_lossless(tiny_head: Path) -> Non
         e = engines(SMOLLM2_GGUF, "random", graphs, dtype)
         try:
             base = greedy(e, prompts, 0)
-            refs = {i + 1: p + b for i, (p, b) in enumerate(zip(prompts, base, strict=True))}
+            refs = [p + b for p, b in zip(prompts, base, strict=True)]
             out[graphs, dtype] = (base, greedy(e, prompts, 5, 0.85, refs))
         finally:
             e.close()

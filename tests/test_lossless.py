@@ -11,7 +11,7 @@ from gateway.clients import LocalDraft
 from gateway.local import LocalEngines
 from gateway.scheduler import GenerationRequest
 from specsplit.ops import Sampling
-from specsplit.replay import ReplayDraft
+from specsplit.replay import ReplayDraft, Replayer
 from specsplit.tokenizer import TextCodec
 from target_service.config import TargetConfig
 
@@ -31,8 +31,9 @@ def check_lossless(engines: LocalEngines, prompts: list[list[int]], max_new: int
     for steps in steps_range:
         draft = None
         if replay_rate is not None:
-            refs = {i + 1: p + b.tokens for i, (p, b) in enumerate(zip(prompts, base, strict=True))}
-            draft = ReplayDraft(LocalDraft(engines.draft), refs, replay_rate, engines.target.model.cfg.vocab_size)
+            refs = [p + b.tokens for p, b in zip(prompts, base, strict=True)]
+            replayer = Replayer(refs, replay_rate, engines.target.model.cfg.vocab_size)
+            draft = ReplayDraft(LocalDraft(engines.draft), replayer)
         spec = engines.generate([request(p, steps, max_new, stops) for p in prompts], draft)
         for p, b, s in zip(prompts, base, spec, strict=True):
             assert s.tokens == b.tokens, f"num_steps={steps} prompt={p[:8]}...: speculative output differs"

