@@ -15,6 +15,7 @@ import argparse
 import gc
 import json
 import multiprocessing as mp
+import sys
 import time
 import traceback
 from typing import Any
@@ -50,6 +51,7 @@ def time_steps(rank: int, world: int, port: int, shape: str, iters: int, q: Any)
         positions = torch.full((1, 1), 100, dtype=torch.long, device=dev)
         slots = torch.zeros(1, dtype=torch.long, device=dev)
         out = {}
+        print(f"rank {rank}/{world}: head built", file=sys.stderr, flush=True)
         for graphs in (False, True):
             cache_graphs = GraphCache(dev, graphs)
 
@@ -65,6 +67,7 @@ def time_steps(rank: int, world: int, port: int, shape: str, iters: int, q: Any)
                     cache_graphs.run((1,), fn, tokens=tokens, hidden=hidden, positions=positions, slots=slots)
                 torch.cuda.synchronize()
             out["graphs" if graphs else "eager"] = (time.perf_counter() - t0) / iters * 1e6
+            print(f"rank {rank}/{world}: graphs={graphs} {out}", file=sys.stderr, flush=True)
         if world > 1:
             dist.destroy_process_group()
         q.put({"rank": rank, **out})
@@ -136,7 +139,9 @@ def main() -> None:
     a = p.parse_args()
     gpu = torch.cuda.get_device_name()
     if "tp" in a.parts:
-        tp1, tp2 = step_times(1, a.shape, a.iters), step_times(2, a.shape, a.iters)
+        tp1 = step_times(1, a.shape, a.iters)
+        print(json.dumps({"bench": "draft_step_tp1", "shape": a.shape, **tp1}), flush=True)
+        tp2 = step_times(2, a.shape, a.iters)
         for mode in ("eager", "graphs"):
             print(json.dumps({"bench": "draft_step_tp", "shape": a.shape, "mode": mode, "batch": 1,
                               "tp1_step_us": round(tp1[mode], 1), "tp2_step_us": round(tp2[mode], 1),
