@@ -84,7 +84,9 @@ def step_times(world: int, shape: str, iters: int) -> dict[str, float]:
         p.start()
     outs = [q.get(timeout=300) for _ in procs]
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
     errors = [o["error"] for o in outs if "error" in o]
     if errors:
         raise RuntimeError(errors[0])

@@ -162,3 +162,23 @@ def test_tp2_services_graphs_equal_eager(tiny_target: Path, tiny_head: Path, tmp
     graphs = run_stack(StackConfig(**base, log_dir=tmp_path / "graphs"), reqs)
     assert all(len(t) == 24 for t in graphs)
     assert graphs == eager
+
+
+@needs_gpus(2)
+def test_in_process_target_and_draft_on_different_gpus(tiny_target: Path, tiny_head: Path) -> None:
+    """Graphs are captured on each engine's own GPU, whatever the caller's current device."""
+    outs = []
+    for target_dev, draft_dev in (("cuda:0", "cuda:0"), ("cuda:1", "cuda:0"), ("cuda:0", "cuda:1")):
+        e = LocalEngines(TargetConfig(model=str(tiny_target), device=target_dev, dtype="bfloat16",
+                                      hidden_backend="cuda_ipc", max_context=512),
+                         DraftConfig(head=str(tiny_head), target=str(tiny_target), device=draft_dev,
+                                     dtype="bfloat16", max_context=512))
+        try:
+            base = greedy(e, TINY_PROMPTS, 0)
+            refs = [p + b for p, b in zip(TINY_PROMPTS, base, strict=True)]
+            outs.append((base, greedy(e, TINY_PROMPTS, 4, 0.8, refs)))
+            assert e.target.engine.graphs.replays > 0 and e.draft.engine.graphs.replays > 0
+        finally:
+            e.close()
+    assert outs[0] == outs[1] == outs[2]
+    assert outs[0][0] == outs[0][1]

@@ -53,6 +53,11 @@ class GraphCache:
     def run(self, key: tuple[object, ...], fn: StaticFn, **inputs: torch.Tensor) -> Outputs:
         if not self.enabled:
             return fn(**inputs)
+        # capture and replay on this cache's GPU, whatever the caller's current device (graphs are per device)
+        with torch.cuda.device(self.device):
+            return self._run(key, fn, inputs)
+
+    def _run(self, key: tuple[object, ...], fn: StaticFn, inputs: dict[str, torch.Tensor]) -> Outputs:
         captured = self.graphs.get(key)
         if captured is None:
             if len(self.graphs) >= self.max_graphs:
