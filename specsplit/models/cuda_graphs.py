@@ -48,6 +48,9 @@ class GraphCache:
         self.device, self.max_graphs = device, max_graphs
         self.graphs: dict[tuple[object, ...], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        # torch.cuda.graph's default capture stream is made once per process, on whichever GPU was
+        # current then: engines on other GPUs of the same process need their own
+        self.capture_stream = torch.cuda.Stream(device) if self.enabled else None
         self.replays = 0
 
     def run(self, key: tuple[object, ...], fn: StaticFn, **inputs: torch.Tensor) -> Outputs:
@@ -79,6 +82,6 @@ class GraphCache:
                 fn(**static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             outputs = fn(**static)
         return _Captured(graph, static, outputs)
