@@ -60,10 +60,11 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
         for steps in steps_list:
             replayer = Replayer(refs, a.accept_rate, target.model.cfg.vocab_size)
             runs = [generate(target, draft, p, a.max_new_tokens, steps, replayer) for p in prompts]
-            for r, b in zip(runs, base, strict=True):
-                n = min(len(r.tokens), len(b.tokens))
-                assert r.tokens[:n] == b.tokens[:n], "speculative output differs from target-only"
             rows[steps] = summarize("in_process", steps, runs)
+            # in bfloat16 a verify of k+1 rows may round a near-tie differently from a one-row decode; then the
+            # sequence leaves its reference and replayed acceptance falls: reported, not hidden
+            rows[steps]["same_tokens_as_target_only"] = all(
+                r.tokens[: a.max_new_tokens] == b.tokens[: a.max_new_tokens] for r, b in zip(runs, base, strict=True))
         return refs, rows
     finally:
         target.close()
