@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as sgl
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sgl_grpc
@@ -238,12 +239,13 @@ def wait_router_ready(port: int, proc: subprocess.Popen[bytes], log: Path, timeo
         if proc.poll() is not None:
             raise RuntimeError(f"smg exited with code {proc.returncode}: {log.read_text()[-2000:]}")
         try:
-            models = json.loads(http_call(port, "GET", "/v1/models")[1])["data"]
+            status, raw = http_call(port, "GET", "/v1/models")
+            models = json.loads(raw).get("data") if status == 200 else None  # an error body until it is up
             if models:
                 body = {"model": models[0]["id"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
                 if http_call(port, "POST", "/v1/chat/completions", body)[0] == 200:
                     return models[0]["id"]
-        except OSError:
+        except (OSError, ValueError):  # not listening yet, or not JSON yet
             pass
         time.sleep(0.25)
     raise TimeoutError(f"smg not ready after {timeout:.0f} s")
@@ -348,6 +350,20 @@ def test_smg_client_disconnect_aborts_the_request(smg: tuple[int, str], stack: S
     t, d = wait_idle(stack, timeout=20)
     assert (t.active_sequences, d.active_sequences, t.ring_rows_in_use) == (0, 0, 0)
     assert wait_log_count(stack, evidence, seen), f"no {evidence!r} in the gateway log"
+
+
+def test_compose_health_checks_pass_on_the_running_services(stack: ServiceStack, smg: tuple[int, str]) -> None:
+    """The cpu profile's health-check commands, pointed at this stack's ports instead of the containers'."""
+    services = yaml.safe_load((Path(__file__).resolve().parent.parent / "docker-compose.yml").read_text())["services"]
+    for role in ("target", "draft", "gateway", "smg"):
+        _, program, *args = services[f"{role}-cpu"]["healthcheck"]["test"]
+        if program == "specsplit":  # the console script, run with this venv's python
+            args = ["-m", "specsplit.cli", *[stack.addr(role) if a.startswith("127.0.0.1:") else a for a in args]]
+        else:
+            assert program == "python"
+            args = [a.replace("127.0.0.1:30000", f"127.0.0.1:{smg[0]}") for a in args]
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, (role, proc.stdout, proc.stderr)
 
 
 def test_gateway_log_has_no_tracebacks(stack: ServiceStack) -> None:
