@@ -29,6 +29,7 @@ from gateway.config import GatewayConfig
 from gateway.requests import InvalidRequest, ModelLimits
 from gateway.scheduler import Failed, Finished, QueueFull, Scheduler, Sequence, Unavailable
 from gateway.sglang_requests import MAX_REQUEST_ID_CHARS, parse_sglang
+from specsplit.telemetry import extract
 from specsplit.tokenizer import TextCodec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
@@ -96,7 +97,8 @@ class SglangSchedulerServicer(sgl_grpc.SglangSchedulerServicer):
     async def Generate(self, request: sgl.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[sgl.GenerateResponse]:
         rid = request.request_id
-        span = self.tracer.start_span("generate", kind=trace.SpanKind.SERVER, attributes={
+        incoming = dict(context.invocation_metadata() or ()).get("traceparent", "")
+        span = self.tracer.start_span("generate", context=extract(incoming), kind=trace.SpanKind.SERVER, attributes={
             "gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.model.name,
             "specsplit.api": "sglang", "specsplit.request_id": rid[:MAX_REQUEST_ID_CHARS]})
         seq = None
