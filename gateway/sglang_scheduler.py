@@ -36,6 +36,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "ge
                    "special_tokens_map.json")
 TOKENIZER_CHUNK_BYTES = 64 * 1024
 LOAD_SECTIONS = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
+SERVER_VERSION = f"specsplit-{version('specsplit')}"  # where SGLang reports its version
 log = logging.getLogger("specsplit.gateway")
 
 
@@ -83,10 +84,13 @@ class SglangSchedulerServicer(sgl_grpc.SglangSchedulerServicer):
         self.tokenizer_bundle: tuple[bytes, str] | None = None
 
     # UNIMPLEMENTED without a traceback in the log (smg tries SubscribeKvEvents at registration, then stops)
-    Embed, FlushCache, StartProfile, StopProfile = (_unsupported(n) for n in ("Embed", "FlushCache", "StartProfile",
-                                                                               "StopProfile"))
-    LoadLoRAAdapter, UnloadLoRAAdapter, ListLoadedLoRAAdapters = (
-        _unsupported(n) for n in ("LoadLoRAAdapter", "UnloadLoRAAdapter", "ListLoadedLoRAAdapters"))
+    Embed = _unsupported("Embed")
+    FlushCache = _unsupported("FlushCache")
+    StartProfile = _unsupported("StartProfile")
+    StopProfile = _unsupported("StopProfile")
+    LoadLoRAAdapter = _unsupported("LoadLoRAAdapter")
+    UnloadLoRAAdapter = _unsupported("UnloadLoRAAdapter")
+    ListLoadedLoRAAdapters = _unsupported("ListLoadedLoRAAdapters")
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
                                 ) -> AsyncIterator[common_pb2.KvEventBatch]:
@@ -212,7 +216,7 @@ class SglangSchedulerServicer(sgl_grpc.SglangSchedulerServicer):
         return sgl.GetServerInfoResponse(
             server_args=args, scheduler_info=info, active_requests=len(s.running) + len(s.waiting),
             is_paused=False, uptime_seconds=time.time() - self.started,
-            sglang_version=f"specsplit-{version('specsplit')}", server_type="grpc", start_time=start,
+            sglang_version=SERVER_VERSION, server_type="grpc", start_time=start,
             max_total_num_tokens=s.max_sequences * self.limits.max_context)
 
     async def GetLoads(self, request: sgl.GetLoadsRequest, context: grpc.aio.ServicerContext
@@ -241,7 +245,7 @@ class SglangSchedulerServicer(sgl_grpc.SglangSchedulerServicer):
         if include & {"queues", "all"}:
             load.queues.CopyFrom(sgl.QueueMetrics(waiting=len(s.waiting)))
         return sgl.GetLoadsResponse(
-            timestamp=datetime.datetime.now(datetime.UTC).isoformat(), version=f"specsplit-{version('specsplit')}",
+            timestamp=datetime.datetime.now(datetime.UTC).isoformat(), version=SERVER_VERSION,
             dp_rank_count=1, loads=[load], aggregate=sgl.AggregateMetrics(
                 total_running_reqs=load.num_running_reqs, total_waiting_reqs=load.num_waiting_reqs,
                 total_reqs=load.num_total_reqs, avg_token_usage=load.token_usage,

@@ -94,6 +94,9 @@ def test_model_server_info_and_health(sglang: sgl_grpc.SglangSchedulerStub, smol
     assert server.server_args["max_running_requests"] == 4
     health = sglang.HealthCheck(sgl.HealthCheckRequest(), timeout=10)
     assert health.healthy, health.message
+    with pytest.raises(grpc.RpcError) as err:
+        sglang.FlushCache(common_pb2.FlushCacheRequest(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_get_tokenizer_streams_a_checked_zip(sglang: sgl_grpc.SglangSchedulerStub, smollm2_dir: Path) -> None:
