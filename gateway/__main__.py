@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import os
 
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc
+
 from gateway.clients import GrpcDraft, GrpcTarget
 from gateway.config import GatewayConfig
 from gateway.observe import GatewayMetrics
@@ -14,6 +16,7 @@ from gateway.requests import ModelLimits
 from gateway.scheduler import Scheduler
 from gateway.security import BearerTokenInterceptor, read_token, server_credentials
 from gateway.server import GatewayServicer
+from gateway.sglang_scheduler import SglangSchedulerServicer, WorkerModel
 from specsplit.checkpoints.target_checkpoint import resolve_target_dir
 from specsplit.replay import LABEL as REPLAY_LABEL
 from specsplit.replay import ReplayDraft, Replayer
@@ -71,7 +74,8 @@ def draft_label(cfg: GatewayConfig, name: str) -> str:
 
 
 async def serve(cfg: GatewayConfig) -> None:
-    codec = TextCodec.from_checkpoint(resolve_target_dir(cfg.model))
+    model_dir = resolve_target_dir(cfg.model)
+    codec = TextCodec.from_checkpoint(model_dir)
     target = GrpcTarget(cfg.target_addr)
     info = await target.describe(timeout=300.0)
     draft = GrpcDraft(cfg.draft_addr) if cfg.draft_addr else None
@@ -101,6 +105,9 @@ async def serve(cfg: GatewayConfig) -> None:
     recovery.start()
     gateway_pb2_grpc.add_GatewayServicer_to_server(
         GatewayServicer(cfg, scheduler, codec, limits, info.model_name, draft_label(cfg, recovery.draft_name)), server)
+    sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(  # for smg, on the same port
+        SglangSchedulerServicer(cfg, scheduler, codec, limits,
+                                WorkerModel.load(info.model_name, cfg.model, model_dir, codec)), server)
     addr = f"{cfg.host}:{cfg.port}"
     if cfg.tls_cert:
         server.add_secure_port(addr, server_credentials(cfg.tls_cert, cfg.tls_key))

@@ -73,10 +73,23 @@ class SeqStats:
     draft_compute_ms: float = 0.0
     verify_compute_ms: float = 0.0
     first_token_at: float = 0.0
+    draft_tokens: int = 0  # draft tokens sent to verify
+    accepted_drafts: int = 0  # of those, accepted
 
     @property
     def mean_accepted_length(self) -> float:
         return sum(k * v for k, v in self.histogram.items()) / self.cycles if self.cycles else 0.0
+
+
+@dataclass
+class LoopTotals:
+    """Counts since the gateway started (the SGLang GetLoads report reads them)."""
+
+    verify_cycles: int = 0
+    verify_tokens: int = 0  # tokens emitted by verifies, bonus included: verify_tokens / verify_cycles is tau
+    draft_tokens: int = 0
+    accepted_drafts: int = 0
+    output_tokens: int = 0
 
 
 class Sequence:
@@ -127,6 +140,7 @@ class Scheduler:
         self.free_generations: list[int] = []  # ring allocations to reclaim on the next target call
         self.task: asyncio.Task[None] | None = None
         self.cycles = 0
+        self.totals = LoopTotals()
         self.in_cycle = False
         self.draft_down = True  # until the draft is attached (draft_restored)
         self.target_down = False
@@ -156,9 +170,16 @@ class Scheduler:
         return seq
 
     def cancel(self, seq: Sequence) -> None:
-        if not seq.done:
-            seq.cancelled = True
-            self.wake.set()
+        """Ends a sequence: at once if it is still waiting, else at the next cycle boundary."""
+        if seq.done:
+            return
+        if seq in self.waiting:  # never admitted: nothing to release anywhere
+            self.waiting.remove(seq)
+            seq.done = True
+            seq.events.put_nowait(Finished("abort"))
+            return
+        seq.cancelled = True
+        self.wake.set()
 
     # -- service state, driven by the loop's failures and by the recovery task
     def draft_failed(self, why: str) -> None:
@@ -226,16 +247,13 @@ class Scheduler:
     async def _cycle(self) -> None:
         for seq in [s for s in self.running if s.cancelled]:
             self._finish(seq, Finished("abort"))
-        while self.waiting and self.waiting[0].cancelled:
-            self.waiting.popleft().done = True
         newcomers = []
-        while self.waiting and len(self.running) < self.max_sequences:
+        while self.waiting and len(self.running) < self.max_sequences:  # cancel() takes waiting ones out itself
             seq = self.waiting.popleft()
-            if not seq.cancelled:
-                self.running.append(seq)
-                newcomers.append(seq)
-                seq.span.add_event("admitted", {"spec.seq_id": seq.seq_id,
-                                                "spec.wait_ms": (time.perf_counter() - seq.submitted_at) * 1e3})
+            self.running.append(seq)
+            newcomers.append(seq)
+            seq.span.add_event("admitted", {"spec.seq_id": seq.seq_id,
+                                            "spec.wait_ms": (time.perf_counter() - seq.submitted_at) * 1e3})
         t0 = time.perf_counter()
         traced = list(self.running)
         for s in traced:
@@ -355,6 +373,11 @@ class Scheduler:
             s.stats.histogram[len(r.tokens)] += 1
             s.stats.verify_ms += ms
             s.stats.verify_compute_ms += compute_ms
+            s.stats.draft_tokens += s.sent_drafts
+            s.stats.accepted_drafts += r.num_accepted
+            t = self.totals
+            t.verify_cycles, t.verify_tokens = t.verify_cycles + 1, t.verify_tokens + len(r.tokens)
+            t.draft_tokens, t.accepted_drafts = t.draft_tokens + s.sent_drafts, t.accepted_drafts + r.num_accepted
             self.metrics.accepted_length.record(len(r.tokens))
             s.cycle_span.set_attributes({"spec.draft_tokens": s.sent_drafts, "spec.accepted_length": len(r.tokens),
                                          "spec.num_accepted": r.num_accepted, "spec.bonus_token": r.tokens[-1],
@@ -379,6 +402,7 @@ class Scheduler:
                 end = Finished("length")
                 break
         s.generated += out
+        self.totals.output_tokens += len(out)
         if out:
             s.events.put_nowait(out)
         if end is not None:

@@ -3,6 +3,7 @@
   specsplit up          start target, draft and gateway on loopback until Ctrl-C
   specsplit generate    stream a generation from a running gateway
   specsplit demo        up + one streamed generation + a summary line, then down
+  specsplit health      one grpc.health.v1 check of a service (exit 0 when SERVING): container health checks
   specsplit make-random-head / make-tiny-target   checkpoints for tests
 """
 
@@ -136,6 +137,22 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return 0 if same == "identical" or (a.temperature or 0) > 0 else 1
 
 
+def cmd_health(a: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(a.addr) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=a.service),
+                                                              timeout=a.timeout)
+        except grpc.RpcError as e:
+            print(f"{a.addr}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{a.addr} {a.service or '(server)'}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def cmd_random_head(a: argparse.Namespace) -> int:
     from specsplit.checkpoints.eagle_head import random_head, save_head
     from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
@@ -193,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("prompt", nargs="?", default=None)
     _stack_args(demo)
     _gen_args(demo, per_request_steps=False)
+    hc = sub.add_parser("health", help="one grpc.health.v1 check; exit 0 when SERVING")
+    hc.add_argument("addr", help="HOST:PORT of a specsplit service (plaintext)")
+    hc.add_argument("--service", default="", help="service name, e.g. specsplit.v1.TargetService ('' = the server)")
+    hc.add_argument("--timeout", type=float, default=3.0)
     rh = sub.add_parser("make-random-head", help="write a randomly initialised EAGLE-3 head for a target")
     rh.add_argument("--target", default="smollm2")
     rh.add_argument("--out", required=True)
@@ -211,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--png", default="trace_timeline.png", help="timeline image ('' for none)")
     rep.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    handlers = {"up": cmd_up, "generate": cmd_generate, "demo": cmd_demo, "make-random-head": cmd_random_head,
+    handlers = {"up": cmd_up, "generate": cmd_generate, "demo": cmd_demo, "health": cmd_health,
+                "make-random-head": cmd_random_head,
                 "make-tiny-target": cmd_tiny_target, "trace": cmd_trace_report}
     return handlers[a.cmd](a)
 

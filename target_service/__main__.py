@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
     p.add_argument("--max-sequences", type=int, default=d.max_sequences)
     p.add_argument("--max-draft-tokens", type=int, default=d.max_draft_tokens)
     p.add_argument("--aux-layer-ids", default=None, help="comma-separated target layer ids to capture")
-    p.add_argument("--draft-config", default=None, help="head config.json naming eagle_aux_hidden_state_layer_ids")
+    p.add_argument("--draft-config", default=os.environ.get("SPECSPLIT_DRAFT_CONFIG") or None,
+                   help="head config.json naming eagle_aux_hidden_state_layer_ids (env SPECSPLIT_DRAFT_CONFIG)")
     p.add_argument("--hidden-backend", default=d.hidden_backend)
     p.add_argument("--ring-rows", type=int, default=d.ring_rows)
     p.add_argument("--host", default=d.host)
