@@ -43,4 +43,4 @@ $(CVENV)/.installed: pyproject.toml conformance/constraints.txt
 	touch $@
 
 conformance: $(CVENV)/.installed
-	$(CPY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -W 'ignore:Only CUDA:UserWarning' conformance
+	$(CPY) -m pytest -q -rs -p no:cacheprovider -W ignore::DeprecationWarning -W 'ignore:Only CUDA:UserWarning' conformance
