@@ -84,6 +84,8 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
     ref_file.write_text(json.dumps(refs))
     cfg = StackConfig(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
                       hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
+                      extra_target_args=["--inline-steps"] if a.inline_steps else [],
+                      extra_draft_args=["--inline-steps"] if a.inline_steps else [],
                       extra_gateway_args=["--replay-references", str(ref_file), "--replay-accept-rate",
                                           str(a.accept_rate)])
     rows = {}
@@ -104,6 +106,8 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                                         cycles, sum(x.draft_compute_ms for x in s),
                                         sum(x.verify_compute_ms for x in s))
                 rows[steps]["same_tokens_as_in_process_target_only"] = same
+                rows[steps]["draft_rpc_us"] = round(sum(x.draft_ms for x in s) * 1e3 / cycles, 1)
+                rows[steps]["verify_rpc_us"] = round(sum(x.verify_ms for x in s) * 1e3 / cycles, 1)
         finally:
             client.close()
     return rows
@@ -123,6 +127,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-steps", default="1,2,3,4,5,6,7")
     p.add_argument("--accept-rate", type=float, default=0.8)
+    p.add_argument("--inline-steps", action="store_true", help="services run steps on their event loop thread")
     a = p.parse_args()
     steps_list = [int(x) for x in a.num_steps.split(",") if x]
     t0 = time.time()

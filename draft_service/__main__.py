@@ -36,12 +36,16 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--inline-steps", dest="engine_thread", action="store_false",
+                   help="run steps on the event loop thread instead of an engine thread (less latency per step; "
+                        "health checks wait while a step runs)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run the head eagerly on CUDA (default: CUDA graphs per shape bucket)")
     a = p.parse_args(argv)
     return DraftConfig(head=a.head, target=a.target, dtype=a.dtype, device=a.device, max_context=a.max_context,
                        max_sequences=a.max_sequences, max_steps=a.max_steps, host=a.host, port=a.port,
-                       threads=a.threads, cuda_graphs=a.cuda_graphs).validate()
+                       threads=a.threads, cuda_graphs=a.cuda_graphs,
+                       engine_thread=a.engine_thread).validate()
 
 
 async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:

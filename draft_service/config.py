@@ -19,6 +19,7 @@ class DraftConfig:
     host: str = "127.0.0.1"
     port: int = 50062
     threads: int = 0
+    engine_thread: bool = True  # steps on a dedicated thread; False: on the event loop (less latency per step)
     cuda_graphs: bool = True  # extend and proposal steps in CUDA graphs (on CUDA devices only)
 
     def validate(self) -> DraftConfig:

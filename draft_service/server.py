@@ -22,6 +22,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, runtime: DraftRuntime, telemetry: Telemetry) -> None:
         self.runtime, self.telemetry = runtime, telemetry
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
+        self.step_executor = self.executor if runtime.cfg.engine_thread else None
 
     def _info(self) -> draft_pb2.DraftInfo:
         rt, c = self.runtime, self.runtime.head.cfg
@@ -45,7 +46,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Step(self, request_iterator: AsyncIterator[draft_pb2.DraftStepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[draft_pb2.DraftStepResponse]:
-        async for reply in serve_steps(request_iterator, context, "draft", self.executor,
+        async for reply in serve_steps(request_iterator, context, "draft", self.step_executor,
                                        lambda ops, req: self.runtime.step(ops), _CODEC,
                                        self._spans if self.telemetry.tracing else None):
             yield reply

@@ -28,11 +28,13 @@ class StepCodec:
 
 
 async def serve_steps(request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext, service: str,
-                      executor: Executor, run: Callable[[list[Any], Any], tuple[list[Any], StepTiming]],
+                      executor: Executor | None, run: Callable[[list[Any], Any], tuple[list[Any], StepTiming]],
                       codec: StepCodec, after: Callable[[list[Any], list[Any]], None] | None = None
                       ) -> AsyncIterator[Any]:
     """`run(ops, request)` executes on `executor` (one thread: every TP rank must see the
-    steps in one order); `after(ops, results)` runs on the event loop (e.g. spans)."""
+    steps in one order), or on the event loop itself when `executor` is None (no thread
+    hand-off, no GIL contention; health checks wait for the step); `after(ops, results)`
+    runs on the event loop (e.g. spans)."""
     loop = asyncio.get_running_loop()
     async for req in request_iterator:
         t0 = time.perf_counter()
@@ -43,7 +45,10 @@ async def serve_steps(request_iterator: AsyncIterator[Any], context: grpc.aio.Se
             op = codec.decode_op(p)
             (ops.append(op) if op is not None else bad.append(p.seq_id))
         try:
-            results, timing = await loop.run_in_executor(executor, run, ops, req)
+            if executor is None:
+                results, timing = run(ops, req)
+            else:
+                results, timing = await loop.run_in_executor(executor, run, ops, req)
         except Exception as e:  # never a traceback to the client
             log.exception("%s step failed", service)
             await context.abort(grpc.StatusCode.INTERNAL, f"{service} step failed: {type(e).__name__}: {e}")

@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--dist-port", type=int, default=d.dist_port)
     p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--inline-steps", dest="engine_thread", action="store_false",
+                   help="run steps on the event loop thread instead of an engine thread (less latency per step; "
+                        "health checks wait while a step runs)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run verify steps eagerly on CUDA (default: CUDA graphs per shape bucket)")
     a = p.parse_args(argv)
@@ -56,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
                         max_sequences=a.max_sequences, max_draft_tokens=a.max_draft_tokens, aux_layer_ids=aux,
                         draft_config=a.draft_config, hidden_backend=a.hidden_backend, ring_rows=a.ring_rows,
                         host=a.host, port=a.port, dist_port=a.dist_port, threads=a.threads,
-                        cuda_graphs=a.cuda_graphs).validate()
+                        cuda_graphs=a.cuda_graphs,
+                        engine_thread=a.engine_thread).validate()
 
 
 def free_port() -> int:

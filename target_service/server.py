@@ -23,6 +23,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.runtime, self.telemetry = runtime, telemetry
         # one thread: every rank must see the plans in one order
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
+        self.step_executor = self.executor if runtime.cfg.engine_thread else None
 
     async def Describe(self, request: target_pb2.TargetDescribeRequest, context: grpc.aio.ServicerContext
                        ) -> target_pb2.TargetInfo:
@@ -36,7 +37,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Step(self, request_iterator: AsyncIterator[target_pb2.TargetStepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[target_pb2.TargetStepResponse]:
-        async for reply in serve_steps(request_iterator, context, "target", self.executor,
+        async for reply in serve_steps(request_iterator, context, "target", self.step_executor,
                                        lambda ops, req: self.runtime.step(ops, list(req.release_generations)),
                                        _CODEC, self._spans if self.telemetry.tracing else None):
             yield reply

@@ -176,3 +176,20 @@ def test_logs_have_no_tracebacks(stack: ServiceStack) -> None:
     assert stack.cfg.log_dir is not None
     for log in Path(stack.cfg.log_dir).glob("*.log"):
         assert "Traceback" not in log.read_text(), log.name
+
+
+def test_inline_steps_give_the_same_tokens(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
+    """--inline-steps (steps on the services' event loops, no engine thread) changes latency only."""
+    cfg = StackConfig(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=tmp_path,
+                      extra_target_args=["--inline-steps"], extra_draft_args=["--inline-steps"])
+    with ServiceStack(cfg) as s:
+        c = GatewayClient(s.addr("gateway"))
+        try:
+            base = c.generate(make_request(token_ids=[5, 6, 7], max_new_tokens=24, speculation=False))
+            spec = c.generate(make_request(token_ids=[5, 6, 7], max_new_tokens=24, num_steps=4))
+        finally:
+            c.close()
+        assert spec.token_ids == base.token_ids and len(base.token_ids) > 0
+        assert spec.final.speculation.cycles > 0
+        t, d = wait_idle(s)
+        assert t.active_sequences == 0 and d.active_sequences == 0
