@@ -15,7 +15,7 @@ import zipfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from hashlib import sha256
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import grpc
@@ -36,7 +36,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "ge
                    "special_tokens_map.json")
 TOKENIZER_CHUNK_BYTES = 64 * 1024
 LOAD_SECTIONS = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
-SERVER_VERSION = f"specsplit-{version('specsplit')}"  # where SGLang reports its version
+
+
+def _own_version() -> str:
+    try:
+        return version("specsplit")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "source"
+
+
+SERVER_VERSION = f"specsplit-{_own_version()}"  # where SGLang reports its version
 log = logging.getLogger("specsplit.gateway")
 
 
