@@ -26,10 +26,13 @@ class GenStats:
     batches: int = 0
     stopped_early: bool = False  # the deadline came before every prompt had its response
 
+    def new_tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
     def as_dict(self) -> dict:
         return {"prompts": self.prompts, "new_tokens": self.new_tokens, "seconds": round(self.seconds, 2),
                 "batches": self.batches, "stopped_early": self.stopped_early,
-                "new_tokens_per_s": round(self.new_tokens / self.seconds, 1) if self.seconds else 0.0}
+                "new_tokens_per_s": round(self.new_tokens_per_s(), 1)}
 
 
 def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
