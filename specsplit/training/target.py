@@ -34,7 +34,7 @@ def rope_tables(head_dim: int, theta: float, scaling: dict | None, max_pos: int)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, D]; cos, sin broadcastable to it (fp32, cast to x's dtype)."""
+    """x [..., T, D]; cos, sin broadcastable to it (cast to x's dtype unless they have it)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
@@ -125,7 +125,7 @@ class BatchedTarget:
         """tokens [B, T] -> aux [B, T, 3H] (outputs of the capture layers), normed final state [B, T, H].
         Right padding is harmless: position t only sees positions <= t."""
         t = tokens.shape[1]
-        cos, sin = self.cos[:t], self.sin[:t]
+        cos, sin = self.cos[:t].to(self.dtype), self.sin[:t].to(self.dtype)  # cast once, not per layer
         g = self._groups()
 
         def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -155,7 +155,7 @@ class BatchedTarget:
         b, p = tokens.shape
         col = torch.arange(p, device=self.device)
         pos = (col[None, :] - pad[:, None]).clamp(min=0)  # [B, P]
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, P, D]
+        cos, sin = self.cos[pos][:, None].to(self.dtype), self.sin[pos][:, None].to(self.dtype)  # [B, 1, P, D]
         causal = col[None, :] <= col[:, None]  # [P, P]
         valid = col[None, :] >= pad[:, None]  # [B, P] real keys
         mask = (causal & valid[:, None, :]) | torch.eye(p, dtype=torch.bool, device=self.device)  # pads see themselves
@@ -179,7 +179,8 @@ class BatchedTarget:
         key_mask [B, S] says which cache columns each sequence attends to -> normed state [B, H]."""
         b = tokens.shape[0]
         g, hkv, d = self._groups(), self.cfg.num_kv_heads, self.cfg.head_dim
-        cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # [B, 1, 1, D]
+        cos = self.cos[positions][:, None, None].to(self.dtype)  # [B, 1, 1, D]
+        sin = self.sin[positions][:, None, None].to(self.dtype)
         mask = key_mask[:, None, None, :]  # [B, 1, 1, S]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
