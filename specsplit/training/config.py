@@ -15,7 +15,7 @@ class TrainConfig:
     out: str  # output directory: the head (config.json, model.safetensors), train_log.json, train_curves.png
     target: str = "smollm2"  # target directory, .gguf file, or smollm2 (embedded)
     prompts: str = "builtin"  # the shipped prompt set, or a .jsonl / .jsonl.gz file
-    num_prompts: int = 6000  # train-split prompts to generate for (0: all)
+    num_prompts: int = 0  # train-split prompts to generate for (0: all of them)
     max_prompt_tokens: int = 384
     max_new_tokens: int = 256
     gen_batch_size: int = 256  # sequences decoded together

@@ -1,7 +1,9 @@
 """The shipped self-distillation prompt set: templates x topics, several kinds (chat,
 explanations, lists, writing, coding in chat form and as raw Python to complete, math).
 
-HumanEval is the evaluation set and is not used here: the coding tasks below are our own.
+HumanEval is the evaluation set and is not used here: the coding tasks are our own.
+Kinds are drawn by weight and duplicates skipped, so the kinds with few combinations
+(raw code, coding chat) come out under their weight and math / rewriting over it.
 Chat topics are split: every HELDOUT_EVERY-th topic never appears in training prompts and
 feeds the held-out chat set of `bench/acceptance.py`.
 
@@ -17,7 +19,17 @@ import json
 import random
 from pathlib import Path
 
-from specsplit.training.prompt_topics import ACTIVITIES, AUDIENCES, CODE_TASKS, LANGUAGES, TOPICS
+from specsplit.training.prompt_topics import (
+    ACTIVITIES,
+    AUDIENCES,
+    CODE_TASKS,
+    LANGUAGES,
+    OBJECTS,
+    SUBJECTS,
+    TIMES,
+    TOPICS,
+    VERB_PHRASES,
+)
 
 SHIPPED = Path(__file__).parent / "data" / "prompts.jsonl.gz"
 HELDOUT_EVERY = 7
@@ -54,6 +66,15 @@ CODE_CHAT = [
     "Here is a task: {desc}. Write clean, commented Python code for it.",
     "Write unit tests with pytest for a function `{name}({args})` meant to {desc}.",
     "Write a Python class with a method `{name}({args})` that can {desc}.",
+    "{stub}",
+    "from typing import List, Optional\n\n\n{stub}",
+]
+REWRITE = [
+    "Rewrite this sentence in a more formal tone: \"{s}\"", "Translate into French: \"{s}\"",
+    "Translate into Spanish: \"{s}\"", "Translate into German: \"{s}\"", "Turn this into a question: \"{s}\"",
+    "Write a short story that starts with: \"{s}\"", "Continue this story in three sentences: \"{s}\"",
+    "Rewrite this sentence in the passive voice: \"{s}\"", "Explain the grammar of this sentence: \"{s}\"",
+    "Write a funny newspaper headline about this: \"{s}\"", "Rewrite this for a children's book: \"{s}\"",
 ]
 MATH = [
     "What is {a} times {b}?", "What is {a} plus {b} minus {c}?", "Compute {a} divided by {c}, rounded to two decimals.",
@@ -83,6 +104,11 @@ def _code_raw(name: str, args: str, desc: str) -> str:
     return f"def {name}({args}):\n    \"\"\"{_doc(desc)}\n    \"\"\"\n"
 
 
+def _code_raw_kind(rng: random.Random) -> str:
+    stub = _code_raw(*rng.choice(CODE_TASKS))
+    return stub if rng.random() < 0.5 else "from typing import List, Optional\n\n\n" + stub
+
+
 def _fill(rng: random.Random, template: str, topics: list[str], activities: list[str]) -> str:
     t, u = rng.sample(topics, 2)
     return template.format(t=t, u=u, a=rng.choice(AUDIENCES), v=rng.choice(activities))
@@ -94,27 +120,35 @@ def _math(rng: random.Random, template: str) -> str:
     return template.format(a=a, b=b, c=c, d=d, p=p, sq=rng.randint(2, 30) ** 2)
 
 
+def _rewrite(rng: random.Random, template: str) -> str:
+    sentence = f"{rng.choice(SUBJECTS)} {rng.choice(VERB_PHRASES)} {rng.choice(OBJECTS)} {rng.choice(TIMES)}."
+    return template.format(s=sentence[0].upper() + sentence[1:])
+
+
 def _code_chat(rng: random.Random, template: str) -> str:
     name, args, desc = rng.choice(CODE_TASKS)
-    return template.format(name=name, args=args, desc=desc, Doc=_doc(desc), lang=rng.choice(LANGUAGES))
+    return template.format(name=name, args=args, desc=desc, Doc=_doc(desc), lang=rng.choice(LANGUAGES),
+                           stub=_code_raw(name, args, desc))
 
 
-def build(seed: int = 0, train: int = 8000, heldout: int = 160) -> list[dict]:
+def build(seed: int = 0, train: int = 16000, heldout: int = 160) -> list[dict]:
     """Deterministic records {id, split, kind, raw, text}: train and held-out chat prompts."""
     rng = random.Random(seed)
     train_topics, held_topics = _split(TOPICS)
     train_acts, held_acts = _split(ACTIVITIES)
-    kinds = [("explain", 0.26), ("list", 0.14), ("writing", 0.10), ("code", 0.22), ("code_raw", 0.08),
-             ("math", 0.20)]
-    seen: set[str] = set()
+    kinds = [("explain", 0.24), ("list", 0.12), ("writing", 0.10), ("code", 0.20), ("code_raw", 0.04),
+             ("rewrite", 0.12), ("math", 0.18)]
+    seen: set[tuple[bool, str]] = set()  # a raw prompt and the same text through the chat template differ
     out: list[dict] = []
+    count = {"train": 0, "heldout": 0}
 
     def add(split: str, kind: str, text: str) -> None:
-        if text not in seen:
-            seen.add(text)
+        if (kind == "code_raw", text) not in seen:
+            seen.add((kind == "code_raw", text))
+            count[split] += 1
             out.append({"id": len(out), "split": split, "kind": kind, "raw": kind == "code_raw", "text": text})
 
-    while sum(r["split"] == "train" for r in out) < train:
+    while count["train"] < train:
         kind = rng.choices([k for k, _ in kinds], [w for _, w in kinds])[0]
         if kind == "explain":
             add("train", kind, _fill(rng, rng.choice(EXPLAIN), train_topics, train_acts))
@@ -125,10 +159,12 @@ def build(seed: int = 0, train: int = 8000, heldout: int = 160) -> list[dict]:
         elif kind == "code":
             add("train", kind, _code_chat(rng, rng.choice(CODE_CHAT)))
         elif kind == "code_raw":
-            add("train", kind, _code_raw(*rng.choice(CODE_TASKS)))
+            add("train", kind, _code_raw_kind(rng))
+        elif kind == "rewrite":
+            add("train", kind, _rewrite(rng, rng.choice(REWRITE)))
         else:
             add("train", kind, _math(rng, rng.choice(MATH)))
-    while sum(r["split"] == "heldout" for r in out) < heldout:
+    while count["heldout"] < heldout:
         add("heldout", "chat", _fill(rng, rng.choice(EXPLAIN + LISTS + WRITING), held_topics, held_acts))
     return out
 
@@ -145,7 +181,7 @@ def write(records: list[dict], path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(SHIPPED))
-    p.add_argument("--train", type=int, default=8000)
+    p.add_argument("--train", type=int, default=16000)
     p.add_argument("--heldout", type=int, default=160)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()

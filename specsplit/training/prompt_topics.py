@@ -197,3 +197,27 @@ CODE_TASKS = [
     ("bank_account", "balance", "model a bank account with deposit, withdraw and balance methods"),
     ("lru_cache_class", "capacity", "implement a least-recently-used cache with get and put"),
 ]
+
+# sentence parts for rewriting / translation prompts: subject, verb phrase, object, time
+SUBJECTS = [
+    "my neighbor", "the new manager", "our team", "the little girl", "a tired student", "the old fisherman",
+    "my best friend", "the city council", "a young doctor", "the chef", "the software team", "my brother",
+    "the museum guide", "a famous author", "the school principal", "the delivery driver", "our cat",
+    "the scientists", "the band", "my grandparents",
+]
+VERB_PHRASES = [
+    "forgot to bring", "decided to sell", "was excited about", "complained about", "quickly repaired",
+    "spent the whole day looking for", "accidentally broke", "proudly showed everyone", "refused to share",
+    "finally finished", "carefully wrapped", "could not stop talking about", "borrowed", "designed",
+    "painted", "lost", "recommended", "cooked", "ordered", "wrote a letter about",
+]
+OBJECTS = [
+    "the red bicycle", "a strange old map", "the quarterly report", "a chocolate cake", "the broken window",
+    "the new website", "a pile of books", "the garden fence", "an expensive camera", "the holiday plans",
+    "the science project", "a tiny wooden boat", "the concert tickets", "the family recipe", "a noisy printer",
+    "the winter coat", "the meeting notes", "a bag of apples", "the kitchen table", "the travel guide",
+]
+TIMES = [
+    "yesterday", "last weekend", "this morning", "before the meeting", "after lunch", "during the storm",
+    "on Monday", "last summer", "in the middle of the night", "right before the deadline",
+]
