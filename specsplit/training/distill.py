@@ -83,10 +83,14 @@ def generate_batch(target: BatchedTarget, prompts: list[list[int]], max_new: int
 def generate_all(target: BatchedTarget, prompts: list[list[int]], max_new: int, batch_size: int,
                  eos_ids: list[int], temperature: float = 0.0, seed: int = 0, deadline: float | None = None,
                  on_batch: Callable[[int, int, GenStats], None] | None = None) -> tuple[list[Sample], GenStats]:
-    """Generate for every prompt (longest prompts first, so a batch shares its length) until
-    done or `deadline` (time.monotonic()); returns the samples made and the throughput."""
+    """Generate for every prompt until done or `deadline` (time.monotonic()); returns the
+    samples made and the throughput. Prompts are taken in their order, in windows of eight
+    batches, each window sorted by length (a batch shares its length): a deadline then
+    drops a tail of the given order, not the shortest or the longest prompts."""
     gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    window = 8 * batch_size
+    order = [i for w in range(0, len(prompts), window)
+             for i in sorted(range(w, min(w + window, len(prompts))), key=lambda i: -len(prompts[i]))]
     stats, samples, t0 = GenStats(), [], time.monotonic()
     for start in range(0, len(order), batch_size):
         if deadline is not None and time.monotonic() >= deadline:

@@ -37,12 +37,12 @@ def plot(log: dict, png: Path) -> bool:
     ax = axes[0]
     ax.plot(steps, [r["loss"] for r in train], color="black", lw=2, label="weighted total")
     for i in range(k):
-        ax.plot(steps, [r["loss_k"][i] for r in train], color=colors[i], lw=1, label=f"step {i}")
+        ax.plot(steps, [r["loss_k"][i] for r in train], color=colors[i], lw=1, label=f"step {i} (position {i + 1})")
     ax.set(xlabel="training step", ylabel="loss", title="TTT loss per unrolled step", yscale="log")
     ax.legend(fontsize=7, ncol=2)
     ax = axes[1]
     for i in range(k):
-        ax.plot(steps, [r["acc_k"][i] for r in train], color=colors[i], lw=1, label=f"position {i}")
+        ax.plot(steps, [r["acc_k"][i] for r in train], color=colors[i], lw=1, label=f"position {i + 1}")
         if val:
             ax.plot([r["step"] for r in val], [r["acc_k"][i] for r in val], "o", color=colors[i], ms=3)
     ax.set(xlabel="training step", ylabel="acceptance (argmax match)", ylim=(0, 1),
