@@ -14,7 +14,7 @@ from draft_service.runtime import build_head
 from specsplit.checkpoints.eagle_head import load_head, save_head
 from specsplit.checkpoints.target_checkpoint import load_safetensors_dir, load_target_config
 from specsplit.models.layers import Segment
-from specsplit.models.llama import LlamaModel
+from specsplit.models.llama import LlamaModel, random_llama_weights
 from specsplit.models.parallel import TensorParallel
 from specsplit.training.distill import generate_batch
 from specsplit.training.model import TrainableHead, head_config
@@ -86,10 +86,14 @@ def test_vocab_by_frequency_and_maps() -> None:
     assert filled.ids.tolist() == [0, 1, 2, 3, 4, 5, 6]
 
 
-def test_batched_target_matches_serving_model(tiny_target: Path) -> None:
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
+def test_batched_target_matches_serving_model(tiny_target: Path, variant: str) -> None:
     """Features, logits and greedy generation of the training target equal the serving LlamaModel's."""
     cfg = load_target_config(tiny_target)
     weights = load_safetensors_dir(tiny_target)
+    if variant != "llama":  # q/k/v biases (Qwen2) or per-head q/k RMSNorm (Qwen3)
+        cfg.attention_bias, cfg.qk_norm = variant == "qwen2", variant == "qwen3"
+        weights = random_llama_weights(cfg, seed=3, std=0.2)
     aux = cfg.default_aux_layer_ids()
     ref = LlamaModel(cfg, TensorParallel(), aux)
     ref.load_full_weights(weights)
