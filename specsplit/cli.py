@@ -5,6 +5,7 @@
   specsplit demo        up + one streamed generation + a summary line, then down
   specsplit health      one grpc.health.v1 check of a service (exit 0 when SERVING): container health checks
   specsplit make-random-head / make-tiny-target   checkpoints for tests
+  specsplit train-head  train an EAGLE-3 head by self-distillation (docs/training.md)
 """
 
 from __future__ import annotations
@@ -223,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     tt = sub.add_parser("make-tiny-target", help="write a tiny random Llama target")
     tt.add_argument("--out", required=True)
     tt.add_argument("--seed", type=int, default=0)
+    from specsplit.training.cli import add_parser as add_train_head
+
+    add_train_head(sub)
     tr = sub.add_parser("trace", help="trace tools").add_subparsers(dest="trace_cmd", required=True)
     rep = tr.add_parser("report", help="cycle-time percentiles, accepted lengths, tokens/s and a PNG timeline")
     rep.add_argument("paths", nargs="*", help="*.spans.jsonl files or folders holding them")
@@ -232,9 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--png", default="trace_timeline.png", help="timeline image ('' for none)")
     rep.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    from specsplit.training.cli import run as cmd_train_head
+
     handlers = {"up": cmd_up, "generate": cmd_generate, "demo": cmd_demo, "health": cmd_health,
-                "make-random-head": cmd_random_head,
-                "make-tiny-target": cmd_tiny_target, "trace": cmd_trace_report}
+                "make-random-head": cmd_random_head, "make-tiny-target": cmd_tiny_target,
+                "trace": cmd_trace_report, "train-head": cmd_train_head}
     return handlers[a.cmd](a)
 
 
