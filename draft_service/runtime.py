@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -17,17 +18,21 @@ from specsplit.models.eagle3 import Eagle3Head
 from specsplit.ops import DraftOp, DraftResult, StepTiming
 
 EMBED_KEY = "model.embed_tokens.weight"
+log = logging.getLogger("specsplit.draft")
 
 
 def build_head(cfg: DraftConfig) -> Eagle3Head:
     head_cfg, weights = load_head(resolve_head_dir(cfg.head, cfg.target))
-    embed = weights.get("embed_tokens.weight")
+    # the target's embedding, always (as SGLang's EAGLE worker does, even when the head ships a table)
     target_dir = resolve_target_dir(cfg.target)
     random_spec = random_weights_spec(target_dir)
-    if embed is None and random_spec is not None:  # a timing shape: a seeded random table
+    if random_spec is not None:  # a timing shape: a seeded random table
         embed = random_embedding(load_target_config(target_dir), int(random_spec["seed"]), random_spec["std"])
-    elif embed is None:
+    else:
         embed = load_safetensors_dir(target_dir, only={EMBED_KEY})[EMBED_KEY]
+    shipped = weights.pop("embed_tokens.weight", None)
+    if shipped is not None and (shipped.shape != embed.shape or not torch.equal(shipped.to(embed.dtype), embed)):
+        log.warning("the head ships its own embed_tokens, different from the target's: the target's is used")
     if embed.shape != (head_cfg.vocab_size, head_cfg.hidden_size):
         raise ValueError(f"target embedding {tuple(embed.shape)} does not fit the head "
                          f"(vocab {head_cfg.vocab_size}, hidden {head_cfg.hidden_size})")

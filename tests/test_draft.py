@@ -134,3 +134,38 @@ def test_extend_position_must_match_or_restart(tiny_target: Path, tiny_head: Pat
         assert a.draft_ids == b.draft_ids and rt.engine.seqs[2].length == 3 and len(first) == 2
     finally:
         writer.close()
+
+
+@pytest.mark.parametrize("option", [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True},
+                                    {"eagle_config": {"use_aux_norm": True}},
+                                    {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}}])
+def test_head_options_specsplit_cannot_honour_are_refused(tiny_head: Path, tmp_path: Path, option: dict) -> None:
+    import json
+    import shutil
+
+    head = tmp_path / "head"
+    shutil.copytree(tiny_head, head)
+    cfg = json.loads((head / "config.json").read_text())
+    for key, value in option.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    (head / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="not supported|takes 3"):
+        load_head(head)
+
+
+def test_a_shipped_embedding_is_replaced_by_the_targets(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
+    """As in SGLang's EAGLE worker: the head drafts with the target's token embedding."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specsplit.checkpoints.target_checkpoint import load_safetensors_dir
+
+    head = tmp_path / "head"
+    shutil.copytree(tiny_head, head)
+    weights = load_file(head / "model.safetensors")
+    weights["embed_tokens.weight"] = torch.randn(512, 64)
+    save_file(weights, head / "model.safetensors")
+    rt = DraftRuntime(DraftConfig(head=str(head), target=str(tiny_target), max_context=64, max_sequences=1))
+    target_embed = load_safetensors_dir(tiny_target)["model.embed_tokens.weight"]
+    assert torch.equal(rt.head.embed_tokens.weight, target_embed)

@@ -87,6 +87,9 @@ class LlamaConfig:
         }
 
 
+UNSUPPORTED_HEAD_OPTIONS = ("fc_norm", "use_aux_norm", "norm_before_fc", "norm_output")
+
+
 @dataclass
 class Eagle3Config:
     """An EAGLE-3 head (SGLang / SpecForge `LlamaForCausalLMEagle3` config.json)."""
@@ -120,6 +123,13 @@ class Eagle3Config:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], name: str = "") -> Eagle3Config:
         eagle = cfg.get("eagle_config") or {}
+        # options SGLang reads that change what the head computes: refuse rather than draft differently
+        for key in UNSUPPORTED_HEAD_OPTIONS:
+            if cfg.get(key) or eagle.get(key):
+                raise ValueError(f"EAGLE-3 head option {key!r} is not supported by specsplit (docs/compatibility.md)")
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if ids is not None and len(ids) != 3:
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids names {len(ids)} layers; an EAGLE-3 head takes 3")
         return cls(
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -135,7 +145,7 @@ class Eagle3Config:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             max_position=int(cfg.get("max_position_embeddings", 8192)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            aux_layer_ids=eagle.get("eagle_aux_hidden_state_layer_ids"),
+            aux_layer_ids=ids,
             fc_bias=bool(cfg.get("bias", False)),
             name=name or cfg.get("_name_or_path", "") or "eagle3",
         )

@@ -95,11 +95,11 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def load_weights(self, weights: dict[str, torch.Tensor], target_embedding: torch.Tensor) -> None:
-        """SGLang / SpecForge key names; the embedding comes from the target unless shipped."""
+        """SGLang / SpecForge key names; the token embedding is always the target's."""
         self.fc.weight.data.copy_(weights["fc.weight"])
         if self.fc.bias is not None:
             self.fc.bias.data.copy_(weights["fc.bias"])
-        self.embed_tokens.weight.data.copy_(weights.get("embed_tokens.weight", target_embedding))
+        self.embed_tokens.weight.data.copy_(target_embedding)  # the target's, as SGLang does, even if shipped
         m = self.midlayer
         for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
             getattr(m, name).weight.data.copy_(weights[f"midlayer.{name}.weight"])
