@@ -19,13 +19,13 @@ import gzip
 import importlib.util
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.spec_vs_baseline import git_commit
 from draft_service.config import DraftConfig
 from gateway.local import LocalEngines, LocalResult
 from gateway.scheduler import GenerationRequest
@@ -49,14 +49,6 @@ def humaneval_prompts(limit: int) -> list[str]:
 
 def chat_prompts(limit: int) -> list[str]:
     return [r["text"] for r in select(load_records(), "heldout", limit, seed=0)]
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def aggregate(results: list[LocalResult], seconds: float) -> dict[str, Any]:
