@@ -9,7 +9,9 @@ from specsplit.handoff.base import DTYPES
 
 @dataclass
 class DraftConfig:
-    head: str = "random"  # an EAGLE-3 head directory, or `random` (made for the target, cached)
+    # an EAGLE-3 head directory, a shipped head's name (`smollm2-eagle3`), `default` (the shipped head trained
+    # for the target, else random) or `random` (made for the target, cached)
+    head: str = "default"
     target: str = "smollm2"  # the target model: the head borrows its embedding table
     dtype: str = "float32"
     device: str = "cpu"

@@ -22,7 +22,8 @@ DEFAULT_PROMPT = "Write a short Python function that checks whether a number is 
 
 def _stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="target: directory, .gguf, or smollm2 (embedded)")
-    p.add_argument("--head", default="random", help="EAGLE-3 head directory, or random")
+    p.add_argument("--head", default="default", help="EAGLE-3 head: a directory, a shipped head (smollm2-eagle3), "
+                   "default (the shipped head trained for --model, else random) or random")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--num-steps", type=int, default=4, help="default draft steps per cycle (0: off)")
     p.add_argument("--max-context", type=int, default=2048)

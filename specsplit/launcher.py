@@ -53,7 +53,7 @@ def wait_serving(addr: str, proc: subprocess.Popen[bytes] | None, timeout: float
 @dataclass
 class StackConfig:
     model: str = "smollm2"
-    head: str = "random"
+    head: str = "default"  # see specsplit.checkpoints.eagle_head.resolve_head_dir
     dtype: str = "float32"
     tp_size: int = 1
     num_steps: int = 4
@@ -102,9 +102,11 @@ class ServiceStack:
 
     def start(self, timeout: float = 300.0) -> ServiceStack:
         c = self.cfg
-        head_config = Path(c.head) / "config.json"
-        if c.with_draft and head_config.exists() and "--draft-config" not in c.extra_target_args:
-            c.extra_target_args = [*c.extra_target_args, "--draft-config", str(head_config)]
+        from specsplit.checkpoints.eagle_head import trained_head_dir  # torch: imported only when starting
+
+        head_dir = trained_head_dir(c.head, c.model) if c.with_draft else None
+        if head_dir is not None and "--draft-config" not in c.extra_target_args:  # the capture layers it reads
+            c.extra_target_args = [*c.extra_target_args, "--draft-config", str(head_dir / "config.json")]
         common = ["--dtype", c.dtype, "--max-context", str(c.max_context), "--max-sequences", str(c.max_sequences),
                   "--threads", str(c.threads)]
         target_device = ["--device", c.device] if c.device else []

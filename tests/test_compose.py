@@ -109,7 +109,7 @@ def test_smg_fronts_the_gateway_and_traces_go_to_jaeger(services: dict[str, dict
     assert "receivers.otlp.protocols.grpc.endpoint=0.0.0.0:4317" in services["jaeger"]["command"]
     if profile == "cpu":
         assert services[name["target"]]["environment"]["SPECSPLIT_MODEL"] == "smollm2"
-        assert services[name["draft"]]["environment"]["SPECSPLIT_HEAD"] == "random"
+        assert services[name["draft"]]["environment"]["SPECSPLIT_HEAD"] == "default"
 
 
 def test_only_loopback_ports_are_published(services: dict[str, dict]) -> None:

@@ -15,6 +15,12 @@ from specsplit.checkpoints.target_checkpoint import cache_root, load_target_conf
 from specsplit.models.config import Eagle3Config, LlamaConfig
 
 RANDOM_HEAD = "random"
+DEFAULT_HEAD = "default"  # the shipped trained head when the target is the one it was trained for, else random
+SHIPPED_HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
+# name -> (directory in specsplit/heads, the target's config name it was trained on)
+SHIPPED_HEADS = {
+    "smollm2-eagle3": ("smollm2_135m_instruct_eagle3", "Smollm2 135M 8k Lc100K Mix1 Ep2"),
+}
 
 
 def load_head(head_dir: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
@@ -86,9 +92,38 @@ def random_head(target: LlamaConfig, draft_vocab_size: int = 8192, seed: int = 0
     return cfg, weights
 
 
+def shipped_head_for(target_spec: str) -> str | None:
+    """The name of the shipped trained head for this target, or None (matched by the target's
+    config name and shapes: the embedded SmolLM2 GGUF, from the package or copied elsewhere)."""
+    target_dir = resolve_target_dir(target_spec)
+    raw = json.loads((target_dir / "config.json").read_text())
+    for name, (dirname, target_name) in SHIPPED_HEADS.items():
+        head = json.loads((SHIPPED_HEADS_DIR / dirname / "config.json").read_text())
+        if raw.get("_name_or_path") == target_name and raw.get("hidden_size") == head["target_hidden_size"] \
+                and raw.get("vocab_size") == head["vocab_size"]:
+            return name
+    return None
+
+
+def trained_head_dir(head: str, target_spec: str) -> Path | None:
+    """The directory `head` names unless it resolves to a random head (then None, nothing is made)."""
+    if head == DEFAULT_HEAD:
+        head = shipped_head_for(target_spec) or RANDOM_HEAD
+    return None if head == RANDOM_HEAD else resolve_head_dir(head, target_spec)
+
+
 def resolve_head_dir(head: str, target_spec: str, seed: int = 0) -> Path:
-    """A head directory, or `random`: a random head for the target, made once in the cache."""
+    """The directory of a head given as: a directory; the name of a shipped head (`smollm2-eagle3`);
+    `default` (the shipped head trained for this target if there is one, else `random`); or
+    `random` (a random head for the target, made once in the cache)."""
+    if head == DEFAULT_HEAD:
+        head = shipped_head_for(target_spec) or RANDOM_HEAD
+    if head in SHIPPED_HEADS:
+        return SHIPPED_HEADS_DIR / SHIPPED_HEADS[head][0]
     if head != RANDOM_HEAD:
+        if not Path(head).is_dir():
+            raise FileNotFoundError(f"head {head!r}: not a directory, {DEFAULT_HEAD!r}, {RANDOM_HEAD!r} or a shipped "
+                                    f"head ({', '.join(SHIPPED_HEADS)})")
         return Path(head)
     target_dir = resolve_target_dir(target_spec)
     out = cache_root() / f"random-head-{target_dir.name}-s{seed}"
