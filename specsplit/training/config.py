@@ -16,6 +16,9 @@ class TrainConfig:
     target: str = "smollm2"  # target directory, .gguf file, or smollm2 (embedded)
     prompts: str = "builtin"  # the shipped prompt set, or a .jsonl / .jsonl.gz file
     num_prompts: int = 0  # train-split prompts to generate for (0: all of them)
+    self_instruct: int = 0  # requests the target writes itself (pre-query sampling), added to the prompt set
+    self_instruct_temperature: float = 1.0
+    self_instruct_max_tokens: int = 96
     max_prompt_tokens: int = 384
     max_new_tokens: int = 256
     gen_batch_size: int = 256  # sequences decoded together
@@ -67,9 +70,11 @@ class TrainConfig:
                      "ttt_length", "draft_vocab", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("num_prompts", "max_steps", "eval_every", "threads"):
+        for name in ("num_prompts", "max_steps", "eval_every", "threads", "self_instruct"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.self_instruct and not (self.self_instruct_temperature > 0 and self.self_instruct_max_tokens >= 8):
+            raise ValueError("self_instruct needs self_instruct_temperature > 0 and self_instruct_max_tokens >= 8")
         for name in ("epochs", "time_budget", "save_every_s", "weight_decay", "max_head_mb", "temperature"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

@@ -25,6 +25,7 @@ from specsplit.training.loop import Trainer
 from specsplit.training.model import TrainableHead, head_config
 from specsplit.training.progress import Progress
 from specsplit.training.report import plot, write_log
+from specsplit.training.self_instruct import synthesize
 from specsplit.training.target import BatchedTarget
 from specsplit.training.vocab import DraftVocab, build_vocab, count_response_tokens
 
@@ -72,6 +73,21 @@ def inference_check(out: Path, head: TrainableHead, target: BatchedTarget, sampl
             "max_abs_logit_diff": round((logits_inf - logits_train).abs().max().item(), 4)}
 
 
+def self_instructed(cfg: TrainConfig, target: BatchedTarget, codec: TextCodec | None, t_start: float,
+                    log: dict) -> list[dict]:
+    """Requests the target writes itself, as prompt records; at most a quarter of the generation window."""
+    if codec is None:
+        raise ValueError("self_instruct needs the target's tokenizer and chat template")
+    deadline = t_start + 0.25 * cfg.gen_fraction * cfg.time_budget if cfg.time_budget else None
+    bar = Progress("self-instruct", cfg.self_instruct)
+    texts, st = synthesize(target, codec, cfg.self_instruct, cfg.self_instruct_max_tokens, cfg.gen_batch_size,
+                           cfg.self_instruct_temperature, cfg.seed + 1, deadline,
+                           lambda done, total, s: bar.update(done, f"{s.new_tokens_per_s():.0f} new tok/s"))
+    bar.close(st.prompts, f"{len(texts)} distinct requests kept of {st.prompts} written in {st.seconds:.1f} s")
+    log["self_instruct"] = {**st.as_dict(), "kept": len(texts), "examples": [t[:200] for t in texts[:5]]}
+    return [{"text": t, "split": "train", "kind": "self_instruct", "raw": False} for t in texts]
+
+
 def run(cfg: TrainConfig) -> dict:
     cfg.validate()
     t_start = time.monotonic()
@@ -98,8 +114,11 @@ def run(cfg: TrainConfig) -> dict:
         f"{cfg.dtype} on {dev} (loaded in {time.monotonic() - t_start:.1f} s)")
 
     records = prompt_set.select(prompt_set.load_records(cfg.prompts), "train", cfg.num_prompts, cfg.seed)
-    prompt_ids = prompt_set.encode(records, codec, tcfg.vocab_size, cfg.max_prompt_tokens)
     gen_deadline = t_start + cfg.gen_fraction * cfg.time_budget if cfg.time_budget else None
+    if cfg.self_instruct:
+        records += self_instructed(cfg, target, codec, t_start, log)
+        random.Random(cfg.seed).shuffle(records)  # a deadline then drops a tail of both kinds alike
+    prompt_ids = prompt_set.encode(records, codec, tcfg.vocab_size, cfg.max_prompt_tokens)
     bar = Progress("generate", len(prompt_ids))
     say(f"generating up to {cfg.max_new_tokens} tokens for {len(prompt_ids)} prompts, batch {cfg.gen_batch_size}")
     samples, gstats = generate_all(
