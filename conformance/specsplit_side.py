@@ -6,7 +6,7 @@ from pathlib import Path
 
 from draft_service.config import DraftConfig
 from draft_service.runtime import build_head
-from specsplit.checkpoints.eagle_head import RANDOM_HEAD, resolve_head_dir
+from specsplit.checkpoints.eagle_head import resolve_head_dir, trained_head_dir
 from specsplit.checkpoints.target_checkpoint import EMBEDDED_DEFAULT
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.llama import LlamaModel
@@ -32,6 +32,7 @@ def head_dir(head: str) -> Path:
 
 
 def default_head() -> str | None:
-    """The draft service's default head, or None while that is a random one (no trained head shipped)."""
+    """The draft service's default head for the embedded target (the shipped trained one), or
+    None if that resolves to a random head."""
     head = DraftConfig().head
-    return None if head == RANDOM_HEAD else head
+    return None if trained_head_dir(head, EMBEDDED_DEFAULT) is None else head

@@ -16,8 +16,7 @@ _DEFAULT = default_head()
 HEADS = [
     pytest.param(RANDOM_HEAD, id="random-head"),
     pytest.param(_DEFAULT, id="default-head", marks=pytest.mark.skipif(
-        _DEFAULT is None, reason="the project ships no trained head yet: the draft service's default head is "
-                                 "'random' (issue 4 makes a trained SmolLM2 head the default)")),
+        _DEFAULT is None, reason="the draft service's default head for the embedded target is a random one")),
 ]
 
 
