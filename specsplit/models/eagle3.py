@@ -78,7 +78,7 @@ class Eagle3Head(nn.Module):
         """A padded batch for CUDA graphs: tokens, positions [B, T], hidden [B, T, 3H or H],
         slots [B] -> logits [B, T, Vd], pre-norm hidden [B, T, H]."""
         b, t = tokens.shape
-        batch = StaticBatch.build(slots, positions, ctx, self.embed_tokens.weight.dtype)
+        batch = StaticBatch.build(slots, positions, ctx)
         logits, prenorm = self._forward(tokens.reshape(-1), hidden.reshape(b * t, -1), positions.reshape(-1),
                                         batch, cache)
         return logits.view(b, t, -1), prenorm.view(b, t, -1)

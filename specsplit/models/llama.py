@@ -76,7 +76,7 @@ class LlamaModel(nn.Module):
         """A padded batch for CUDA graphs: tokens, positions [B, T], slots [B] -> logits [B, T, V],
         aux [B, T, 3H] or None. Keys [0, ctx) of each slot are read; no host synchronisation."""
         b, t = tokens.shape
-        batch = StaticBatch.build(slots, positions, ctx, self.embed_tokens.weight.dtype)
+        batch = StaticBatch.build(slots, positions, ctx)
         logits, aux = self._forward(tokens.reshape(-1), positions.reshape(-1), batch, cache, capture)
         return logits.view(b, t, -1), None if aux is None else aux.view(b, t, -1)
 
