@@ -1,0 +1,111 @@
+"""Where a service call's time goes outside the engine: the same bidi-stream exchange of a
+TargetService Step, one request and one reply at a time, against three servers in a child
+process, all with nothing to compute:
+  - bare: a Step handler that echoes an empty reply (gRPC aio + uvloop, our server options);
+  - framework: the services' own `serve_steps` (op decoding, result encoding, timing) over a
+    runtime that returns at once, with steps on an engine thread (the default);
+  - framework_inline: the same with steps on the event loop (`--inline-steps`).
+The client is the gateway's own GrpcTarget (op encoding, the stream exchange, result
+decoding). One JSON line: µs per call for each server, and the differences.
+
+  python -m bench.rpc_anatomy --calls 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from specsplit import wire
+from specsplit.ops import StepTiming, TargetResult, Verify
+from specsplit.serving import install_uvloop, new_server
+from specsplit.step_stream import StepCodec, serve_steps
+from specsplit.v1 import target_pb2, target_pb2_grpc
+
+MODES = ("bare", "framework", "framework_inline")
+
+
+class _Servicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.executor = ThreadPoolExecutor(max_workers=1) if mode == "framework" else None
+        self.codec = StepCodec(wire.target_op_from_proto, wire.target_result_to_proto, TargetResult,
+                               target_pb2.TargetStepResponse)
+
+    @staticmethod
+    def _run(ops: list[Any], _req: Any) -> tuple[list[TargetResult], StepTiming]:
+        return [TargetResult(op.seq_id, tokens=[7], num_accepted=len(getattr(op, "draft_ids", []))) for op in ops], \
+            StepTiming(0.0, 0.0)
+
+    async def Step(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
+        if self.mode == "bare":
+            async for req in request_iterator:
+                yield target_pb2.TargetStepResponse(step_id=req.step_id)
+            return
+        async for reply in serve_steps(request_iterator, context, "target", self.executor, self._run, self.codec):
+            yield reply
+
+
+async def _serve(mode: str, port: int) -> None:
+    server, _health = new_server()
+    target_pb2_grpc.add_TargetServiceServicer_to_server(_Servicer(mode), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("ready", flush=True)
+    await server.wait_for_termination()
+
+
+async def _client(port: int, calls: int, drafts: int) -> float:
+    from gateway.clients import GrpcTarget
+
+    target = GrpcTarget(f"127.0.0.1:{port}")
+    ops = [Verify(1, list(range(100, 100 + drafts)))]
+    for _ in range(50):  # warm-up: the stream opens, the first calls settle
+        await target.step(ops, [])
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        await target.step(ops, [])
+    us = (time.perf_counter() - t0) * 1e6 / calls
+    await target.close()
+    return us
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--drafts", type=int, default=3, help="draft tokens in the one Verify op of each call")
+    p.add_argument("--port", type=int, default=50591)
+    p.add_argument("--serve", choices=MODES, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    install_uvloop()
+    if a.serve:
+        asyncio.run(_serve(a.serve, a.port))
+        return
+    out: dict[str, Any] = {"bench": "rpc_anatomy", "calls": a.calls, "drafts": a.drafts}
+    for i, mode in enumerate(MODES):
+        port = a.port + i
+        proc = subprocess.Popen([sys.executable, "-m", "bench.rpc_anatomy", "--serve", mode, "--port", str(port)],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            out[f"{mode}_us_per_call"] = round(asyncio.run(_client(port, a.calls, a.drafts)), 1)
+        finally:
+            proc.kill()
+            proc.wait()
+    out["framework_minus_bare_us"] = round(out["framework_us_per_call"] - out["bare_us_per_call"], 1)
+    out["engine_thread_hop_us"] = round(out["framework_us_per_call"] - out["framework_inline_us_per_call"], 1)
+    from bench.spec_vs_baseline import git_commit
+
+    out.update(commit=git_commit(), machine=platform.machine(), python=platform.python_version())
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
