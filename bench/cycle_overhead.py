@@ -47,7 +47,8 @@ def per_cycle(label: str, steps: int, tokens: int, decode_s: float, cycles: int,
 def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list[int]
                ) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
     target = TargetRuntime(TargetConfig(model=a.model, dtype=a.dtype, device=a.device, hidden_backend=a.backend,
-                                        max_context=a.max_context, max_sequences=2).validate(), TensorParallel())
+                                        max_context=a.max_context, max_sequences=2,
+                                        compile=getattr(a, "compile", False)).validate(), TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
                                      max_context=a.max_context, max_sequences=2).validate())
     assert target.writer is not None
@@ -89,7 +90,8 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
         replay = ["--replay-references", str(ref_file), "--replay-accept-rate", str(a.accept_rate)]
     cfg = StackConfig(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
                       hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
-                      extra_target_args=["--inline-steps"] if a.inline_steps else [],
+                      extra_target_args=(["--inline-steps"] if a.inline_steps else [])
+                      + (["--compile"] if getattr(a, "compile", False) else []),
                       extra_draft_args=["--inline-steps"] if a.inline_steps else [],
                       extra_gateway_args=replay)
     rows = {}

@@ -24,6 +24,7 @@ from specsplit.checkpoints.shapes import SHAPES
 from specsplit.models.cuda_graphs import GraphCache, bucket_up, pow2_buckets
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
+from target_service.engine import compile_static
 
 LLAMA_31_8B = SHAPES["llama-3.1-8b"]
 
@@ -32,7 +33,8 @@ def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, ctx_b
            profile: bool = False) -> tuple[float, list[int]]:
     """Prefill then `steps` greedy decode steps timed after 8 warm-up steps: (seconds, tokens)."""
     cache = model.new_cache(1, ctx_buckets[-1])
-    graphs = GraphCache(torch.device("cuda"), enabled=mode == "graphs")
+    graphs = GraphCache(torch.device("cuda"), enabled=mode in ("graphs", "compiled"))
+    static_fn = compile_static(model.static_forward) if mode == "compiled" else model.static_forward
     logits, _ = model(prompt, 0, cache, 0)
     nxt = logits[-1].argmax().view(1, 1)  # [1, 1]
     slots = torch.zeros(1, dtype=torch.long, device="cuda")
@@ -46,9 +48,9 @@ def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, ctx_b
         positions = torch.full((1, 1), pos, dtype=torch.long, device="cuda")
 
         def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
-            return model.forward_static(tokens, positions, slots, ctx, cache)
+            return static_fn(tokens, positions, slots, ctx, cache)
 
-        with torch.inference_mode():
+        with torch.no_grad() if mode == "compiled" else torch.inference_mode():
             lg, _ = graphs.run((1, 1, ctx), fn, tokens=nxt, positions=positions, slots=slots)
             return lg[0, -1].argmax().view(1, 1)
 
@@ -84,7 +86,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--hbm-tb-s", type=float, default=4.8, help="H200 HBM3e bandwidth")
-    p.add_argument("--modes", default="segments,static,graphs")
+    p.add_argument("--modes", default="segments,static,graphs",
+                   help="comma-separated: segments, static, graphs, compiled (graphs of the torch.compile'd forward)")
     p.add_argument("--profile", action="store_true", help="also print a torch.profiler table per mode (stderr)")
     a = p.parse_args()
     cfg = LLAMA_31_8B

@@ -87,6 +87,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--num-steps", default="1,2,3,4,5,6,7")
     p.add_argument("--inline-steps", action="store_true", help="services run steps on their event loop thread")
+    p.add_argument("--compile", action="store_true", help="the target's static forward through torch.compile")
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the HF generate reference (0: skip it)")
     p.add_argument("--threads", type=int, default=0)
     a = p.parse_args()
@@ -124,6 +125,7 @@ def main() -> None:
     print(json.dumps({"bench": "end_to_end", "summary": "decode tokens/s over in-process target-only (graphs)",
                       "in_process_target_only_tokens_per_s": base, "ratios": summary, "best_services": best,
                       "target_device": a.device, "draft_device": a.draft_device, "inline_steps": a.inline_steps,
+                      "compile": a.compile,
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "commit": git_commit(), "machine": platform.machine(),
                       "wall_s": round(time.time() - t0, 1)}), flush=True)

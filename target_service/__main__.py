@@ -53,13 +53,16 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
                         "health checks wait while a step runs)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run verify steps eagerly on CUDA (default: CUDA graphs per shape bucket)")
+    p.add_argument("--compile", action="store_true",
+                   help="experimental: fuse the kernels of the static verify/decode forward with torch.compile "
+                        "(inductor) before the CUDA graphs capture it; compiles on first use of each shape")
     a = p.parse_args(argv)
     aux = [int(x) for x in a.aux_layer_ids.split(",")] if a.aux_layer_ids else None
     return TargetConfig(model=a.model, dtype=a.dtype, device=a.device, tp_size=a.tp_size, max_context=a.max_context,
                         max_sequences=a.max_sequences, max_draft_tokens=a.max_draft_tokens, aux_layer_ids=aux,
                         draft_config=a.draft_config, hidden_backend=a.hidden_backend, ring_rows=a.ring_rows,
                         host=a.host, port=a.port, dist_port=a.dist_port, threads=a.threads,
-                        cuda_graphs=a.cuda_graphs,
+                        cuda_graphs=a.cuda_graphs, compile=a.compile,
                         engine_thread=a.engine_thread).validate()
 
 

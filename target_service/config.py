@@ -29,6 +29,7 @@ class TargetConfig:
     threads: int = 0  # torch intra-op threads per rank (0: torch's default)
     engine_thread: bool = True  # steps on a dedicated thread; False: on the event loop (less latency per step)
     cuda_graphs: bool = True  # verify/decode steps in CUDA graphs (on CUDA devices only)
+    compile: bool = False  # experimental: fuse the static forward's kernels with torch.compile before capture
 
     def validate(self) -> TargetConfig:
         if self.dtype not in DTYPES:

@@ -8,9 +8,11 @@ ring and answers the gateway.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx.experimental._config
 
 from specsplit.models.cuda_graphs import GraphCache, bucket_up, pow2_buckets
 from specsplit.models.layers import Segment
@@ -67,6 +69,15 @@ class Work:
     slot: int
 
 
+def compile_static(fn: Callable[..., tuple]) -> Callable[..., tuple]:
+    """torch.compile (inductor) of a static forward: norms, rotary, SiLU·mul, residual adds and the
+    KV index ops fused into a few generated kernels per layer. Shapes are symbolic (one compile
+    serves many buckets); no duck sizing, so a batch that happens to equal the KV-head count
+    does not force a recompile."""
+    torch.fx.experimental._config.use_duck_shape = False
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
 class TargetEngine:
     def __init__(self, cfg: TargetConfig, model: LlamaModel) -> None:
         self.cfg, self.model = cfg, model
@@ -80,6 +91,7 @@ class TargetEngine:
         self.graphs = GraphCache(self.device, cfg.cuda_graphs)
         # padded static batches on CUDA, with or without graphs (the same kernels either way); tests turn them on on CPU
         self.use_static = self.device.type == "cuda"
+        self.static_fn = compile_static(model.static_forward) if cfg.compile else model.static_forward
         self.batch_buckets = pow2_buckets(1, cfg.max_sequences)
         self.ctx_buckets = pow2_buckets(min(128, self.cache.max_len), self.cache.max_len)
 
@@ -208,9 +220,9 @@ class TargetEngine:
             slots[i] = w.slot
 
         def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
-            return self.model.forward_static(tokens, positions, slots, ctx, self.cache, capture)
+            return self.static_fn(tokens, positions, slots, ctx, self.cache, capture)
 
-        with torch.inference_mode():
+        with torch.no_grad() if self.cfg.compile else torch.inference_mode():
             logits, aux = self.graphs.run((b, t, ctx, capture), fn, tokens=tokens.to(self.device),
                                           positions=positions.to(self.device), slots=slots.to(self.device))
         assert logits is not None

@@ -75,6 +75,12 @@ class LlamaModel(nn.Module):
                        cache: KVCache, capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A padded batch for CUDA graphs: tokens, positions [B, T], slots [B] -> logits [B, T, V],
         aux [B, T, 3H] or None. Keys [0, ctx) of each slot are read; no host synchronisation."""
+        return self.static_forward(tokens, positions, slots, ctx, cache, capture)
+
+    def static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: int,
+                       cache: KVCache, capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward_static without the inference-mode wrapper: what torch.compile traces (its
+        compiled code runs under no_grad, as inference tensors cannot be mutated in a graph)."""
         b, t = tokens.shape
         batch = StaticBatch.build(slots, positions, ctx)
         logits, aux = self._forward(tokens.reshape(-1), positions.reshape(-1), batch, cache, capture)

@@ -1,0 +1,49 @@
+"""`target_service --compile`: the static forward fused by torch.compile computes what the
+eager static forward computes (CPU: inductor's C++ backend; GPU: Triton, inside CUDA graphs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_service.config import DraftConfig
+from gateway.local import LocalEngines
+from target_service.config import TargetConfig
+from target_service.engine import compile_static
+from tests.test_gpu_services import TINY_PROMPTS, needs_gpus
+from tests.test_lossless import check_lossless
+from tests.test_static_batches import tiny_model
+
+
+@pytest.mark.slow
+def test_compiled_static_forward_matches_eager_on_two_shapes(tiny_target: Path) -> None:
+    model = tiny_model(tiny_target)
+    compiled = compile_static(model.static_forward)
+    g = torch.Generator().manual_seed(0)
+    caches = [model.new_cache(4, 64), model.new_cache(4, 64)]
+    for b, t, ctx, start in ((2, 3, 16, 5), (4, 1, 32, 20)):  # a verify-like and a decode-like batch
+        tokens = torch.randint(0, 500, (b, t), generator=g)
+        positions = torch.arange(t).repeat(b, 1) + start
+        slots = torch.arange(b)
+        ref = model.forward_static(tokens, positions, slots, ctx, caches[0], capture=True)
+        with torch.no_grad():
+            out = compiled(tokens, positions, slots, ctx, caches[1], capture=True)
+        for x, y in zip(out, ref, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_gpus(1)
+def test_compiled_engine_in_cuda_graphs_is_lossless_fp32(tiny_target: Path, tiny_head: Path) -> None:
+    engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="float32",
+                                        hidden_backend="cuda_ipc", max_context=256, compile=True),
+                           DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", dtype="float32",
+                                       max_context=256))
+    try:
+        taus = check_lossless(engines, TINY_PROMPTS, 24, {511}, range(2, 5, 2), replay_rate=0.8)
+        assert engines.target.engine.graphs.replays > 0 and sum(taus) / len(taus) > 1.5
+    finally:
+        engines.close()
