@@ -50,7 +50,8 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
                                         max_context=a.max_context, max_sequences=2,
                                         compile=getattr(a, "compile", False)).validate(), TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
-                                     max_context=a.max_context, max_sequences=2).validate())
+                                     max_context=a.max_context, max_sequences=2,
+                                     compile=getattr(a, "compile", False)).validate())
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
     try:
@@ -92,7 +93,8 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                       hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
                       extra_target_args=(["--inline-steps"] if a.inline_steps else [])
                       + (["--compile"] if getattr(a, "compile", False) else []),
-                      extra_draft_args=["--inline-steps"] if a.inline_steps else [],
+                      extra_draft_args=(["--inline-steps"] if a.inline_steps else [])
+                      + (["--compile"] if getattr(a, "compile", False) else []),
                       extra_gateway_args=replay)
     rows = {}
     with ServiceStack(cfg) as stack:

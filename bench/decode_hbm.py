@@ -21,10 +21,9 @@ import time
 import torch
 
 from specsplit.checkpoints.shapes import SHAPES
-from specsplit.models.cuda_graphs import GraphCache, bucket_up, pow2_buckets
+from specsplit.models.cuda_graphs import GraphCache, bucket_up, compile_static, pow2_buckets
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
-from target_service.engine import compile_static
 
 LLAMA_31_8B = SHAPES["llama-3.1-8b"]
 

@@ -87,7 +87,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--num-steps", default="1,2,3,4,5,6,7")
     p.add_argument("--inline-steps", action="store_true", help="services run steps on their event loop thread")
-    p.add_argument("--compile", action="store_true", help="the target's static forward through torch.compile")
+    p.add_argument("--compile", action="store_true", help="the target's and the draft's static forwards through "
+                   "torch.compile")
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the HF generate reference (0: skip it)")
     p.add_argument("--threads", type=int, default=0)
     a = p.parse_args()

@@ -41,10 +41,13 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
                         "health checks wait while a step runs)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run the head eagerly on CUDA (default: CUDA graphs per shape bucket)")
+    p.add_argument("--compile", action="store_true",
+                   help="experimental: fuse the head's static forward with torch.compile (inductor) before the "
+                        "CUDA graphs capture it; compiles on first use of each shape")
     a = p.parse_args(argv)
     return DraftConfig(head=a.head, target=a.target, dtype=a.dtype, device=a.device, max_context=a.max_context,
                        max_sequences=a.max_sequences, max_steps=a.max_steps, host=a.host, port=a.port,
-                       threads=a.threads, cuda_graphs=a.cuda_graphs,
+                       threads=a.threads, cuda_graphs=a.cuda_graphs, compile=a.compile,
                        engine_thread=a.engine_thread).validate()
 
 

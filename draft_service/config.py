@@ -23,6 +23,7 @@ class DraftConfig:
     threads: int = 0
     engine_thread: bool = True  # steps on a dedicated thread; False: on the event loop (less latency per step)
     cuda_graphs: bool = True  # extend and proposal steps in CUDA graphs (on CUDA devices only)
+    compile: bool = False  # experimental: fuse the static forward's kernels with torch.compile before capture
 
     def validate(self) -> DraftConfig:
         if self.dtype not in DTYPES:

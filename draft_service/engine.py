@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specsplit.handoff.base import HiddenReader
-from specsplit.models.cuda_graphs import GraphCache, bucket_up, pow2_buckets
+from specsplit.models.cuda_graphs import GraphCache, bucket_up, compile_static, pow2_buckets
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.layers import Segment
 from specsplit.ops import Code, DraftOp, DraftResult, ExtendPropose, OpError, Release, Sampling, SparseDist
@@ -32,8 +32,10 @@ class DraftSequence:
 
 class DraftEngine:
     def __init__(self, head: Eagle3Head, max_sequences: int, max_context: int, max_steps: int,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, compile: bool = False) -> None:
         self.head, self.max_steps, self.max_context = head, max_steps, max_context
+        self.compiled = compile
+        self.static_fn = compile_static(head.static_forward) if compile else head.static_forward
         # a spare slot for the padding rows of static batches; room for padded extends and proposals
         self.pad_slot = max_sequences
         self.cache = head.new_cache(max_sequences + 1, max_context + 2 * max_steps + 2)
@@ -195,9 +197,9 @@ class DraftEngine:
         b, t = tokens.shape
 
         def fn(tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
-            return self.head.forward_static(tokens, hidden, positions, slots, ctx, self.cache)
+            return self.static_fn(tokens, hidden, positions, slots, ctx, self.cache)
 
-        with torch.inference_mode():
+        with torch.no_grad() if self.compiled else torch.inference_mode():
             logits, prenorm = self.graphs.run((b, t, hidden.shape[-1], ctx), fn, tokens=tokens.to(self.device),
                                               hidden=hidden, positions=positions.to(self.device), slots=slots)
         assert logits is not None and prenorm is not None

@@ -46,7 +46,8 @@ class DraftRuntime:
     def __init__(self, cfg: DraftConfig, head: Eagle3Head | None = None) -> None:
         self.cfg = cfg
         self.head = head or build_head(cfg)
-        self.engine = DraftEngine(self.head, cfg.max_sequences, cfg.max_context, cfg.max_steps, cfg.cuda_graphs)
+        self.engine = DraftEngine(self.head, cfg.max_sequences, cfg.max_context, cfg.max_steps, cfg.cuda_graphs,
+                                  cfg.compile)
         self.descriptor: Descriptor | None = None
         self.opens = 0  # hidden-store mappings opened: once per target, never per cycle
 

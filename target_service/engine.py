@@ -8,13 +8,11 @@ ring and answers the gateway.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.fx.experimental._config
 
-from specsplit.models.cuda_graphs import GraphCache, bucket_up, pow2_buckets
+from specsplit.models.cuda_graphs import GraphCache, bucket_up, compile_static, pow2_buckets
 from specsplit.models.layers import Segment
 from specsplit.models.llama import LlamaModel
 from specsplit.ops import (
@@ -67,15 +65,6 @@ class Work:
     tokens: list[int]
     start: int
     slot: int
-
-
-def compile_static(fn: Callable[..., tuple]) -> Callable[..., tuple]:
-    """torch.compile (inductor) of a static forward: norms, rotary, SiLU·mul, residual adds and the
-    KV index ops fused into a few generated kernels per layer. Shapes are symbolic (one compile
-    serves many buckets); no duck sizing, so a batch that happens to equal the KV-head count
-    does not force a recompile."""
-    torch.fx.experimental._config.use_duck_shape = False
-    return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
 class TargetEngine:

@@ -1,5 +1,5 @@
-"""`target_service --compile`: the static forward fused by torch.compile computes what the
-eager static forward computes (CPU: inductor's C++ backend; GPU: Triton, inside CUDA graphs)."""
+"""`--compile` (target and draft): the static forwards fused by torch.compile compute what the
+eager static forwards compute (CPU: inductor's C++ backend; GPU: Triton, inside CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from draft_service.config import DraftConfig
+from draft_service.runtime import build_head
 from gateway.local import LocalEngines
+from specsplit.models.cuda_graphs import compile_static
 from target_service.config import TargetConfig
-from target_service.engine import compile_static
 from tests.test_gpu_services import TINY_PROMPTS, needs_gpus
 from tests.test_lossless import check_lossless
 from tests.test_static_batches import tiny_model
@@ -35,13 +36,32 @@ def test_compiled_static_forward_matches_eager_on_two_shapes(tiny_target: Path) 
         torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_compiled_head_static_forward_matches_eager(tiny_target: Path, tiny_head: Path) -> None:
+    head = build_head(DraftConfig(head=str(tiny_head), target=str(tiny_target)))
+    compiled = compile_static(head.static_forward)
+    g = torch.Generator().manual_seed(0)
+    caches = [head.new_cache(3, 64), head.new_cache(3, 64)]
+    width = 3 * head.cfg.target_hidden_size
+    for b, t, w, ctx, start in ((2, 4, width, 16, 0), (2, 1, head.cfg.hidden_size, 16, 4)):  # extend, proposal
+        tokens = torch.randint(0, 500, (b, t), generator=g)
+        hidden = torch.randn(b, t, w, generator=g)
+        positions = torch.arange(t).repeat(b, 1) + start
+        slots = torch.arange(b)
+        ref = head.forward_static(tokens, hidden, positions, slots, ctx, caches[0])
+        with torch.no_grad():
+            out = compiled(tokens, hidden, positions, slots, ctx, caches[1])
+        for x, y in zip(out, ref, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.gpu
 @needs_gpus(1)
 def test_compiled_engine_in_cuda_graphs_is_lossless_fp32(tiny_target: Path, tiny_head: Path) -> None:
     engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="float32",
                                         hidden_backend="cuda_ipc", max_context=256, compile=True),
                            DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", dtype="float32",
-                                       max_context=256))
+                                       max_context=256, compile=True))
     try:
         taus = check_lossless(engines, TINY_PROMPTS, 24, {511}, range(2, 5, 2), replay_rate=0.8)
         assert engines.target.engine.graphs.replays > 0 and sum(taus) / len(taus) > 1.5

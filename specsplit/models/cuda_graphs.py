@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.fx.experimental._config
 
 Outputs = tuple[torch.Tensor | None, ...]
 StaticFn = Callable[..., Outputs]
@@ -85,3 +86,12 @@ class GraphCache:
         with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             outputs = fn(**static)
         return _Captured(graph, static, outputs)
+
+
+def compile_static(fn: Callable[..., tuple]) -> Callable[..., tuple]:
+    """torch.compile (inductor) of a static forward: norms, rotary, SiLU·mul, residual adds and the
+    KV index ops fused into a few generated kernels per layer. Shapes are symbolic (one compile
+    serves many buckets); no duck sizing, so a batch that happens to equal the KV-head count
+    does not force a recompile."""
+    torch.fx.experimental._config.use_duck_shape = False
+    return torch.compile(fn, dynamic=True, fullgraph=True)

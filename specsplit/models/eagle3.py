@@ -77,6 +77,11 @@ class Eagle3Head(nn.Module):
                        slots: torch.Tensor, ctx: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """A padded batch for CUDA graphs: tokens, positions [B, T], hidden [B, T, 3H or H],
         slots [B] -> logits [B, T, Vd], pre-norm hidden [B, T, H]."""
+        return self.static_forward(tokens, hidden, positions, slots, ctx, cache)
+
+    def static_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                       slots: torch.Tensor, ctx: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_static without the inference-mode wrapper (what torch.compile traces)."""
         b, t = tokens.shape
         batch = StaticBatch.build(slots, positions, ctx)
         logits, prenorm = self._forward(tokens.reshape(-1), hidden.reshape(b * t, -1), positions.reshape(-1),
