@@ -48,10 +48,10 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
                ) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
     target = TargetRuntime(TargetConfig(model=a.model, dtype=a.dtype, device=a.device, hidden_backend=a.backend,
                                         max_context=a.max_context, max_sequences=2,
-                                        compile=getattr(a, "compile", False)).validate(), TensorParallel())
+                                        compile=a.compile).validate(), TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
                                      max_context=a.max_context, max_sequences=2,
-                                     compile=getattr(a, "compile", False)).validate())
+                                     compile=a.compile).validate())
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
     try:
@@ -89,13 +89,10 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
         ref_file = log_dir / "references.json"
         ref_file.write_text(json.dumps(refs))
         replay = ["--replay-references", str(ref_file), "--replay-accept-rate", str(a.accept_rate)]
+    engine_flags = (["--inline-steps"] if a.inline_steps else []) + (["--compile"] if a.compile else [])
     cfg = StackConfig(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
                       hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
-                      extra_target_args=(["--inline-steps"] if a.inline_steps else [])
-                      + (["--compile"] if getattr(a, "compile", False) else []),
-                      extra_draft_args=(["--inline-steps"] if a.inline_steps else [])
-                      + (["--compile"] if getattr(a, "compile", False) else []),
-                      extra_gateway_args=replay)
+                      extra_target_args=engine_flags, extra_draft_args=list(engine_flags), extra_gateway_args=replay)
     rows = {}
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
@@ -138,6 +135,8 @@ def main() -> None:
     p.add_argument("--num-steps", default="1,2,3,4,5,6,7")
     p.add_argument("--accept-rate", type=float, default=0.8)
     p.add_argument("--inline-steps", action="store_true", help="services run steps on their event loop thread")
+    p.add_argument("--compile", action="store_true", help="the target's and the draft's static forwards through "
+                   "torch.compile")
     a = p.parse_args()
     steps_list = [int(x) for x in a.num_steps.split(",") if x]
     t0 = time.time()

@@ -105,10 +105,14 @@ def shipped_head_for(target_spec: str) -> str | None:
     return None
 
 
+def _concrete(head: str, target_spec: str) -> str:
+    """`default` -> the shipped head's name for this target, or `random`; any other value as it is."""
+    return (shipped_head_for(target_spec) or RANDOM_HEAD) if head == DEFAULT_HEAD else head
+
+
 def trained_head_dir(head: str, target_spec: str) -> Path | None:
     """The directory `head` names unless it resolves to a random head (then None, nothing is made)."""
-    if head == DEFAULT_HEAD:
-        head = shipped_head_for(target_spec) or RANDOM_HEAD
+    head = _concrete(head, target_spec)
     return None if head == RANDOM_HEAD else resolve_head_dir(head, target_spec)
 
 
@@ -116,8 +120,7 @@ def resolve_head_dir(head: str, target_spec: str, seed: int = 0) -> Path:
     """The directory of a head given as: a directory; the name of a shipped head (`smollm2-eagle3`);
     `default` (the shipped head trained for this target if there is one, else `random`); or
     `random` (a random head for the target, made once in the cache)."""
-    if head == DEFAULT_HEAD:
-        head = shipped_head_for(target_spec) or RANDOM_HEAD
+    head = _concrete(head, target_spec)
     if head in SHIPPED_HEADS:
         return SHIPPED_HEADS_DIR / SHIPPED_HEADS[head][0]
     if head != RANDOM_HEAD:
