@@ -5,6 +5,8 @@ short prefill, then greedy decoding three ways in one run, and prints one JSON l
   segments  the eager per-segment path (what CPU serving runs),
   static    the padded static batch run eagerly,
   graphs    the static batch replayed from CUDA graphs (what CUDA serving runs),
+  compiled  the same with the static forward fused by torch.compile first,
+  gemv      graphs, with one-row projections through the Triton GEMV (specsplit.ops_triton),
 with tokens/s, the fraction of the bound weight_bytes / HBM bandwidth and the speed-up over
 `segments`. The three greedy token streams must agree (checked, reported).
 
@@ -23,7 +25,7 @@ import torch
 from specsplit.checkpoints.shapes import SHAPES
 from specsplit.models.cuda_graphs import GraphCache, bucket_up, compile_static, pow2_buckets
 from specsplit.models.llama import LlamaModel
-from specsplit.models.parallel import TensorParallel
+from specsplit.models.parallel import TensorParallel, use_one_row_gemv
 
 LLAMA_31_8B = SHAPES["llama-3.1-8b"]
 
@@ -32,7 +34,8 @@ def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, ctx_b
            profile: bool = False) -> tuple[float, list[int]]:
     """Prefill then `steps` greedy decode steps timed after 8 warm-up steps: (seconds, tokens)."""
     cache = model.new_cache(1, ctx_buckets[-1])
-    graphs = GraphCache(torch.device("cuda"), enabled=mode in ("graphs", "compiled"))
+    use_one_row_gemv(mode == "gemv")
+    graphs = GraphCache(torch.device("cuda"), enabled=mode in ("graphs", "compiled", "gemv"))
     static_fn = compile_static(model.static_forward) if mode == "compiled" else model.static_forward
     logits, _ = model(prompt, 0, cache, 0)
     nxt = logits[-1].argmax().view(1, 1)  # [1, 1]
@@ -86,7 +89,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--hbm-tb-s", type=float, default=4.8, help="H200 HBM3e bandwidth")
     p.add_argument("--modes", default="segments,static,graphs",
-                   help="comma-separated: segments, static, graphs, compiled (graphs of the torch.compile'd forward)")
+                   help="comma-separated: segments, static, graphs, compiled (graphs of the torch.compile'd forward), "
+                        "gemv (graphs, one-row projections through the Triton GEMV)")
     p.add_argument("--profile", action="store_true", help="also print a torch.profiler table per mode (stderr)")
     a = p.parse_args()
     cfg = LLAMA_31_8B
