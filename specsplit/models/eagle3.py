@@ -83,7 +83,7 @@ class Eagle3Head(nn.Module):
                        slots: torch.Tensor, ctx: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """forward_static without the inference-mode wrapper (what torch.compile traces)."""
         b, t = tokens.shape
-        batch = StaticBatch.build(slots, positions, ctx)
+        batch = StaticBatch.build(slots, positions, ctx, self.embed_tokens.weight.dtype)
         logits, prenorm = self._forward(tokens.reshape(-1), hidden.reshape(b * t, -1), positions.reshape(-1),
                                         batch, cache)
         return logits.view(b, t, -1), prenorm.view(b, t, -1)

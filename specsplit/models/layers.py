@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,17 +47,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class Rotary(nn.Module):
-    """Precomputed cos/sin tables; `rotate_half` (Hugging Face) layout."""
+    """Precomputed cos/sin tables; `rotate_half` (Hugging Face) layout. The sin table carries
+    rotate_half's sign (-sin on the first half), so a rotation is a roll, a mul and an addcmul."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_pos: int) -> None:
         super().__init__()
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), rope_inv_freq(head_dim, theta, scaling))
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos().float(), persistent=False)  # [max_pos, head_dim]
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        sin = freqs.sin()
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1).float(), persistent=False)  # signed
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        """cos, sin [tokens, 1, head_dim] for these positions: looked up once per forward."""
+        """cos, signed sin [tokens, 1, head_dim] for these positions: looked up once per forward."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
@@ -65,11 +67,11 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 
 def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-    """x [tokens, heads, head_dim] rotated by its positions' angles."""
-    cos, sin = rope
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return torch.addcmul(x * cos, rotated, sin)
+    """x [tokens, heads, head_dim] rotated by its positions' angles: x*cos + rotate_half(x)*sin,
+    where rotate_half(x) = [-x2, x1] = roll(x, half) * [-1, 1] and the sign sits in the table
+    (bitwise the same as negating x2: the sign flip is exact)."""
+    cos, signed_sin = rope
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 @dataclass(frozen=True)
@@ -95,11 +97,24 @@ class StaticBatch:
     positions: torch.Tensor  # [B, T]
     ctx: int  # keys read per sequence: a bucket >= max(positions) + 1
     allowed: torch.Tensor  # [B, 1, T, ctx] key s is visible to query t: s <= positions[b, t]
+    dtype: torch.dtype = torch.float32  # of the additive masks
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
-    def build(slots: torch.Tensor, positions: torch.Tensor, ctx: int) -> StaticBatch:
+    def build(slots: torch.Tensor, positions: torch.Tensor, ctx: int, dtype: torch.dtype = torch.float32
+              ) -> StaticBatch:
         keys = torch.arange(ctx, device=positions.device)
-        return StaticBatch(slots, positions, ctx, (keys[None, None, :] <= positions[:, :, None])[:, None])
+        return StaticBatch(slots, positions, ctx, (keys[None, None, :] <= positions[:, :, None])[:, None], dtype)
+
+    def grouped_mask(self, group: int) -> torch.Tensor:
+        """Additive mask [B, 1, group*T, ctx] for queries grouped per KV head (rows: member, token),
+        made at the first layer and shared by the others (attention would convert a boolean
+        mask again in every layer)."""
+        if group not in self._masks:
+            bias = torch.zeros(self.allowed.shape, dtype=self.dtype, device=self.allowed.device)
+            bias.masked_fill_(~self.allowed, float("-inf"))
+            self._masks[group] = bias.repeat(1, 1, group, 1)
+        return self._masks[group]
 
 
 Batch = list[Segment] | StaticBatch
@@ -147,17 +162,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return out.transpose(0, 1).reshape(t, -1)
 
 
-def static_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """q [B, T, Hq, D] against k, v [B, ctx, Hkv, D] under the mask [B, 1, T, ctx] -> [B*T, Hq*D]."""
+def static_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
+    """q [B, T, Hq, D] against k, v [B, ctx, Hkv, D] -> [B*T, Hq*D]. Grouped-query attention
+    without copying keys per query head: the G query heads of a KV head become G*T query rows
+    against that head's keys (q head h reads KV head h // G, as in Hugging Face's layout)."""
     b, t, hq, d = q.shape
-    ctx, hkv = k.shape[1], k.shape[2]
-
-    def heads(x: torch.Tensor) -> torch.Tensor:  # [B, ctx, Hkv, D] -> [B, Hq, ctx, D], each KV head per group
-        x = x.permute(0, 2, 1, 3)
-        return x if hkv == hq else x[:, :, None].expand(b, hkv, hq // hkv, ctx, d).reshape(b, hq, ctx, d)
-
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), heads(k), heads(v), attn_mask=allowed)  # [B, Hq, T, D]
-    return out.transpose(1, 2).reshape(b * t, hq * d)
+    hkv = k.shape[2]
+    g = hq // hkv
+    rows = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # [B, Hkv, G*T, D]
+    out = F.scaled_dot_product_attention(rows, k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=batch.grouped_mask(g))  # [B, Hkv, G*T, D]
+    return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
 
 
 class Attention(nn.Module):
@@ -190,7 +205,7 @@ class Attention(nn.Module):
         if isinstance(batch, StaticBatch):
             b, t = batch.positions.shape
             k_all, v_all = cache.write_and_gather(layer, batch, k.view(b, t, -1, d), v.view(b, t, -1, d))
-            return self.o_proj(static_attention(q.view(b, t, -1, d), k_all, v_all, batch.allowed))
+            return self.o_proj(static_attention(q.view(b, t, -1, d), k_all, v_all, batch))
         outs, off = [], 0
         for seg in batch:
             part = slice(off, off + seg.length)

@@ -82,7 +82,7 @@ class LlamaModel(nn.Module):
         """forward_static without the inference-mode wrapper: what torch.compile traces (its
         compiled code runs under no_grad, as inference tensors cannot be mutated in a graph)."""
         b, t = tokens.shape
-        batch = StaticBatch.build(slots, positions, ctx)
+        batch = StaticBatch.build(slots, positions, ctx, self.embed_tokens.weight.dtype)
         logits, aux = self._forward(tokens.reshape(-1), positions.reshape(-1), batch, cache, capture)
         return logits.view(b, t, -1), None if aux is None else aux.view(b, t, -1)
 
