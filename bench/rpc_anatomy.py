@@ -4,7 +4,9 @@ process, all with nothing to compute:
   - bare: a Step handler that echoes an empty reply (gRPC aio + uvloop, our server options);
   - framework: the services' own `serve_steps` (op decoding, result encoding, timing) over a
     runtime that returns at once, with steps on an engine thread (the default);
-  - framework_inline: the same with steps on the event loop (`--inline-steps`).
+  - framework_inline: the same with steps on the event loop (`--inline-steps`);
+  - socket, socket_inline: the same two over the services' Unix step socket
+    (specsplit/step_socket.py) instead of the gRPC stream.
 The client is the gateway's own GrpcTarget (op encoding, the stream exchange, result
 decoding). One JSON line: µs per call for each server, and the differences.
 
@@ -16,9 +18,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,16 +30,17 @@ from typing import Any
 from specsplit import wire
 from specsplit.ops import StepTiming, TargetResult, Verify
 from specsplit.serving import install_uvloop, new_server
+from specsplit.step_socket import start_step_socket
 from specsplit.step_stream import StepCodec, serve_steps
 from specsplit.v1 import target_pb2, target_pb2_grpc
 
-MODES = ("bare", "framework", "framework_inline")
+MODES = ("bare", "framework", "framework_inline", "socket", "socket_inline")
 
 
 class _Servicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self.executor = ThreadPoolExecutor(max_workers=1) if mode == "framework" else None
+        self.executor = ThreadPoolExecutor(max_workers=1) if mode in ("framework", "socket") else None
         self.codec = StepCodec(wire.target_op_from_proto, wire.target_result_to_proto, TargetResult,
                                target_pb2.TargetStepResponse)
 
@@ -53,19 +58,29 @@ class _Servicer(target_pb2_grpc.TargetServiceServicer):
             yield reply
 
 
+def _socket_path(port: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"specsplit-rpc-anatomy-{port}.sock")
+
+
 async def _serve(mode: str, port: int) -> None:
     server, _health = new_server()
-    target_pb2_grpc.add_TargetServiceServicer_to_server(_Servicer(mode), server)
+    servicer = _Servicer(mode)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+    if mode.startswith("socket"):  # keep a reference: an unreferenced server is closed when collected
+        servicer.socket_server = await start_step_socket(_socket_path(port), "target", target_pb2.TargetStepRequest,
+                                                         servicer.Step)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     print("ready", flush=True)
     await server.wait_for_termination()
 
 
-async def _client(port: int, calls: int, drafts: int) -> float:
+async def _client(port: int, calls: int, drafts: int, socket: bool) -> float:
     from gateway.clients import GrpcTarget
 
     target = GrpcTarget(f"127.0.0.1:{port}")
+    if socket:
+        target.use_step_socket(_socket_path(port))
     ops = [Verify(1, list(range(100, 100 + drafts)))]
     for _ in range(50):  # warm-up: the stream opens, the first calls settle
         await target.step(ops, [])
@@ -95,12 +110,14 @@ def main() -> None:
                                 stdout=subprocess.PIPE, text=True)
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-            out[f"{mode}_us_per_call"] = round(asyncio.run(_client(port, a.calls, a.drafts)), 1)
+            us = asyncio.run(_client(port, a.calls, a.drafts, mode.startswith("socket")))
+            out[f"{mode}_us_per_call"] = round(us, 1)
         finally:
             proc.kill()
             proc.wait()
     out["framework_minus_bare_us"] = round(out["framework_us_per_call"] - out["bare_us_per_call"], 1)
     out["engine_thread_hop_us"] = round(out["framework_us_per_call"] - out["framework_inline_us_per_call"], 1)
+    out["socket_over_grpc"] = round(out["socket_us_per_call"] / out["framework_us_per_call"], 3)
     from bench.spec_vs_baseline import git_commit
 
     out.update(commit=git_commit(), machine=platform.machine(), python=platform.python_version())

@@ -19,8 +19,9 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
+from specsplit.step_socket import close_step_socket, start_step_socket
 from specsplit.telemetry import setup_telemetry
-from specsplit.v1 import draft_pb2_grpc
+from specsplit.v1 import draft_pb2, draft_pb2_grpc
 
 
 def parse_args(argv: list[str] | None = None) -> DraftConfig:
@@ -41,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
                         "health checks wait while a step runs)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run the head eagerly on CUDA (default: CUDA graphs per shape bucket)")
+    p.add_argument("--step-socket", default=os.environ.get("SPECSPLIT_DRAFT_STEP_SOCKET", d.step_socket),
+                   help="also serve Step on this Unix socket, for a gateway on the same host "
+                        "(env SPECSPLIT_DRAFT_STEP_SOCKET; "
+                        "default: gRPC only)")
     p.add_argument("--compile", action="store_true",
                    help="experimental: fuse the head's static forward with torch.compile (inductor) before the "
                         "CUDA graphs capture it; compiles on first use of each shape")
@@ -48,20 +53,25 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
     return DraftConfig(head=a.head, target=a.target, dtype=a.dtype, device=a.device, max_context=a.max_context,
                        max_sequences=a.max_sequences, max_steps=a.max_steps, host=a.host, port=a.port,
                        threads=a.threads, cuda_graphs=a.cuda_graphs, compile=a.compile,
-                       engine_thread=a.engine_thread).validate()
+                       engine_thread=a.engine_thread, step_socket=a.step_socket).validate()
 
 
 async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
     server, health = new_server()
     telemetry = setup_telemetry("specsplit-draft")
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(runtime, telemetry), server)
+    servicer = DraftServicer(runtime, telemetry)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
     server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
     await set_serving(health, ["specsplit.v1.DraftService"], True)
     log.info("draft head %s listening on %s:%d", runtime.head.cfg.name, cfg.host, cfg.port)
+    sock = (await start_step_socket(cfg.step_socket, "draft", draft_pb2.DraftStepRequest, servicer.Step)
+            if cfg.step_socket else None)
     try:
         await serve_until_signal(server)
     finally:
+        if sock is not None:
+            close_step_socket(sock, cfg.step_socket)
         telemetry.shutdown()
 
 

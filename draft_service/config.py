@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specsplit.handoff.base import DTYPES
+from specsplit.step_socket import check_step_socket
 
 
 @dataclass
@@ -24,6 +25,7 @@ class DraftConfig:
     engine_thread: bool = True  # steps on a dedicated thread; False: on the event loop (less latency per step)
     cuda_graphs: bool = True  # extend and proposal steps in CUDA graphs (on CUDA devices only)
     compile: bool = False  # experimental: fuse the static forward's kernels with torch.compile before capture
+    step_socket: str = ""  # also serve Step on this Unix socket (same host gateways); "": gRPC only
 
     def validate(self) -> DraftConfig:
         if self.dtype not in DTYPES:
@@ -33,4 +35,5 @@ class DraftConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        check_step_socket(self.step_socket)
         return self

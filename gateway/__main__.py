@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                    help="benchmarks only: a JSON list of token-id lists (prompt + target-only output); the draft's "
                         "proposals are replaced by their continuations (replayed acceptance)")
     p.add_argument("--replay-accept-rate", type=float, default=d.replay_accept_rate)
+    p.add_argument("--no-step-sockets", dest="step_sockets", action="store_false",
+                   help="always send Steps over the gRPC streams, even where a service offers a Unix step socket")
     p.add_argument("--auth-token-file", default=None, help="file holding the bearer token (or SPECSPLIT_AUTH_TOKEN)")
     a = p.parse_args(argv)
     return GatewayConfig(target_addr=a.target, draft_addr=a.draft, model=a.model, host=a.host, port=a.port,
@@ -64,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                          max_queue=a.max_queue, max_streams=a.max_streams, max_prompt_tokens=a.max_prompt_tokens,
                          max_prompt_chars=a.max_prompt_chars, tls_cert=a.tls_cert, tls_key=a.tls_key,
                          replay_references=a.replay_references, replay_accept_rate=a.replay_accept_rate,
+                         step_sockets=a.step_sockets,
                          auth_token=read_token(a.auth_token_file, os.environ.get("SPECSPLIT_AUTH_TOKEN"))).validate()
 
 
@@ -78,6 +81,7 @@ async def serve(cfg: GatewayConfig) -> None:
     codec = TextCodec.from_checkpoint(model_dir)
     target = GrpcTarget(cfg.target_addr)
     info = await target.describe(timeout=300.0)
+    log.info("target steps over %s", target.use_step_transport(info.step_socket if cfg.step_sockets else ""))
     draft = GrpcDraft(cfg.draft_addr) if cfg.draft_addr else None
     telemetry = setup_telemetry("specsplit-gateway")
     loop_draft = draft
@@ -89,7 +93,7 @@ async def serve(cfg: GatewayConfig) -> None:
     scheduler = Scheduler(target, loop_draft, info.max_sequences, cfg.max_queue, telemetry.tracer,
                           GatewayMetrics.create(telemetry.meter), cfg.step_timeout_s)
     recovery = Recovery(scheduler, target, draft, info.hidden_store, list(info.aux_layer_ids), cfg.max_num_steps,
-                        cfg.draft_retry_s)
+                        cfg.draft_retry_s, cfg.step_sockets)
     if draft is not None:
         if await recovery.attach_draft():
             scheduler.draft_restored()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -13,6 +14,7 @@ import grpc
 from specsplit import wire
 from specsplit.ops import DraftOp, DraftResult, StepTiming, TargetOp, TargetResult
 from specsplit.serving import channel_options
+from specsplit.step_socket import SocketStream
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
@@ -24,12 +26,17 @@ class DraftClient(Protocol):
     async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]: ...
 
 
+class StepStream(Protocol):
+    async def exchange(self, request: Any) -> Any: ...
+
+    def reset(self) -> None: ...
+
+
 class _BidiStream:
     """One open Step stream; requests and replies strictly alternate."""
 
     def __init__(self, open_call: Any) -> None:
         self.open_call, self.call = open_call, None
-        self.ids = itertools.count(1)
 
     async def exchange(self, request: Any) -> Any:
         if self.call is None:
@@ -54,17 +61,35 @@ class _BidiStream:
         self.call = None
 
 
+def _stream(open_call: Any, socket_path: str, service: str, reply_type: type) -> StepStream:
+    if socket_path and Path(socket_path).is_socket():
+        return SocketStream(socket_path, service, reply_type)
+    return _BidiStream(open_call)
+
+
+def _transport_name(stream: StepStream) -> str:
+    return f"unix:{stream.path}" if isinstance(stream, SocketStream) else "grpc stream"
+
+
 class GrpcTarget:
     def __init__(self, addr: str) -> None:
         self.channel = grpc.aio.insecure_channel(addr, options=channel_options())
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
-        self.stream = _BidiStream(self.stub.Step)
+        self.stream: StepStream = _BidiStream(self.stub.Step)
+        self.ids = itertools.count(1)
 
     async def describe(self, timeout: float = 10.0) -> target_pb2.TargetInfo:
         return await self.stub.Describe(target_pb2.TargetDescribeRequest(), timeout=timeout, wait_for_ready=True)
 
+    def use_step_transport(self, socket_path: str) -> str:
+        """Steps over the service's Unix socket when it advertises one this host can open (same
+        messages, less per call), else over the gRPC stream; a fresh stream either way."""
+        self.stream.reset()
+        self.stream = _stream(self.stub.Step, socket_path, "target", target_pb2.TargetStepResponse)
+        return _transport_name(self.stream)
+
     async def step(self, ops: list[TargetOp], releases: Sequence[int]) -> tuple[list[TargetResult], StepTiming]:
-        req = target_pb2.TargetStepRequest(step_id=next(self.stream.ids), ops=[wire.target_op_to_proto(o) for o in ops],
+        req = target_pb2.TargetStepRequest(step_id=next(self.ids), ops=[wire.target_op_to_proto(o) for o in ops],
                                            release_generations=list(releases))
         reply = await self.stream.exchange(req)
         return ([wire.target_result_from_proto(r) for r in reply.results],
@@ -79,13 +104,19 @@ class GrpcDraft:
     def __init__(self, addr: str) -> None:
         self.channel = grpc.aio.insecure_channel(addr, options=channel_options())
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
-        self.stream = _BidiStream(self.stub.Step)
+        self.stream: StepStream = _BidiStream(self.stub.Step)
+        self.ids = itertools.count(1)
 
     async def attach(self, store: Any, timeout: float = 10.0) -> draft_pb2.DraftInfo:
         return await self.stub.Attach(store, timeout=timeout)
 
+    def use_step_transport(self, socket_path: str) -> str:
+        self.stream.reset()
+        self.stream = _stream(self.stub.Step, socket_path, "draft", draft_pb2.DraftStepResponse)
+        return _transport_name(self.stream)
+
     async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
-        req = draft_pb2.DraftStepRequest(step_id=next(self.stream.ids), ops=[wire.draft_op_to_proto(o) for o in ops])
+        req = draft_pb2.DraftStepRequest(step_id=next(self.ids), ops=[wire.draft_op_to_proto(o) for o in ops])
         reply = await self.stream.exchange(req)
         return ([wire.draft_result_from_proto(r) for r in reply.results],
                 StepTiming(reply.timing.compute_ms, reply.timing.total_ms))

@@ -14,10 +14,11 @@ log = logging.getLogger("specsplit.gateway")
 
 class Recovery:
     def __init__(self, scheduler: Scheduler, target: GrpcTarget, draft: GrpcDraft | None, store: object,
-                 target_aux_ids: list[int], max_num_steps: int, retry_s: float) -> None:
+                 target_aux_ids: list[int], max_num_steps: int, retry_s: float, step_sockets: bool = True) -> None:
         self.scheduler, self.target, self.draft = scheduler, target, draft
         self.store, self.target_aux_ids, self.retry_s = store, target_aux_ids, retry_s
         self.max_num_steps, self.draft_name = max_num_steps, ""
+        self.step_sockets = step_sockets  # use a service's Unix step socket when it offers one
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -47,7 +48,8 @@ class Recovery:
                       "with --draft-config: speculation stays off", list(info.aux_layer_ids), self.target_aux_ids)
             self.draft = self.scheduler.draft = None
             return False
-        self.draft.stream.reset()  # a new process needs a new stream
+        transport = self.draft.use_step_transport(info.step_socket if self.step_sockets else "")  # a new stream
+        log.info("draft steps over %s", transport)
         self.scheduler.max_sequences = min(self.scheduler.max_sequences, info.max_sequences)
         self.draft_name = info.head_name
         return True
@@ -62,7 +64,8 @@ class Recovery:
                 except Exception:  # noqa: BLE001 - still down
                     continue
                 self.store = info.hidden_store  # a new process has a new ring
-                self.target.stream.reset()
+                log.info("target steps over %s",
+                         self.target.use_step_transport(info.step_socket if self.step_sockets else ""))
                 s.draft_failed("the target restarted")
                 s.target_restored()
             if s.draft_down and self.draft is not None and await self.attach_draft():

@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +75,7 @@ class StackConfig:
     extra_gateway_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # added to every service's environment
     gateway_tls: bool = False  # the gateway serves TLS (its --tls-cert is also the CA to trust)
+    step_sockets: bool = True  # the gateway's Steps over Unix sockets (in a private temp dir), not gRPC streams
 
 
 class ServiceStack:
@@ -84,6 +87,7 @@ class ServiceStack:
                       "gateway": cfg.gateway_port or free_port()}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.commands: dict[str, tuple[str, list[str]]] = {}
+        self.socket_dir: str | None = None  # owner-only (mkdtemp), removed by stop()
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
@@ -111,13 +115,18 @@ class ServiceStack:
                   "--threads", str(c.threads)]
         target_device = ["--device", c.device] if c.device else []
         draft_device = ["--device", c.draft_device or c.device] if c.draft_device or c.device else []
+        target_socket, draft_socket = [], []
+        if c.step_sockets:
+            self.socket_dir = tempfile.mkdtemp(prefix="specsplit-")
+            target_socket = ["--step-socket", os.path.join(self.socket_dir, "target.sock")]
+            draft_socket = ["--step-socket", os.path.join(self.socket_dir, "draft.sock")]
         self._spawn("target", "target_service", ["--model", c.model, "--tp-size", str(c.tp_size), "--port",
                                                  str(self.ports["target"]), "--hidden-backend", c.hidden_backend,
-                                                 *target_device, *common, *c.extra_target_args])
+                                                 *target_device, *common, *target_socket, *c.extra_target_args])
         if c.with_draft:
             self._spawn("draft", "draft_service", ["--head", c.head, "--target", c.model, "--port",
                                                    str(self.ports["draft"]), *common, *draft_device,
-                                                   *c.extra_draft_args])
+                                                   *draft_socket, *c.extra_draft_args])
         try:
             wait_serving(self.addr("target"), self.procs["target"], timeout, "target_service")
             if c.with_draft:
@@ -159,6 +168,9 @@ class ServiceStack:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+            self.socket_dir = None
 
     def __enter__(self) -> ServiceStack:
         return self.start()

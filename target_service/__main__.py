@@ -22,8 +22,9 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
+from specsplit.step_socket import close_step_socket, start_step_socket
 from specsplit.telemetry import setup_telemetry
-from specsplit.v1 import target_pb2_grpc
+from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.runtime import TargetRuntime, init_distributed, worker_loop
 from target_service.server import TargetServicer
@@ -53,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
                         "health checks wait while a step runs)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run verify steps eagerly on CUDA (default: CUDA graphs per shape bucket)")
+    p.add_argument("--step-socket", default=os.environ.get("SPECSPLIT_TARGET_STEP_SOCKET", d.step_socket),
+                   help="also serve Step on this Unix socket, for a gateway on the same host "
+                        "(env SPECSPLIT_TARGET_STEP_SOCKET; "
+                        "default: gRPC only)")
     p.add_argument("--compile", action="store_true",
                    help="experimental: fuse the kernels of the static verify/decode forward with torch.compile "
                         "(inductor) before the CUDA graphs capture it; compiles on first use of each shape")
@@ -63,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
                         draft_config=a.draft_config, hidden_backend=a.hidden_backend, ring_rows=a.ring_rows,
                         host=a.host, port=a.port, dist_port=a.dist_port, threads=a.threads,
                         cuda_graphs=a.cuda_graphs, compile=a.compile,
-                        engine_thread=a.engine_thread).validate()
+                        engine_thread=a.engine_thread, step_socket=a.step_socket).validate()
 
 
 def free_port() -> int:
@@ -75,14 +80,19 @@ def free_port() -> int:
 async def serve(cfg: TargetConfig, runtime: TargetRuntime) -> None:
     server, health = new_server()
     telemetry = setup_telemetry("specsplit-target")
-    target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(runtime, telemetry), server)
+    servicer = TargetServicer(runtime, telemetry)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
     server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
     await set_serving(health, ["specsplit.v1.TargetService"], True)
     log.info("target %s tp=%d listening on %s:%d", runtime.model.cfg.name, cfg.tp_size, cfg.host, cfg.port)
+    sock = (await start_step_socket(cfg.step_socket, "target", target_pb2.TargetStepRequest, servicer.Step)
+            if cfg.step_socket else None)
     try:
         await serve_until_signal(server)
     finally:
+        if sock is not None:
+            close_step_socket(sock, cfg.step_socket)
         telemetry.shutdown()
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from specsplit.handoff.base import DTYPES
 from specsplit.handoff.factory import BACKENDS
+from specsplit.step_socket import check_step_socket
 
 
 @dataclass
@@ -30,6 +31,7 @@ class TargetConfig:
     engine_thread: bool = True  # steps on a dedicated thread; False: on the event loop (less latency per step)
     cuda_graphs: bool = True  # verify/decode steps in CUDA graphs (on CUDA devices only)
     compile: bool = False  # experimental: fuse the static forward's kernels with torch.compile before capture
+    step_socket: str = ""  # also serve Step on this Unix socket (same host gateways); "": gRPC only
 
     def validate(self) -> TargetConfig:
         if self.dtype not in DTYPES:
@@ -45,6 +47,7 @@ class TargetConfig:
             raise ValueError(f"ring_rows {self.ring_rows} must hold one full context ({self.max_context})")
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        check_step_socket(self.step_socket)
         return self
 
     def resolve_aux_layer_ids(self, default: list[int]) -> list[int]:

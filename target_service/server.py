@@ -33,7 +33,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             model_name=m.name, vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
             max_context=rt.cfg.max_context, max_sequences=rt.cfg.max_sequences, eos_token_ids=m.eos_token_ids,
             aux_layer_ids=rt.model.aux_layer_ids, hidden_store=wire.descriptor_to_proto(rt.writer.descriptor),
-            tp_size=rt.tp.world_size, dtype=rt.cfg.dtype, max_draft_tokens=rt.cfg.max_draft_tokens)
+            tp_size=rt.tp.world_size, dtype=rt.cfg.dtype, max_draft_tokens=rt.cfg.max_draft_tokens,
+            step_socket=rt.cfg.step_socket)
 
     async def Step(self, request_iterator: AsyncIterator[target_pb2.TargetStepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[target_pb2.TargetStepResponse]:

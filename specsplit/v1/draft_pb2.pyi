@@ -12,7 +12,7 @@ class DraftDescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("head_name", "hidden_size", "draft_vocab_size", "target_vocab_size", "aux_layer_ids", "attached", "max_steps", "max_context", "max_sequences")
+    __slots__ = ("head_name", "hidden_size", "draft_vocab_size", "target_vocab_size", "aux_layer_ids", "attached", "max_steps", "max_context", "max_sequences", "step_socket")
     HEAD_NAME_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class DraftInfo(_message.Message):
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
     head_name: str
     hidden_size: int
     draft_vocab_size: int
@@ -31,7 +32,8 @@ class DraftInfo(_message.Message):
     max_steps: int
     max_context: int
     max_sequences: int
-    def __init__(self, head_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., attached: _Optional[bool] = ..., max_steps: _Optional[int] = ..., max_context: _Optional[int] = ..., max_sequences: _Optional[int] = ...) -> None: ...
+    step_socket: str
+    def __init__(self, head_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., attached: _Optional[bool] = ..., max_steps: _Optional[int] = ..., max_context: _Optional[int] = ..., max_sequences: _Optional[int] = ..., step_socket: _Optional[str] = ...) -> None: ...
 
 class DraftExtendPropose(_message.Message):
     __slots__ = ("tokens", "hidden", "num_steps", "sampling", "position")
