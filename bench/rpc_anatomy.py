@@ -80,7 +80,7 @@ async def _client(port: int, calls: int, drafts: int, socket: bool) -> float:
 
     target = GrpcTarget(f"127.0.0.1:{port}")
     if socket:
-        target.use_step_socket(_socket_path(port))
+        assert target.use_step_transport(_socket_path(port)).startswith("unix:")
     ops = [Verify(1, list(range(100, 100 + drafts)))]
     for _ in range(50):  # warm-up: the stream opens, the first calls settle
         await target.step(ops, [])

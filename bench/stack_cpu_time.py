@@ -1,0 +1,78 @@
+"""Per-cycle cost of the three services as processes, on a tiny model (compute close to
+nothing, so what is left is the serving path): wall µs per cycle and the CPU µs each
+process (target, draft, gateway) burns per cycle, with the gateway's Steps over the gRPC
+streams and over the Unix step sockets, in one run. One JSON line per transport, then the
+ratios.
+
+  python -m bench.stack_cpu_time --tokens 2000 --num-steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+from bench.spec_vs_baseline import git_commit
+from specsplit.checkpoints.eagle_head import random_head, save_head
+from specsplit.checkpoints.target_checkpoint import load_target_config
+from specsplit.checkpoints.tiny import tiny_config, write_tiny_target
+from specsplit.client import GatewayClient, make_request
+from specsplit.launcher import ServiceStack, StackConfig
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, requests: int) -> dict:
+    cfg = StackConfig(model=str(model), head=str(head), num_steps=steps, threads=1, step_sockets=sockets,
+                      log_dir=Path(tempfile.mkdtemp(prefix="stack-cpu-")))
+    with ServiceStack(cfg) as stack:
+        client = GatewayClient(stack.addr("gateway"))
+        client.generate(make_request(token_ids=[1, 2, 3], max_new_tokens=16, num_steps=steps))  # warm-up
+        pids = {name: p.pid for name, p in stack.procs.items()}
+        before = {n: cpu_seconds(p) for n, p in pids.items()}
+        t0 = time.perf_counter()
+        gens = [client.generate(make_request(token_ids=[5, 6, 7 + i], max_new_tokens=tokens, ignore_eos=True,
+                                             num_steps=steps)) for i in range(requests)]
+        wall = time.perf_counter() - t0
+        after = {n: cpu_seconds(p) for n, p in pids.items()}
+        client.close()
+    cycles = sum(g.final.cycles for g in gens)
+    return {"bench": "stack_cpu_time", "transport": "unix socket" if sockets else "grpc stream", "num_steps": steps,
+            "cycles": cycles, "tokens": sum(len(g.token_ids) for g in gens),
+            "wall_us_per_cycle": round(wall / cycles * 1e6), "cpu_us_per_cycle": {
+                n: round((after[n] - before[n]) / cycles * 1e6) for n in pids},
+            "verify_compute_us_per_cycle": round(sum(g.final.verify_compute_ms for g in gens) / cycles * 1e3),
+            "draft_compute_us_per_cycle": round(sum(g.final.draft_compute_ms for g in gens) / cycles * 1e3)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=2000)
+    p.add_argument("--requests", type=int, default=3)
+    p.add_argument("--num-steps", type=int, default=3)
+    a = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="stack-cpu-"))
+    model = write_tiny_target(tmp / "target", tiny_config(), seed=1)
+    head_cfg, weights = random_head(load_target_config(model), draft_vocab_size=384, seed=2, std=0.2)
+    save_head(tmp / "head", head_cfg, weights)
+    rows = [run(model, tmp / "head", sockets, a.num_steps, a.tokens, a.requests) for sockets in (False, True)]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    grpc_row, sock_row = rows
+    print(json.dumps({"bench": "stack_cpu_time", "summary": True,
+                      "wall_socket_over_grpc": round(sock_row["wall_us_per_cycle"] / grpc_row["wall_us_per_cycle"], 3),
+                      "saved_wall_us_per_cycle": grpc_row["wall_us_per_cycle"] - sock_row["wall_us_per_cycle"],
+                      "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),
+                      "python": platform.python_version()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
