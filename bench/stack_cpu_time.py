@@ -4,7 +4,7 @@ process (target, draft, gateway) burns per cycle, with the gateway's Steps over 
 streams and over the Unix step sockets, in one run. One JSON line per transport, then the
 ratios.
 
-  python -m bench.stack_cpu_time --tokens 2000 --num-steps 3
+  python -m bench.stack_cpu_time --tokens 1000 --requests 2 --rounds 2
 """
 
 from __future__ import annotations
@@ -44,13 +44,15 @@ def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, request
         wall = time.perf_counter() - t0
         after = {n: cpu_seconds(p) for n, p in pids.items()}
         client.close()
-    cycles = sum(g.final.cycles for g in gens)
+    cycles = sum(g.final.speculation.cycles for g in gens)
+    verify_us = sum(g.final.speculation.verify_compute_ms for g in gens) / cycles * 1e3
+    draft_us = sum(g.final.speculation.draft_compute_ms for g in gens) / cycles * 1e3
     return {"bench": "stack_cpu_time", "transport": "unix socket" if sockets else "grpc stream", "num_steps": steps,
             "cycles": cycles, "tokens": sum(len(g.token_ids) for g in gens),
             "wall_us_per_cycle": round(wall / cycles * 1e6), "cpu_us_per_cycle": {
                 n: round((after[n] - before[n]) / cycles * 1e6) for n in pids},
-            "verify_compute_us_per_cycle": round(sum(g.final.verify_compute_ms for g in gens) / cycles * 1e3),
-            "draft_compute_us_per_cycle": round(sum(g.final.draft_compute_ms for g in gens) / cycles * 1e3)}
+            "verify_compute_us_per_cycle": round(verify_us), "draft_compute_us_per_cycle": round(draft_us),
+            "outside_compute_us_per_cycle": round(wall / cycles * 1e6 - verify_us - draft_us)}
 
 
 def main() -> None:
@@ -58,18 +60,27 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2000)
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--num-steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="gRPC then socket, this many times")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="stack-cpu-"))
     model = write_tiny_target(tmp / "target", tiny_config(), seed=1)
     head_cfg, weights = random_head(load_target_config(model), draft_vocab_size=384, seed=2, std=0.2)
     save_head(tmp / "head", head_cfg, weights)
-    rows = [run(model, tmp / "head", sockets, a.num_steps, a.tokens, a.requests) for sockets in (False, True)]
-    for r in rows:
-        print(json.dumps(r), flush=True)
-    grpc_row, sock_row = rows
-    print(json.dumps({"bench": "stack_cpu_time", "summary": True,
-                      "wall_socket_over_grpc": round(sock_row["wall_us_per_cycle"] / grpc_row["wall_us_per_cycle"], 3),
-                      "saved_wall_us_per_cycle": grpc_row["wall_us_per_cycle"] - sock_row["wall_us_per_cycle"],
+    rows = []
+    for _ in range(a.rounds):  # alternating, so that drifts of a shared machine hit both alike
+        for sockets in (False, True):
+            rows.append(run(model, tmp / "head", sockets, a.num_steps, a.tokens, a.requests))
+            print(json.dumps(rows[-1]), flush=True)
+
+    def mean(transport: str, key: str) -> float:
+        vals = [r[key] for r in rows if r["transport"] == transport]
+        return sum(vals) / len(vals)
+
+    g, u = "grpc stream", "unix socket"
+    print(json.dumps({"bench": "stack_cpu_time", "summary": True, "rounds": a.rounds,
+                      "wall_socket_over_grpc": round(mean(u, "wall_us_per_cycle") / mean(g, "wall_us_per_cycle"), 3),
+                      "outside_compute_us_per_cycle": {g: round(mean(g, "outside_compute_us_per_cycle")),
+                                                       u: round(mean(u, "outside_compute_us_per_cycle"))},
                       "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),
                       "python": platform.python_version()}), flush=True)
 
