@@ -92,7 +92,8 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
     engine_flags = (["--inline-steps"] if a.inline_steps else []) + (["--compile"] if a.compile else [])
     cfg = StackConfig(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
                       hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
-                      extra_target_args=engine_flags, extra_draft_args=list(engine_flags), extra_gateway_args=replay)
+                      extra_target_args=engine_flags, extra_draft_args=list(engine_flags), extra_gateway_args=replay,
+                      step_sockets=not a.grpc_steps)
     rows = {}
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
@@ -135,6 +136,8 @@ def main() -> None:
     p.add_argument("--num-steps", default="1,2,3,4,5,6,7")
     p.add_argument("--accept-rate", type=float, default=0.8)
     p.add_argument("--inline-steps", action="store_true", help="services run steps on their event loop thread")
+    p.add_argument("--grpc-steps", action="store_true",
+                   help="the gateway's Steps over the gRPC streams (default: the services' Unix step sockets)")
     p.add_argument("--compile", action="store_true", help="the target's and the draft's static forwards through "
                    "torch.compile")
     a = p.parse_args()
@@ -153,6 +156,7 @@ def main() -> None:
             "num_steps": steps, "accept_rate": a.accept_rate if steps else None,
             "ratio_services_over_in_process": round(ii["decode_tokens_per_s"] / i["decode_tokens_per_s"], 4),
             "in_process": i, "services": ii, "target_device": a.device, "draft_device": a.draft_device,
+            "inline_steps": a.inline_steps, "step_transport": "grpc stream" if a.grpc_steps else "unix socket",
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         }), flush=True)
     print(json.dumps({"bench": "cycle_overhead", "label": LABEL, "commit": git_commit(),

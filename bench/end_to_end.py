@@ -87,6 +87,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--num-steps", default="1,2,3,4,5,6,7")
     p.add_argument("--inline-steps", action="store_true", help="services run steps on their event loop thread")
+    p.add_argument("--grpc-steps", action="store_true",
+                   help="the gateway's Steps over the gRPC streams (default: the services' Unix step sockets)")
     p.add_argument("--compile", action="store_true", help="the target's and the draft's static forwards through "
                    "torch.compile")
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the HF generate reference (0: skip it)")
@@ -126,6 +128,7 @@ def main() -> None:
     print(json.dumps({"bench": "end_to_end", "summary": "decode tokens/s over in-process target-only (graphs)",
                       "in_process_target_only_tokens_per_s": base, "ratios": summary, "best_services": best,
                       "target_device": a.device, "draft_device": a.draft_device, "inline_steps": a.inline_steps,
+                      "step_transport": "grpc stream" if a.grpc_steps else "unix socket",
                       "compile": a.compile,
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "commit": git_commit(), "machine": platform.machine(),
