@@ -100,3 +100,42 @@ def test_config_validation() -> None:
         TrainConfig(out="x", max_steps=1, gen_fraction=1.5).validate()
     cfg = TrainConfig(out="x", max_steps=1, device="cpu").validate()
     assert cfg.dtype == "float32"
+
+
+def test_feature_cache_gives_the_same_losses(bigram_target: Path, one_thread: None) -> None:
+    """Features read from the cache (built once, in other batches) equal the target's online ones."""
+    import random
+
+    from specsplit.training.distill import Sample
+    from specsplit.training.feature_cache import FeatureCache, choose_store
+    from specsplit.training.loop import Trainer, collate, make_batches
+    from specsplit.training.model import TrainableHead, head_config
+    from specsplit.training.target import BatchedTarget
+    from specsplit.training.vocab import build_vocab, count_response_tokens
+
+    target = BatchedTarget.load(str(bigram_target), "cpu", torch.float32)
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.randint(8, 40, (24,), generator=g).tolist()
+    samples = [Sample(torch.randint(0, 512, (n,), generator=g), 5) for n in sizes]
+    cfg = TrainConfig(out="unused", target=str(bigram_target), max_steps=1, ttt_length=3, draft_vocab=128,
+                      batch_size=5).validate()
+    vocab = build_vocab(count_response_tokens(samples, 512), 128)
+    head = TrainableHead(head_config(target.cfg, vocab.size, target.aux_layer_ids, "t"), target.embed)
+    trainer = Trainer(cfg, target, head, vocab)
+    lengths = [len(s.ids) for s in samples]
+    store = choose_store("auto", target, FeatureCache.nbytes(samples, target))
+    assert store == torch.device("cpu")
+    cache = FeatureCache.build(target, samples, store, make_batches(lengths, 7, 4096, random.Random(1)), collate)
+    assert cache is not None and cache.aux.shape == (sum(lengths) + 1, 3 * target.cfg.hidden_size)
+    for idx in make_batches(lengths, 5, 4096, random.Random(2)):  # other batch compositions than the cache's
+        batch = collate([samples[i] for i in idx], torch.device("cpu"))
+        trainer.cache = None
+        online_loss, online_vec = trainer.forward(batch, idx)
+        trainer.cache = cache
+        cached_loss, cached_vec = trainer.forward(batch, idx)
+        torch.testing.assert_close(cached_loss, online_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cached_vec, online_vec, rtol=1e-5, atol=1e-5)
+    assert FeatureCache.build(target, samples, store, [[0]], collate, deadline=0.0) is None  # past the deadline
+    with pytest.raises(ValueError, match="CUDA"):
+        choose_store("gpu", target, 1)
+    assert choose_store("off", target, 1) is None

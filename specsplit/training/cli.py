@@ -19,6 +19,8 @@ _HELP = {
     "temperature": "0: greedy responses",
     "batch_size": "training sequences per step, at most",
     "batch_tokens": "padded tokens per training step, at most",
+    "feature_cache": "the target's features computed once before training: auto (the GPU, else host memory, "
+                     "when it fits in half of what is free), gpu, cpu, off (the target runs for every batch)",
     "epochs": "0: no epoch limit",
     "max_steps": "0: no step limit",
     "time_budget": "seconds for the whole command (0: none): stops generating, then training, in time to save",

@@ -25,6 +25,7 @@ class TrainConfig:
     temperature: float = 0.0  # 0: greedy responses (what greedy speculation sees)
     batch_size: int = 64  # training sequences per step, at most
     batch_tokens: int = 16384  # padded tokens per training step, at most
+    feature_cache: str = "auto"  # target features computed once: auto (GPU, else host, if it fits), gpu, cpu, off
     epochs: float = 0.0  # 0: no epoch limit
     max_steps: int = 0  # 0: no step limit
     time_budget: float = 0.0  # seconds for the whole command (0: none); generation, training and saving fit in it
@@ -88,6 +89,8 @@ class TrainConfig:
             raise ValueError("step_weight must be in (0, 1]")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.grad_clip > 0 and self.warmup_steps >= 0):
             raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1, grad_clip > 0, warmup_steps >= 0")
+        if self.feature_cache not in ("auto", "gpu", "cpu", "off"):
+            raise ValueError(f"feature_cache {self.feature_cache!r}: auto, gpu, cpu or off")
         if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
             raise ValueError("aux_layer_ids: three layer ids")
         return self

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from specsplit.training.config import TrainConfig
 from specsplit.training.distill import Sample
+from specsplit.training.feature_cache import FeatureCache, choose_store
 from specsplit.training.model import TrainableHead
 from specsplit.training.objective import Batch, make_targets, step_loss
 from specsplit.training.progress import Progress
@@ -81,15 +83,20 @@ class Trainer:
         self.draft_ids, self.t2d = vocab.ids.to(self.device), vocab.t2d.to(self.device)
         self.opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.autocast_on = target.dtype != torch.float32  # bf16 / fp16 matmuls, fp32 master weights
+        self.cache: FeatureCache | None = None  # the training sequences' target features, once built
 
     def _autocast(self):  # noqa: ANN202
         return torch.autocast(self.device.type, dtype=self.target.dtype) if self.autocast_on else nullcontext()
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> weighted loss (differentiable), stats vector [4K + 2] (see Stats)."""
+    def forward(self, batch: Batch, idx: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> weighted loss (differentiable), stats vector [4K + 2] (see Stats). `idx`: the
+        batch's training-sequence indices, to read their features from the cache."""
         k_steps, x = self.cfg.ttt_length, batch.tokens
         n = x.shape[1] - 1
-        aux, normed = self.target.features(x)  # [B, T, 3H], [B, T, H]
+        if self.cache is not None and idx is not None:
+            aux, normed = self.cache.gather(idx, x.shape[1], self.device)
+        else:
+            aux, normed = self.target.features(x)  # [B, T, 3H], [B, T, H]
         with torch.no_grad():
             targets = make_targets(self.target.logits(normed), self.draft_ids, self.t2d)
         feats = aux[:, :n].clone()  # out of inference mode: autograd may save it
@@ -109,6 +116,23 @@ class Trainer:
         vec = torch.cat([torch.stack(losses), corr.flatten(1).sum(-1).float(), cnt.flatten(1).sum(-1).float(),
                          chain.float(), full.sum().float()[None], total.detach().float()[None]])
         return total, vec
+
+    def _build_cache(self, train: list[Sample], lengths: list[int], deadline: float | None) -> FeatureCache | None:
+        nbytes = FeatureCache.nbytes(train, self.target)
+        store = choose_store(self.cfg.feature_cache, self.target, nbytes)
+        if store is None:
+            if self.cfg.feature_cache != "off":
+                print(f"[train-head] feature cache: {nbytes / 1e9:.1f} GB would not fit; "
+                      "the target runs for every batch", file=sys.stderr, flush=True)
+            return None
+        bar = Progress("features", len(train))
+        t0 = time.monotonic()
+        batches = make_batches(lengths, self.cfg.batch_size, self.cfg.batch_tokens, random.Random(0))
+        cache = FeatureCache.build(self.target, train, store, batches, collate, deadline,
+                                   lambda done, total: bar.update(done, f"{nbytes / 1e9:.1f} GB on {store}"))
+        bar.close(len(train) if cache else 0, f"cached in {time.monotonic() - t0:.1f} s" if cache else
+                  "deadline reached: no cache")
+        return cache
 
     def lr_at(self, step: int, progress: float) -> float:
         warm = min(1.0, (step + 1) / self.cfg.warmup_steps) if self.cfg.warmup_steps else 1.0
@@ -134,6 +158,7 @@ class Trainer:
         cfg = self.cfg
         rng = random.Random(cfg.seed)
         lengths = [len(s.ids) for s in train]
+        self.cache = self._build_cache(train, lengths, deadline)
         epoch_batches = make_batches(lengths, cfg.batch_size, cfg.batch_tokens, rng)
         limits = [cfg.max_steps] if cfg.max_steps else []
         if cfg.epochs:
@@ -161,7 +186,7 @@ class Trainer:
                 for group in self.opt.param_groups:
                     group["lr"] = lr
                 batch = collate([train[i] for i in idx], self.device)
-                loss, vec = self.forward(batch)
+                loss, vec = self.forward(batch, idx)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.head.parameters(), cfg.grad_clip)
