@@ -44,8 +44,7 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
                    help="run the head eagerly on CUDA (default: CUDA graphs per shape bucket)")
     p.add_argument("--step-socket", default=os.environ.get("SPECSPLIT_DRAFT_STEP_SOCKET", d.step_socket),
                    help="also serve Step on this Unix socket, for a gateway on the same host "
-                        "(env SPECSPLIT_DRAFT_STEP_SOCKET; "
-                        "default: gRPC only)")
+                        "(env SPECSPLIT_DRAFT_STEP_SOCKET; default: gRPC only)")
     p.add_argument("--compile", action="store_true",
                    help="experimental: fuse the head's static forward with torch.compile (inductor) before the "
                         "CUDA graphs capture it; compiles on first use of each shape")
@@ -63,10 +62,11 @@ async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
     server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
-    await set_serving(health, ["specsplit.v1.DraftService"], True)
-    log.info("draft head %s listening on %s:%d", runtime.head.cfg.name, cfg.host, cfg.port)
+    # the socket exists before health says SERVING: a gateway started on that signal finds it
     sock = (await start_step_socket(cfg.step_socket, "draft", draft_pb2.DraftStepRequest, servicer.Step)
             if cfg.step_socket else None)
+    await set_serving(health, ["specsplit.v1.DraftService"], True)
+    log.info("draft head %s listening on %s:%d", runtime.head.cfg.name, cfg.host, cfg.port)
     try:
         await serve_until_signal(server)
     finally:

@@ -74,6 +74,11 @@ class _SocketContext:
 HELLO_TIMEOUT_S = 10.0
 
 
+def _hello(service: str) -> bytes:
+    """What a client sends first: MAGIC, then the service it expects, one line each."""
+    return MAGIC + service.encode() + b"\n"
+
+
 async def _read_hello(reader: asyncio.StreamReader) -> bytes:
     """Two lines: MAGIC, then the service name (each bounded by the reader's line limit)."""
     return await reader.readline() + await reader.readline()
@@ -89,7 +94,7 @@ async def start_step_socket(path: str | Path, service: str, request_type: type, 
     with contextlib.suppress(FileNotFoundError):
         if path.is_socket():
             path.unlink()  # a stale socket of an earlier run
-    hello = MAGIC + service.encode() + b"\n"
+    hello = _hello(service)
 
     async def requests(reader: asyncio.StreamReader) -> AsyncIterator[Any]:
         while True:
@@ -148,7 +153,7 @@ class SocketStream:
         try:
             if self.writer is None:
                 self.reader, self.writer = await asyncio.open_unix_connection(self.path)
-                self.writer.write(MAGIC + self.service.encode() + b"\n")
+                self.writer.write(_hello(self.service))
             assert self.reader is not None
             data = request.SerializeToString()
             self.writer.write(_LEN.pack(len(data)) + data)

@@ -56,8 +56,7 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
                    help="run verify steps eagerly on CUDA (default: CUDA graphs per shape bucket)")
     p.add_argument("--step-socket", default=os.environ.get("SPECSPLIT_TARGET_STEP_SOCKET", d.step_socket),
                    help="also serve Step on this Unix socket, for a gateway on the same host "
-                        "(env SPECSPLIT_TARGET_STEP_SOCKET; "
-                        "default: gRPC only)")
+                        "(env SPECSPLIT_TARGET_STEP_SOCKET; default: gRPC only)")
     p.add_argument("--compile", action="store_true",
                    help="experimental: fuse the kernels of the static verify/decode forward with torch.compile "
                         "(inductor) before the CUDA graphs capture it; compiles on first use of each shape")
@@ -84,10 +83,11 @@ async def serve(cfg: TargetConfig, runtime: TargetRuntime) -> None:
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
     server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
-    await set_serving(health, ["specsplit.v1.TargetService"], True)
-    log.info("target %s tp=%d listening on %s:%d", runtime.model.cfg.name, cfg.tp_size, cfg.host, cfg.port)
+    # the socket exists before health says SERVING: a gateway started on that signal finds it
     sock = (await start_step_socket(cfg.step_socket, "target", target_pb2.TargetStepRequest, servicer.Step)
             if cfg.step_socket else None)
+    await set_serving(health, ["specsplit.v1.TargetService"], True)
+    log.info("target %s tp=%d listening on %s:%d", runtime.model.cfg.name, cfg.tp_size, cfg.host, cfg.port)
     try:
         await serve_until_signal(server)
     finally:

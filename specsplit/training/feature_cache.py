@@ -7,6 +7,7 @@ positions never see them."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -65,9 +66,7 @@ class FeatureCache:
         """Run the target once over every sequence (in `batches` of indices); None when
         `deadline` (time.monotonic()) comes first."""
         lengths = [len(s.ids) for s in samples]
-        offsets = [0] * len(samples)
-        for i in range(1, len(samples)):
-            offsets[i] = offsets[i - 1] + lengths[i - 1]
+        offsets = list(itertools.accumulate(lengths, initial=0))[:-1]
         rows, h = sum(lengths) + 1, target.cfg.hidden_size
         pin = store.type == "cpu" and target.device.type == "cuda"
         aux = torch.zeros(rows, 3 * h, dtype=target.dtype, device=store, pin_memory=pin)
