@@ -4,6 +4,7 @@ and a cosine decay driven by whichever limit (steps, epochs, time) comes first."
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import sys
@@ -119,6 +120,9 @@ class Trainer:
 
     def _build_cache(self, train: list[Sample], lengths: list[int], deadline: float | None) -> FeatureCache | None:
         nbytes = FeatureCache.nbytes(train, self.target)
+        if self.target.device.type == "cuda":  # generation's KV cache is garbage now: give it back before sizing
+            gc.collect()
+            torch.cuda.empty_cache()
         store = choose_store(self.cfg.feature_cache, self.target, nbytes)
         if store is None:
             if self.cfg.feature_cache != "off":
