@@ -5,8 +5,10 @@ process, all with nothing to compute:
   - framework: the services' own `serve_steps` (op decoding, result encoding, timing) over a
     runtime that returns at once, with steps on an engine thread (the default);
   - framework_inline: the same with steps on the event loop (`--inline-steps`);
-  - socket, socket_inline: the same two over the services' Unix step socket
-    (specsplit/step_socket.py) instead of the gRPC stream.
+  - socket: the services' Unix step socket (specsplit/step_socket.py): the connection's
+    own thread reads a request, steps and writes the reply;
+  - socket_loop: the step socket's first design, kept here for the comparison: the socket
+    read on the event loop, the step handed to an engine thread and back.
 The client is the gateway's own GrpcTarget (op encoding, the stream exchange, result
 decoding). One JSON line: µs per call for each server, and the differences.
 
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
+import struct
 import subprocess
 import sys
 import tempfile
@@ -30,17 +34,17 @@ from typing import Any
 from specsplit import wire
 from specsplit.ops import StepTiming, TargetResult, Verify
 from specsplit.serving import install_uvloop, new_server
-from specsplit.step_socket import start_step_socket
-from specsplit.step_stream import StepCodec, serve_steps
+from specsplit.step_socket import StepSocketServer
+from specsplit.step_stream import StepCodec, answer_step, serve_steps
 from specsplit.v1 import target_pb2, target_pb2_grpc
 
-MODES = ("bare", "framework", "framework_inline", "socket", "socket_inline")
+MODES = ("bare", "framework", "framework_inline", "socket", "socket_loop")
 
 
 class _Servicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self.executor = ThreadPoolExecutor(max_workers=1) if mode in ("framework", "socket") else None
+        self.executor = ThreadPoolExecutor(max_workers=1) if mode in ("framework", "socket_loop") else None
         self.codec = StepCodec(wire.target_op_from_proto, wire.target_result_to_proto, TargetResult,
                                target_pb2.TargetStepResponse)
 
@@ -48,6 +52,9 @@ class _Servicer(target_pb2_grpc.TargetServiceServicer):
     def _run(ops: list[Any], _req: Any) -> tuple[list[TargetResult], StepTiming]:
         return [TargetResult(op.seq_id, tokens=[7], num_accepted=len(getattr(op, "draft_ids", []))) for op in ops], \
             StepTiming(0.0, 0.0)
+
+    def answer(self, req: Any) -> Any:
+        return answer_step(req, "target", self._run, self.codec)
 
     async def Step(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
         if self.mode == "bare":
@@ -66,13 +73,36 @@ async def _serve(mode: str, port: int) -> None:
     server, _health = new_server()
     servicer = _Servicer(mode)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
-    if mode.startswith("socket"):  # keep a reference: an unreferenced server is closed when collected
-        servicer.socket_server = await start_step_socket(_socket_path(port), "target", target_pb2.TargetStepRequest,
-                                                         servicer.Step)
+    if mode == "socket":
+        servicer.socket_server = StepSocketServer(_socket_path(port), "target", target_pb2.TargetStepRequest,
+                                                  servicer.answer).start()
+    elif mode == "socket_loop":  # keep a reference: an unreferenced server is closed when collected
+        servicer.socket_server = await _loop_socket_server(_socket_path(port), servicer)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     print("ready", flush=True)
     await server.wait_for_termination()
+
+
+async def _loop_socket_server(path: str, servicer: _Servicer) -> asyncio.AbstractServer:
+    """The step socket as first built (same framing): read on the event loop, step on the engine thread."""
+    loop = asyncio.get_running_loop()
+
+    async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readline()
+        await reader.readline()  # the hello
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                (n,) = struct.unpack("<I", await reader.readexactly(4))
+                req = target_pb2.TargetStepRequest.FromString(await reader.readexactly(n))
+                reply = (await loop.run_in_executor(servicer.executor, servicer.answer, req)).SerializeToString()
+                writer.write(struct.pack("<BI", 0, len(reply)) + reply)
+                await writer.drain()
+        writer.close()
+
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return await asyncio.start_unix_server(on_connection, path=path)
 
 
 async def _client(port: int, calls: int, drafts: int, socket: bool) -> float:
@@ -118,6 +148,7 @@ def main() -> None:
     out["framework_minus_bare_us"] = round(out["framework_us_per_call"] - out["bare_us_per_call"], 1)
     out["engine_thread_hop_us"] = round(out["framework_us_per_call"] - out["framework_inline_us_per_call"], 1)
     out["socket_over_grpc"] = round(out["socket_us_per_call"] / out["framework_us_per_call"], 3)
+    out["socket_over_socket_loop"] = round(out["socket_us_per_call"] / out["socket_loop_us_per_call"], 3)
     from bench.spec_vs_baseline import git_commit
 
     out.update(commit=git_commit(), machine=platform.machine(), python=platform.python_version())

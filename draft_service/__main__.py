@@ -19,7 +19,7 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
-from specsplit.step_socket import close_step_socket, start_step_socket
+from specsplit.step_socket import StepSocketServer
 from specsplit.telemetry import setup_telemetry
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 
@@ -38,8 +38,9 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--inline-steps", dest="engine_thread", action="store_false",
-                   help="run steps on the event loop thread instead of an engine thread (less latency per step; "
-                        "health checks wait while a step runs)")
+                   help="run gRPC Step calls on the event loop thread instead of an engine thread (less latency "
+                        "per step; health checks wait while a step runs); the step socket always steps on its "
+                        "own connection thread")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run the head eagerly on CUDA (default: CUDA graphs per shape bucket)")
     p.add_argument("--step-socket", default=os.environ.get("SPECSPLIT_DRAFT_STEP_SOCKET", d.step_socket),
@@ -63,7 +64,7 @@ async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
     server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
     # the socket exists before health says SERVING: a gateway started on that signal finds it
-    sock = (await start_step_socket(cfg.step_socket, "draft", draft_pb2.DraftStepRequest, servicer.Step)
+    sock = (StepSocketServer(cfg.step_socket, "draft", draft_pb2.DraftStepRequest, servicer.answer).start()
             if cfg.step_socket else None)
     await set_serving(health, ["specsplit.v1.DraftService"], True)
     log.info("draft head %s listening on %s:%d", runtime.head.cfg.name, cfg.host, cfg.port)
@@ -71,7 +72,7 @@ async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
         await serve_until_signal(server)
     finally:
         if sock is not None:
-            close_step_socket(sock, cfg.step_socket)
+            sock.close()
         telemetry.shutdown()
 
 

@@ -22,7 +22,7 @@ class DraftConfig:
     host: str = "127.0.0.1"
     port: int = 50062
     threads: int = 0
-    engine_thread: bool = True  # steps on a dedicated thread; False: on the event loop (less latency per step)
+    engine_thread: bool = True  # gRPC steps on a dedicated thread; False: on the event loop (the socket: its own)
     cuda_graphs: bool = True  # extend and proposal steps in CUDA graphs (on CUDA devices only)
     compile: bool = False  # experimental: fuse the static forward's kernels with torch.compile before capture
     step_socket: str = ""  # also serve Step on this Unix socket (same host gateways); "": gRPC only

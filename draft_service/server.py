@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
 from draft_service.runtime import DraftRuntime
 from specsplit import wire
 from specsplit.ops import DraftOp, DraftResult, ExtendPropose
-from specsplit.step_stream import StepCodec, serve_steps
+from specsplit.step_stream import StepCodec, answer_step, serve_steps
 from specsplit.telemetry import Telemetry, record_entry_span
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -23,6 +25,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.runtime, self.telemetry = runtime, telemetry
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
         self.step_executor = self.executor if runtime.cfg.engine_thread else None
+        self.engine_lock = threading.Lock()  # steps come from the gRPC stream and the step socket's threads
 
     def _info(self) -> draft_pb2.DraftInfo:
         rt, c = self.runtime, self.runtime.head.cfg
@@ -40,17 +43,32 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                      ) -> draft_pb2.DraftInfo:
         try:
             await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.runtime.attach, wire.descriptor_from_proto(request))
+                self.executor, self._attach, wire.descriptor_from_proto(request))
         except (ValueError, FileNotFoundError, KeyError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot attach hidden store: {e}")
         return self._info()
 
     async def Step(self, request_iterator: AsyncIterator[draft_pb2.DraftStepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[draft_pb2.DraftStepResponse]:
-        async for reply in serve_steps(request_iterator, context, "draft", self.step_executor,
-                                       lambda ops, req: self.runtime.step(ops), _CODEC,
-                                       self._spans if self.telemetry.tracing else None):
+        async for reply in serve_steps(request_iterator, context, "draft", self.step_executor, self._run, _CODEC,
+                                       self._after):
             yield reply
+
+    def answer(self, request: draft_pb2.DraftStepRequest) -> draft_pb2.DraftStepResponse:
+        """One step for the step socket, on its connection thread."""
+        return answer_step(request, "draft", self._run, _CODEC, self._after)
+
+    def _run(self, ops: list[DraftOp], _request: Any) -> tuple[list[DraftResult], Any]:
+        with self.engine_lock:
+            return self.runtime.step(ops)
+
+    def _attach(self, desc: Any) -> None:
+        with self.engine_lock:
+            self.runtime.attach(desc)
+
+    @property
+    def _after(self) -> Any:
+        return self._spans if self.telemetry.tracing else None
 
     def _spans(self, ops: list[DraftOp], results: list[DraftResult]) -> None:
         for op, r in zip(ops, results, strict=True):

@@ -9,7 +9,11 @@ Describe/Attach, used only when the gateway can open the path.
 Framing: the client opens with MAGIC + the service name; then each request is
 [u32 length][bytes] and each answer [u8 kind][u32 length][bytes], kind 0 a reply, kind 1 an
 error ("STATUS\tmessage", after which the server closes). Lengths are bounded. The socket
-file is created owner-only (0600)."""
+file is created owner-only (0600).
+
+The server side is plain threads (one per open stream, at most MAX_CONNECTIONS): the thread
+that reads a request runs the engine step and writes the reply, so a step crosses no event
+loop and no thread hand-off. The gateway's side is an asyncio stream on its event loop."""
 
 from __future__ import annotations
 
@@ -17,15 +21,18 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import struct
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from specsplit.serving import MAX_MESSAGE_BYTES
+from specsplit.step_stream import StepAbort
 
 MAGIC = b"specsplit-step/1\n"
 _LEN = struct.Struct("<I")
@@ -58,20 +65,8 @@ class StepSocketError(ConnectionError):
         self.code, self.message = code, message
 
 
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-class _SocketContext:
-    """The one ServicerContext method serve_steps uses."""
-
-    async def abort(self, code: grpc.StatusCode, message: str) -> None:
-        raise _Aborted(code, message)
-
-
 HELLO_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 16  # gateways stepping one service at once; more are refused
 
 
 def _hello(service: str) -> bytes:
@@ -79,65 +74,118 @@ def _hello(service: str) -> bytes:
     return MAGIC + service.encode() + b"\n"
 
 
-async def _read_hello(reader: asyncio.StreamReader) -> bytes:
-    """Two lines: MAGIC, then the service name (each bounded by the reader's line limit)."""
-    return await reader.readline() + await reader.readline()
+StepAnswer = Callable[[Any], Any]  # request -> reply on the calling thread; raises StepAbort
 
 
-StepHandler = Callable[[AsyncIterator[Any], Any], AsyncIterator[Any]]  # a servicer's Step
+class StepSocketServer:
+    """Serves Step on a Unix socket from plain threads: each connection's thread reads a
+    request, runs the engine itself (`answer`, which serialises engine access with the
+    servicer's other callers) and writes the reply. No event loop and no hand-off between
+    threads on the hot path: a blocking read wakes the thread that computes."""
 
+    def __init__(self, path: str | Path, service: str, request_type: type, answer: StepAnswer) -> None:
+        self.path, self.service, self.request_type, self.answer = Path(path), service, request_type, answer
+        self.hello = _hello(service)
+        self.listener: socket.socket | None = None
+        self.connections: set[socket.socket] = set()  # open, hello pending or streaming
+        self.streams = 0  # connections past their hello
+        self.lock = threading.Lock()
 
-async def start_step_socket(path: str | Path, service: str, request_type: type, step: StepHandler
-                            ) -> asyncio.AbstractServer:
-    """Serve `step` (the servicer's own Step method) on the Unix socket `path`."""
-    path = Path(path)
-    with contextlib.suppress(FileNotFoundError):
-        if path.is_socket():
-            path.unlink()  # a stale socket of an earlier run
-    hello = _hello(service)
+    def start(self) -> StepSocketServer:
+        with contextlib.suppress(FileNotFoundError):
+            if self.path.is_socket():
+                self.path.unlink()  # a stale socket of an earlier run
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.path))
+        os.chmod(self.path, 0o600)  # owner-only (the launcher's directory is private as well)
+        listener.listen(MAX_CONNECTIONS)
+        self.listener = listener
+        threading.Thread(target=self._accept, name=f"{self.service}-step-socket", daemon=True).start()
+        log.info("%s step socket on %s", self.service, self.path)
+        return self
 
-    async def requests(reader: asyncio.StreamReader) -> AsyncIterator[Any]:
-        while True:
+    def close(self) -> None:
+        """Stop accepting, end open streams (their gateways see the socket close), remove the file."""
+        if self.listener is not None:
+            with contextlib.suppress(OSError):
+                self.listener.shutdown(socket.SHUT_RDWR)
+            self.listener.close()
+            self.listener = None
+        with self.lock:
+            for conn in self.connections:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    def _accept(self) -> None:
+        while self.listener is not None:
             try:
-                (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-            except asyncio.IncompleteReadError:
-                return  # the gateway closed the stream
-            if n > MAX_MESSAGE_BYTES:
-                raise _Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request of {n} bytes over {MAX_MESSAGE_BYTES}")
-            try:
-                yield request_type.FromString(await reader.readexactly(n))
-            except DecodeError:
-                raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, "malformed step request") from None
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            with self.lock:
+                full = len(self.connections) >= 2 * MAX_CONNECTIONS  # streams, and as many hellos pending
+                if not full:
+                    self.connections.add(conn)
+            if full:
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name=f"{self.service}-step-stream",
+                             daemon=True).start()
 
-    async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _serve(self, conn: socket.socket) -> None:
+        counted = False
         try:
-            got = await asyncio.wait_for(_read_hello(reader), HELLO_TIMEOUT_S)
-            if got != hello:
-                raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"not a {service} step stream")
-            async for reply in step(requests(reader), _SocketContext()):
-                data = reply.SerializeToString()
-                writer.write(_HEAD.pack(_REPLY, len(data)) + data)
-                await writer.drain()
-        except _Aborted as e:
-            msg = f"{e.code.name}\t{e.message}".encode()
-            writer.write(_HEAD.pack(_ERROR, len(msg)) + msg)
-            with contextlib.suppress(ConnectionError):
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, TimeoutError):
-            pass  # gone, or not speaking the protocol
+            with conn, conn.makefile("rb") as stream:
+                try:
+                    counted = self._hello(conn, stream)
+                    self._steps(conn, stream)
+                except StepAbort as e:
+                    _send_error(conn, e.code, e.message)
+        except (OSError, ValueError):
+            pass  # gone, timed out, or closed under us
         finally:
-            writer.close()
+            with self.lock:
+                self.connections.discard(conn)
+                self.streams -= counted
 
-    server = await asyncio.start_unix_server(on_connection, path=str(path))
-    os.chmod(path, 0o600)
-    log.info("%s step socket on %s", service, path)
-    return server
+    def _hello(self, conn: socket.socket, stream: BinaryIO) -> bool:
+        """Check the opening lines and take a stream slot; True once counted."""
+        conn.settimeout(HELLO_TIMEOUT_S)
+        if stream.readline(256) + stream.readline(256) != self.hello:
+            raise StepAbort(grpc.StatusCode.INVALID_ARGUMENT, f"not a {self.service} step stream")
+        conn.settimeout(None)
+        with self.lock:
+            if self.streams >= MAX_CONNECTIONS:
+                raise StepAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.service} serves at most "
+                                f"{MAX_CONNECTIONS} step streams at once")
+            self.streams += 1
+        return True
+
+    def _steps(self, conn: socket.socket, stream: BinaryIO) -> None:
+        while True:
+            head = stream.read(_LEN.size)
+            if len(head) < _LEN.size:
+                return  # the gateway closed the stream
+            (n,) = _LEN.unpack(head)
+            if n > MAX_MESSAGE_BYTES:
+                raise StepAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request of {n} bytes over {MAX_MESSAGE_BYTES}")
+            data = stream.read(n)
+            if len(data) < n:
+                return
+            try:
+                request = self.request_type.FromString(data)
+            except DecodeError:
+                raise StepAbort(grpc.StatusCode.INVALID_ARGUMENT, "malformed step request") from None
+            reply = self.answer(request).SerializeToString()
+            conn.sendall(_HEAD.pack(_REPLY, len(reply)) + reply)
 
 
-def close_step_socket(server: asyncio.AbstractServer, path: str | Path) -> None:
-    server.close()  # open streams end when their gateway goes or the process exits
-    with contextlib.suppress(FileNotFoundError):
-        Path(path).unlink()
+def _send_error(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
+    msg = f"{code.name}\t{message}".encode()
+    with contextlib.suppress(OSError):
+        conn.sendall(_HEAD.pack(_ERROR, len(msg)) + msg)
 
 
 class SocketStream:

@@ -1,5 +1,6 @@
-"""The server side of a long-lived Step stream, shared by the target and draft servicers:
-decode each batched request, run it on the engine thread, answer in order."""
+"""The server side of a long-lived Step stream, shared by the target and draft servicers
+and by both step-socket servers: decode each batched request, run it on the engine, answer
+in order."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from specsplit.wire import timing_to_proto
 
 MAX_OPS_PER_STEP = 4096
 
+StepRun = Callable[[list[Any], Any], tuple[list[Any], StepTiming]]  # (engine ops, request) -> results, timing
+StepAfter = Callable[[list[Any], list[Any]], None]  # (ops, results): e.g. spans
+
 
 @dataclass
 class StepCodec:
@@ -27,34 +31,50 @@ class StepCodec:
     response: Callable[..., Any]  # the response message class
 
 
+class StepAbort(Exception):
+    """The stream ends with this status (a gRPC abort, or an error frame on a step socket)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def answer_step(req: Any, service: str, run: StepRun, codec: StepCodec, after: StepAfter | None = None) -> Any:
+    """One request to its response, on the calling thread (the engine's). Raises StepAbort;
+    an engine failure is INTERNAL with its message, never a traceback."""
+    t0 = time.perf_counter()
+    if len(req.ops) > MAX_OPS_PER_STEP:
+        raise StepAbort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_OPS_PER_STEP} ops in a step")
+    ops, bad = [], []
+    for p in req.ops:
+        op = codec.decode_op(p)
+        (ops.append(op) if op is not None else bad.append(p.seq_id))
+    try:
+        results, timing = run(ops, req)
+    except Exception as e:
+        log.exception("%s step failed", service)
+        raise StepAbort(grpc.StatusCode.INTERNAL, f"{service} step failed: {type(e).__name__}: {e}") from None
+    if after is not None:
+        after(ops, results)
+    results += [codec.invalid_result(s, Code.INVALID_ARGUMENT, "op has no known operation set") for s in bad]
+    timing.total_ms = (time.perf_counter() - t0) * 1e3
+    return codec.response(step_id=req.step_id, results=[codec.encode_result(r) for r in results],
+                          timing=timing_to_proto(timing))
+
+
 async def serve_steps(request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext, service: str,
-                      executor: Executor | None, run: Callable[[list[Any], Any], tuple[list[Any], StepTiming]],
-                      codec: StepCodec, after: Callable[[list[Any], list[Any]], None] | None = None
+                      executor: Executor | None, run: StepRun, codec: StepCodec, after: StepAfter | None = None
                       ) -> AsyncIterator[Any]:
-    """`run(ops, request)` executes on `executor` (one thread: every TP rank must see the
-    steps in one order), or on the event loop itself when `executor` is None (no thread
-    hand-off, no GIL contention; health checks wait for the step); `after(ops, results)`
-    runs on the event loop (e.g. spans)."""
+    """Each request is answered on `executor` (one thread: every TP rank must see the steps
+    in one order), or on the event loop itself when `executor` is None (no thread hand-off,
+    no GIL contention; health checks wait for the step)."""
     loop = asyncio.get_running_loop()
     async for req in request_iterator:
-        t0 = time.perf_counter()
-        if len(req.ops) > MAX_OPS_PER_STEP:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_OPS_PER_STEP} ops in a step")
-        ops, bad = [], []
-        for p in req.ops:
-            op = codec.decode_op(p)
-            (ops.append(op) if op is not None else bad.append(p.seq_id))
         try:
             if executor is None:
-                results, timing = run(ops, req)
+                reply = answer_step(req, service, run, codec, after)
             else:
-                results, timing = await loop.run_in_executor(executor, run, ops, req)
-        except Exception as e:  # never a traceback to the client
-            log.exception("%s step failed", service)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{service} step failed: {type(e).__name__}: {e}")
-        if after is not None:
-            after(ops, results)
-        results += [codec.invalid_result(s, Code.INVALID_ARGUMENT, "op has no known operation set") for s in bad]
-        timing.total_ms = (time.perf_counter() - t0) * 1e3
-        yield codec.response(step_id=req.step_id, results=[codec.encode_result(r) for r in results],
-                             timing=timing_to_proto(timing))
+                reply = await loop.run_in_executor(executor, answer_step, req, service, run, codec, after)
+        except StepAbort as e:
+            await context.abort(e.code, e.message)
+        yield reply

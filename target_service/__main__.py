@@ -22,7 +22,7 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
-from specsplit.step_socket import close_step_socket, start_step_socket
+from specsplit.step_socket import StepSocketServer
 from specsplit.telemetry import setup_telemetry
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
@@ -50,8 +50,9 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
     p.add_argument("--dist-port", type=int, default=d.dist_port)
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--inline-steps", dest="engine_thread", action="store_false",
-                   help="run steps on the event loop thread instead of an engine thread (less latency per step; "
-                        "health checks wait while a step runs)")
+                   help="run gRPC Step calls on the event loop thread instead of an engine thread (less latency "
+                        "per step; health checks wait while a step runs); the step socket always steps on its "
+                        "own connection thread")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run verify steps eagerly on CUDA (default: CUDA graphs per shape bucket)")
     p.add_argument("--step-socket", default=os.environ.get("SPECSPLIT_TARGET_STEP_SOCKET", d.step_socket),
@@ -84,7 +85,7 @@ async def serve(cfg: TargetConfig, runtime: TargetRuntime) -> None:
     server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
     # the socket exists before health says SERVING: a gateway started on that signal finds it
-    sock = (await start_step_socket(cfg.step_socket, "target", target_pb2.TargetStepRequest, servicer.Step)
+    sock = (StepSocketServer(cfg.step_socket, "target", target_pb2.TargetStepRequest, servicer.answer).start()
             if cfg.step_socket else None)
     await set_serving(health, ["specsplit.v1.TargetService"], True)
     log.info("target %s tp=%d listening on %s:%d", runtime.model.cfg.name, cfg.tp_size, cfg.host, cfg.port)
@@ -92,7 +93,7 @@ async def serve(cfg: TargetConfig, runtime: TargetRuntime) -> None:
         await serve_until_signal(server)
     finally:
         if sock is not None:
-            close_step_socket(sock, cfg.step_socket)
+            sock.close()
         telemetry.shutdown()
 
 

@@ -28,7 +28,7 @@ class TargetConfig:
     port: int = 50061
     dist_port: int = 0  # gloo/NCCL rendezvous port for tp_size > 1 (0: pick a free one)
     threads: int = 0  # torch intra-op threads per rank (0: torch's default)
-    engine_thread: bool = True  # steps on a dedicated thread; False: on the event loop (less latency per step)
+    engine_thread: bool = True  # gRPC steps on a dedicated thread; False: on the event loop (the socket: its own)
     cuda_graphs: bool = True  # verify/decode steps in CUDA graphs (on CUDA devices only)
     compile: bool = False  # experimental: fuse the static forward's kernels with torch.compile before capture
     step_socket: str = ""  # also serve Step on this Unix socket (same host gateways); "": gRPC only

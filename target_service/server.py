@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
 from specsplit import wire
 from specsplit.ops import Prefill, TargetOp, TargetResult, Verify
-from specsplit.step_stream import StepCodec, serve_steps
+from specsplit.step_stream import StepCodec, answer_step, serve_steps
 from specsplit.telemetry import Telemetry, record_entry_span
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.runtime import TargetRuntime
@@ -24,6 +26,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         # one thread: every rank must see the plans in one order
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
         self.step_executor = self.executor if runtime.cfg.engine_thread else None
+        self.engine_lock = threading.Lock()  # steps come from the gRPC stream and the step socket's threads
 
     async def Describe(self, request: target_pb2.TargetDescribeRequest, context: grpc.aio.ServicerContext
                        ) -> target_pb2.TargetInfo:
@@ -38,10 +41,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Step(self, request_iterator: AsyncIterator[target_pb2.TargetStepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[target_pb2.TargetStepResponse]:
-        async for reply in serve_steps(request_iterator, context, "target", self.step_executor,
-                                       lambda ops, req: self.runtime.step(ops, list(req.release_generations)),
-                                       _CODEC, self._spans if self.telemetry.tracing else None):
+        async for reply in serve_steps(request_iterator, context, "target", self.step_executor, self._run, _CODEC,
+                                       self._after):
             yield reply
+
+    def answer(self, request: target_pb2.TargetStepRequest) -> target_pb2.TargetStepResponse:
+        """One step for the step socket, on its connection thread."""
+        return answer_step(request, "target", self._run, _CODEC, self._after)
+
+    def _run(self, ops: list[TargetOp], request: Any) -> tuple[list[TargetResult], Any]:
+        with self.engine_lock:
+            return self.runtime.step(ops, list(request.release_generations))
+
+    @property
+    def _after(self) -> Any:
+        return self._spans if self.telemetry.tracing else None
 
     def _spans(self, ops: list[TargetOp], results: list[TargetResult]) -> None:
         for op, r in zip(ops, results, strict=True):

@@ -7,25 +7,19 @@ import asyncio
 import os
 import stat
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from specsplit import wire
+from specsplit import step_socket, wire
 from specsplit.client import GatewayClient, make_request
 from specsplit.launcher import ServiceStack, StackConfig
 from specsplit.ops import StepTiming, TargetResult, Verify
-from specsplit.step_socket import (
-    MAGIC,
-    SocketStream,
-    StepSocketError,
-    check_step_socket,
-    close_step_socket,
-    start_step_socket,
-)
-from specsplit.step_stream import MAX_OPS_PER_STEP, StepCodec, serve_steps
+from specsplit.step_socket import MAGIC, SocketStream, StepSocketError, StepSocketServer, check_step_socket
+from specsplit.step_stream import MAX_OPS_PER_STEP, StepCodec, answer_step
 from specsplit.v1 import target_pb2
 
 _CODEC = StepCodec(wire.target_op_from_proto, wire.target_result_to_proto, TargetResult, target_pb2.TargetStepResponse)
@@ -36,16 +30,17 @@ class EchoServicer:
 
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
+        self.threads: set[str] = set()  # where steps ran
 
     def _run(self, ops: list[Any], _req: Any) -> tuple[list[TargetResult], StepTiming]:
+        self.threads.add(threading.current_thread().name)
         if self.fail:
             raise RuntimeError("engine broke")
         return [TargetResult(op.seq_id, tokens=[*op.draft_ids, 7], num_accepted=len(op.draft_ids)) for op in ops], \
             StepTiming(0.5, 0.0)
 
-    async def Step(self, requests: Any, context: Any) -> Any:  # noqa: N802
-        async for reply in serve_steps(requests, context, "target", None, self._run, _CODEC):
-            yield reply
+    def answer(self, req: Any) -> Any:
+        return answer_step(req, "target", self._run, _CODEC)
 
 
 def request(step_id: int, drafts: list[int], ops: int = 1) -> target_pb2.TargetStepRequest:
@@ -54,11 +49,11 @@ def request(step_id: int, drafts: list[int], ops: int = 1) -> target_pb2.TargetS
 
 
 async def _with_server(path: Path, servicer: EchoServicer, body: Any) -> Any:
-    server = await start_step_socket(path, "target", target_pb2.TargetStepRequest, servicer.Step)
+    server = StepSocketServer(path, "target", target_pb2.TargetStepRequest, servicer.answer).start()
     try:
         return await body()
     finally:
-        close_step_socket(server, path)
+        server.close()
 
 
 def test_exchange_carries_the_same_messages(tmp_path: Path) -> None:
@@ -75,8 +70,52 @@ def test_exchange_carries_the_same_messages(tmp_path: Path) -> None:
             assert reply.timing.compute_ms == 0.5
         stream.reset()
 
-    asyncio.run(_with_server(path, EchoServicer(), body))
+    servicer = EchoServicer()
+    asyncio.run(_with_server(path, servicer, body))
     assert not path.exists()  # removed at close
+    assert servicer.threads == {"target-step-stream"}  # the connection's own thread ran the steps
+
+
+def test_close_ends_open_streams(tmp_path: Path) -> None:
+    path = tmp_path / "t.sock"
+    server = StepSocketServer(path, "target", target_pb2.TargetStepRequest, EchoServicer().answer).start()
+
+    async def body() -> None:
+        stream = SocketStream(str(path), "target", target_pb2.TargetStepResponse)
+        assert (await stream.exchange(request(1, [5]))).step_id == 1
+        server.close()
+        with pytest.raises(ConnectionError):
+            await stream.exchange(request(2, [5]))
+        with pytest.raises(OSError):  # and nothing listens any more
+            await stream.exchange(request(3, [5]))
+
+    asyncio.run(body())
+    assert not path.exists()
+
+
+def test_streams_over_the_limit_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_socket, "MAX_CONNECTIONS", 1)
+    path = tmp_path / "t.sock"
+
+    async def body() -> None:
+        first = SocketStream(str(path), "target", target_pb2.TargetStepResponse)
+        assert (await first.exchange(request(1, [5]))).step_id == 1
+        second = SocketStream(str(path), "target", target_pb2.TargetStepResponse)
+        with pytest.raises(StepSocketError) as e:
+            await second.exchange(request(1, [5]))
+        assert e.value.code == "RESOURCE_EXHAUSTED"
+        assert (await first.exchange(request(2, [5]))).step_id == 2  # the open stream is unaffected
+        first.reset()
+        for _ in range(100):  # once the first is gone, its slot is free again
+            await asyncio.sleep(0.01)
+            try:
+                assert (await second.exchange(request(3, [5]))).step_id == 3
+                return
+            except StepSocketError:
+                pass
+        raise AssertionError("the freed slot was not reused")
+
+    asyncio.run(_with_server(path, EchoServicer(), body))
 
 
 def test_aborts_become_errors_and_the_stream_reopens(tmp_path: Path) -> None:
