@@ -143,6 +143,12 @@ class StepSocketServer:
                     self._steps(conn, stream)
                 except StepAbort as e:
                     _send_error(conn, e.code, e.message)
+                except (OSError, ValueError):
+                    raise
+                except Exception as e:  # a bug of ours: in the log; the stream ends with a status, not a hang
+                    log.exception("%s step socket failed", self.service)
+                    _send_error(conn, grpc.StatusCode.INTERNAL, f"{self.service} step socket failed: "
+                                f"{type(e).__name__}")
         except (OSError, ValueError):
             pass  # gone, timed out, or closed under us
         finally:

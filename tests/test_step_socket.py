@@ -144,6 +144,26 @@ def test_engine_failure_is_internal_without_traceback(tmp_path: Path) -> None:
     asyncio.run(_with_server(path, EchoServicer(fail=True), body))
 
 
+def test_a_server_bug_ends_the_stream_with_internal(tmp_path: Path) -> None:
+    path = tmp_path / "t.sock"
+
+    def broken_answer(_req: Any) -> Any:
+        raise KeyError("oops")
+
+    server = StepSocketServer(path, "target", target_pb2.TargetStepRequest, broken_answer).start()
+
+    async def body() -> None:
+        stream = SocketStream(str(path), "target", target_pb2.TargetStepResponse)
+        with pytest.raises(StepSocketError) as e:
+            await stream.exchange(request(1, [5]))
+        assert e.value.code == "INTERNAL" and e.value.message == "target step socket failed: KeyError"
+
+    try:
+        asyncio.run(body())
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize("case", ["wrong_hello", "oversize", "garbage"])
 def test_bad_streams_are_refused(tmp_path: Path, case: str) -> None:
     path = tmp_path / "t.sock"
