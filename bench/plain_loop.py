@@ -18,7 +18,7 @@ _ids = itertools.count(1_000_000)
 
 @dataclass
 class LoopRun:
-    tokens: list[int]  # every token emitted (the last cycle may pass max_new)
+    tokens: list[int]  # the first max_new tokens, as the gateway streams them (the last cycle may make more)
     decode_s: float  # after the first token
     cycles: int
     draft_ms: float  # engine time of the draft steps (extend + proposal)
@@ -65,4 +65,4 @@ def generate(target: TargetRuntime, draft: DraftRuntime | None, prompt: list[int
     target.step([Release(sid)], [ref.generation] if spec and ref is not None else [])
     if spec and draft is not None:
         draft.step([Release(sid)])
-    return LoopRun(out, decode_s, cycles, draft_ms, verify_ms)
+    return LoopRun(out[:max_new], decode_s, cycles, draft_ms, verify_ms)
