@@ -6,14 +6,14 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import grpc
 
 from draft_service.runtime import DraftRuntime
 from specsplit import wire
-from specsplit.ops import DraftOp, DraftResult, ExtendPropose
-from specsplit.step_stream import StepCodec, answer_step, serve_steps
+from specsplit.handoff.base import Descriptor
+from specsplit.ops import DraftOp, DraftResult, ExtendPropose, StepTiming
+from specsplit.step_stream import StepAfter, StepCodec, answer_step, serve_steps
 from specsplit.telemetry import Telemetry, record_entry_span
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -58,16 +58,16 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         """One step for the step socket, on its connection thread."""
         return answer_step(request, "draft", self._run, _CODEC, self._after)
 
-    def _run(self, ops: list[DraftOp], _request: Any) -> tuple[list[DraftResult], Any]:
+    def _run(self, ops: list[DraftOp], _request: draft_pb2.DraftStepRequest) -> tuple[list[DraftResult], StepTiming]:
         with self.engine_lock:
             return self.runtime.step(ops)
 
-    def _attach(self, desc: Any) -> None:
+    def _attach(self, desc: Descriptor) -> None:
         with self.engine_lock:
             self.runtime.attach(desc)
 
     @property
-    def _after(self) -> Any:
+    def _after(self) -> StepAfter | None:
         return self._spans if self.telemetry.tracing else None
 
     def _spans(self, ops: list[DraftOp], results: list[DraftResult]) -> None:

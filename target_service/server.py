@@ -5,13 +5,12 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import grpc
 
 from specsplit import wire
-from specsplit.ops import Prefill, TargetOp, TargetResult, Verify
-from specsplit.step_stream import StepCodec, answer_step, serve_steps
+from specsplit.ops import Prefill, StepTiming, TargetOp, TargetResult, Verify
+from specsplit.step_stream import StepAfter, StepCodec, answer_step, serve_steps
 from specsplit.telemetry import Telemetry, record_entry_span
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.runtime import TargetRuntime
@@ -49,12 +48,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         """One step for the step socket, on its connection thread."""
         return answer_step(request, "target", self._run, _CODEC, self._after)
 
-    def _run(self, ops: list[TargetOp], request: Any) -> tuple[list[TargetResult], Any]:
+    def _run(self, ops: list[TargetOp], request: target_pb2.TargetStepRequest) -> tuple[list[TargetResult], StepTiming]:
         with self.engine_lock:
             return self.runtime.step(ops, list(request.release_generations))
 
     @property
-    def _after(self) -> Any:
+    def _after(self) -> StepAfter | None:
         return self._spans if self.telemetry.tracing else None
 
     def _spans(self, ops: list[TargetOp], results: list[TargetResult]) -> None:
