@@ -3,6 +3,7 @@ size, and that it drafts losslessly with real acceptance on the real model (fp32
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from specsplit.checkpoints.eagle_head import (
     shipped_head_for,
     trained_head_dir,
 )
-from specsplit.checkpoints.target_checkpoint import embedded_smollm2_gguf
+from specsplit.checkpoints.target_checkpoint import embedded_smollm2_gguf, gguf_digest, resolve_target_dir
 from specsplit.tokenizer import TextCodec
 from target_service.config import TargetConfig
 from tests.test_lossless import CHAT_PROMPTS, check_lossless
@@ -43,6 +44,20 @@ def test_the_same_gguf_elsewhere_gets_the_shipped_head(tmp_path: Path) -> None:
     copy = tmp_path / "model.gguf"
     shutil.copyfile(embedded_smollm2_gguf(), copy)
     assert resolve_head_dir(DEFAULT_HEAD, str(copy)) == SHIPPED
+    # the conversion cache is keyed by content: the copy reuses the embedded model's conversion
+    assert resolve_target_dir(str(copy)) == resolve_target_dir("smollm2")
+
+
+def test_gguf_digest_is_the_content_hash_and_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "x.gguf"
+    f.write_bytes(b"abc" * 1000)
+    assert gguf_digest(f) == hashlib.sha256(b"abc" * 1000).hexdigest()
+    (memo,) = (tmp_path / "cache" / "digests").iterdir()
+    memo.write_text("f" * 64)  # a remembered digest is used while path, size and mtime are unchanged
+    assert gguf_digest(f) == "f" * 64
+    f.write_bytes(b"abcd" * 1000)  # new size (and mtime): hashed again
+    assert gguf_digest(f) == hashlib.sha256(b"abcd" * 1000).hexdigest()
 
 
 def test_unknown_head_is_a_clear_error() -> None:

