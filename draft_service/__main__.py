@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
     p.add_argument("--max-context", type=int, default=d.max_context)
     p.add_argument("--max-sequences", type=int, default=d.max_sequences)
     p.add_argument("--max-steps", type=int, default=d.max_steps)
+    p.add_argument("--max-topk", type=int, default=d.max_topk, help="widest tree branching proposed")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--threads", type=int, default=d.threads)
@@ -51,8 +52,8 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
                         "CUDA graphs capture it; compiles on first use of each shape")
     a = p.parse_args(argv)
     return DraftConfig(head=a.head, target=a.target, dtype=a.dtype, device=a.device, max_context=a.max_context,
-                       max_sequences=a.max_sequences, max_steps=a.max_steps, host=a.host, port=a.port,
-                       threads=a.threads, cuda_graphs=a.cuda_graphs, compile=a.compile,
+                       max_sequences=a.max_sequences, max_steps=a.max_steps, max_topk=a.max_topk, host=a.host,
+                       port=a.port, threads=a.threads, cuda_graphs=a.cuda_graphs, compile=a.compile,
                        engine_thread=a.engine_thread, step_socket=a.step_socket).validate()
 
 

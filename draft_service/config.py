@@ -18,7 +18,8 @@ class DraftConfig:
     device: str = "cpu"
     max_context: int = 2048
     max_sequences: int = 8
-    max_steps: int = 8  # draft tokens proposed per cycle, at most
+    max_steps: int = 8  # draft tokens proposed per cycle (a chain), or levels of a tree, at most
+    max_topk: int = 8  # a tree's branching per expanded node, at most (KV room: max_steps * max_topk entries)
     host: str = "127.0.0.1"
     port: int = 50062
     threads: int = 0
@@ -30,7 +31,7 @@ class DraftConfig:
     def validate(self) -> DraftConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
-        for name in ("max_context", "max_sequences", "max_steps"):
+        for name in ("max_context", "max_sequences", "max_steps", "max_topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 < self.port < 65536:

@@ -1,4 +1,5 @@
-"""The draft engine: extend (accepted tokens + their target features) then propose k.
+"""The draft engine: extend (accepted tokens + their target features) then propose a chain
+of k tokens or a tree k levels deep (draft_service/tree.py).
 
 Draft position p pairs the token at p+1 with the target's features of position p, so
 after every extend the draft holds exactly as many positions as the target's cache.
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draft_service.tree import DraftTree
 from specsplit.handoff.base import HiddenReader
 from specsplit.models.cuda_graphs import GraphCache, bucket_up, compile_static, pow2_buckets
 from specsplit.models.eagle3 import Eagle3Head
@@ -32,13 +34,13 @@ class DraftSequence:
 
 class DraftEngine:
     def __init__(self, head: Eagle3Head, max_sequences: int, max_context: int, max_steps: int,
-                 cuda_graphs: bool = True, compile: bool = False) -> None:
-        self.head, self.max_steps, self.max_context = head, max_steps, max_context
+                 cuda_graphs: bool = True, compile: bool = False, max_topk: int = 8) -> None:
+        self.head, self.max_steps, self.max_context, self.max_topk = head, max_steps, max_context, max_topk
         self.compiled = compile
         self.static_fn = compile_static(head.static_forward) if compile else head.static_forward
-        # a spare slot for the padding rows of static batches; room for padded extends and proposals
+        # a spare slot for the padding rows of static batches; room for padded extends, chains and trees
         self.pad_slot = max_sequences
-        self.cache = head.new_cache(max_sequences + 1, max_context + 2 * max_steps + 2)
+        self.cache = head.new_cache(max_sequences + 1, max_context + 2 * max_steps + 2 + max_steps * max_topk)
         self.free_slots = list(range(max_sequences - 1, -1, -1))
         self.seqs: dict[int, DraftSequence] = {}
         self.reader: HiddenReader | None = None
@@ -74,9 +76,9 @@ class DraftEngine:
                 gen = op.hidden.generation if isinstance(op, ExtendPropose) else 0
                 results[i] = DraftResult(op.seq_id, e.code, str(e), consumed_generation=gen)
         if work:
-            for (i, op, _, _), (ids, dists) in zip(work, self._extend_and_propose(work), strict=True):
+            for (i, op, _, _), (ids, dists, parents) in zip(work, self._extend_and_propose(work), strict=True):
                 results[i] = DraftResult(op.seq_id, draft_ids=ids, draft_dists=dists,
-                                         consumed_generation=op.hidden.generation)
+                                         consumed_generation=op.hidden.generation, draft_parents=parents)
         ended = time.time_ns()
         for r in results:
             assert r is not None
@@ -101,6 +103,15 @@ class DraftEngine:
             raise OpError(Code.INVALID_ARGUMENT, f"num_steps {op.num_steps} exceeds the limit {self.max_steps}")
         if any(not 0 <= t < self.vocab for t in op.tokens):
             raise OpError(Code.INVALID_ARGUMENT, "token id outside the vocabulary")
+        if not 1 <= op.topk <= self.max_topk:
+            raise OpError(Code.INVALID_ARGUMENT, f"topk {op.topk} is outside 1..{self.max_topk}")
+        if op.topk > 1 and op.num_steps > 0:
+            if not op.sampling.greedy:
+                raise OpError(Code.INVALID_ARGUMENT, "a tree (topk > 1) is drafted for greedy sequences only")
+            most = 1 + op.topk + (op.num_steps - 1) * op.topk * op.topk  # the root and every candidate
+            if not 2 <= op.num_draft_tokens <= most:
+                raise OpError(Code.INVALID_ARGUMENT, f"num_draft_tokens {op.num_draft_tokens} is outside 2..{most} "
+                                                     f"for topk {op.topk} and {op.num_steps} steps")
         seq = self.seqs.get(op.seq_id)
         length = 0 if seq is None else seq.length
         if op.position not in (0, length):
@@ -114,9 +125,12 @@ class DraftEngine:
             raise OpError(Code.INVALID_ARGUMENT, f"bad hidden-state reference: {e}") from e
 
     def _extend_and_propose(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]]
-                            ) -> list[tuple[list[int], list[SparseDist]]]:
-        if self.use_static and max(len(op.tokens) for _, op, _, _ in work) <= self.max_steps + 1:
-            return self._propose_static(work)  # cycles' extends; prompt-length extends run eagerly
+                            ) -> list[tuple[list[int], list[SparseDist], list[int]]]:
+        trees = {b: DraftTree(seq.slot, seq.length + len(op.tokens), op.topk, op.num_draft_tokens - 1)
+                 for b, (_, op, seq, _) in enumerate(work) if op.topk > 1 and op.num_steps > 0}
+        if self.use_static and not trees and max(len(op.tokens) for _, op, _, _ in work) <= self.max_steps + 1:
+            # cycles' extends; prompt-length extends and trees run eagerly
+            return [(ids, dists, []) for ids, dists in self._propose_static(work)]
         tokens = torch.tensor([t for _, op, _, _ in work for t in op.tokens], dtype=torch.long, device=self.device)
         feats = torch.cat([f for _, _, _, f in work])
         segments = [Segment(seq.slot, seq.length, len(op.tokens)) for _, op, seq, _ in work]
@@ -125,13 +139,21 @@ class DraftEngine:
         last_logits, hidden = logits[ends], prenorm[ends]  # [B, Vd], [B, H]
         for _, op, seq, _ in work:
             seq.length += len(op.tokens)
-        out: list[tuple[list[int], list[SparseDist]]] = [([], []) for _ in work]
-        active = list(range(len(work)))  # rows of last_logits / hidden, in this order
+        out: list[tuple[list[int], list[SparseDist], list[int]]] = [([], [], []) for _ in work]
+        if trees:
+            rows = list(trees)
+            self._grow_trees(trees, {b: work[b][1].num_steps for b in rows}, last_logits[rows], hidden[rows])
+            for b, tree in trees.items():
+                ids, parents = tree.result()
+                out[b][0].extend(ids)
+                out[b][2].extend(parents)
+        active = [b for b in range(len(work)) if b not in trees]  # rows of last_logits / hidden, in this order
+        last_logits, hidden = last_logits[active], hidden[active]
         step = 0
         while active:
             keep = [j for j, b in enumerate(active) if work[b][1].num_steps > step]
             active, last_logits, hidden = [active[j] for j in keep], last_logits[keep], hidden[keep]
-            next_tokens = [self._choose(work[b][2], last_logits[j], out[b]) for j, b in enumerate(active)]
+            next_tokens = [self._choose(work[b][2], last_logits[j], out[b][:2]) for j, b in enumerate(active)]
             more = [j for j, b in enumerate(active) if work[b][1].num_steps > step + 1]
             if not more:
                 break
@@ -142,6 +164,44 @@ class DraftEngine:
             active = [active[j] for j in more]
             step += 1
         return out
+
+    def _grow_trees(self, trees: dict[int, DraftTree], steps: dict[int, int], logits: torch.Tensor,
+                    hidden: torch.Tensor) -> None:
+        """Grow every tree level by level, all trees' frontiers in one forward per level.
+        logits [T, Vd], hidden [T, H]: each tree's sequence after its extend, in `trees` order."""
+        order = list(trees)
+        widest = max(tree.topk for tree in trees.values())
+        inputs: dict[int, torch.Tensor] = {}  # tree -> the hidden input of each frontier node [n, H]
+        top_ids, top_lp = self._top(logits, widest)
+        for j, b in enumerate(order):
+            tree = trees[b]
+            tree.add(-1, top_ids[j][: tree.topk], top_lp[j][: tree.topk])
+            tree.choose_frontier(0)
+            inputs[b] = hidden[j].expand(len(tree.frontier), -1)
+        for depth in range(1, max(steps.values())):
+            live = [b for b in order if steps[b] > depth]
+            segments = [trees[b].frontier_segment() for b in live]
+            tokens = torch.tensor([trees[b].tokens[i] for b in live for i in trees[b].frontier], dtype=torch.long,
+                                  device=self.device)
+            logits, prenorm = self.head.forward_batch(tokens, torch.cat([inputs[b] for b in live]), segments,
+                                                      self.cache)  # [N, Vd], [N, H]
+            top_ids, top_lp = self._top(logits, widest)
+            row = 0
+            for b in live:
+                tree, first = trees[b], len(trees[b].tokens)
+                rows = {}
+                for node in tree.frontier:
+                    tree.add(node, top_ids[row][: tree.topk], top_lp[row][: tree.topk])
+                    rows[node], row = row, row + 1
+                tree.choose_frontier(first)
+                parent_rows = torch.tensor([rows[tree.parents[i]] for i in tree.frontier], device=self.device)
+                inputs[b] = prenorm[parent_rows]
+
+    def _top(self, logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """The k most likely draft tokens of each row of logits [N, Vd], as target ids, with
+        their log-probabilities."""
+        top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        return self.head.to_target_ids(top.indices).tolist(), top.values.tolist()
 
     def _propose_static(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]]
                         ) -> list[tuple[list[int], list[SparseDist]]]:

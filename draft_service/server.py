@@ -33,7 +33,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                    target_vocab_size=c.vocab_size, aux_layer_ids=c.aux_layer_ids or [],
                                    attached=rt.descriptor is not None, max_steps=rt.cfg.max_steps,
                                    max_context=rt.cfg.max_context, max_sequences=rt.cfg.max_sequences,
-                                   step_socket=rt.cfg.step_socket)
+                                   step_socket=rt.cfg.step_socket, max_topk=rt.cfg.max_topk)
 
     async def Describe(self, request: draft_pb2.DraftDescribeRequest, context: grpc.aio.ServicerContext
                        ) -> draft_pb2.DraftInfo:

@@ -44,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--num-steps", type=int, default=d.default_num_steps)
     p.add_argument("--max-num-steps", type=int, default=d.max_num_steps)
+    p.add_argument("--topk", type=int, default=d.default_topk,
+                   help="default tree branching for greedy requests (1: chain drafts)")
+    p.add_argument("--max-topk", type=int, default=d.max_topk)
+    p.add_argument("--num-draft-tokens", type=int, default=d.default_num_draft_tokens,
+                   help="default tree size counting the root (trees only)")
+    p.add_argument("--max-num-draft-tokens", type=int, default=d.max_num_draft_tokens)
     p.add_argument("--max-new-tokens", type=int, default=d.default_max_new_tokens)
     p.add_argument("--max-new-tokens-cap", type=int, default=d.max_new_tokens_cap)
     p.add_argument("--max-queue", type=int, default=d.max_queue)
@@ -62,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     a = p.parse_args(argv)
     return GatewayConfig(target_addr=a.target, draft_addr=a.draft, model=a.model, host=a.host, port=a.port,
                          default_num_steps=a.num_steps, max_num_steps=a.max_num_steps,
+                         default_topk=a.topk, max_topk=a.max_topk, default_num_draft_tokens=a.num_draft_tokens,
+                         max_num_draft_tokens=a.max_num_draft_tokens,
                          default_max_new_tokens=a.max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
                          max_queue=a.max_queue, max_streams=a.max_streams, max_prompt_tokens=a.max_prompt_tokens,
                          max_prompt_chars=a.max_prompt_chars, tls_cert=a.tls_cert, tls_key=a.tls_key,
@@ -93,14 +101,14 @@ async def serve(cfg: GatewayConfig) -> None:
     scheduler = Scheduler(target, loop_draft, info.max_sequences, cfg.max_queue, telemetry.tracer,
                           GatewayMetrics.create(telemetry.meter), cfg.step_timeout_s)
     recovery = Recovery(scheduler, target, draft, info.hidden_store, list(info.aux_layer_ids), cfg.max_num_steps,
-                        cfg.draft_retry_s, cfg.step_sockets)
+                        cfg.draft_retry_s, cfg.step_sockets, cfg.max_topk)
     if draft is not None:
         if await recovery.attach_draft():
             scheduler.draft_restored()
         else:
             log.warning("draft service not usable yet: target-only decoding until it attaches")
     limits = ModelLimits(info.vocab_size, info.max_context, list(info.eos_token_ids), draft is not None,
-                         cfg.max_prompt_tokens)
+                         cfg.max_prompt_tokens, info.max_draft_tokens)
     server, health = new_server([BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else None)
     loop = asyncio.get_running_loop()
     scheduler.on_target_state.append(

@@ -14,6 +14,10 @@ class GatewayConfig:
     port: int = 50051
     default_num_steps: int = 4  # speculation on by default; 0 turns it off by default
     max_num_steps: int = 8
+    default_topk: int = 1  # > 1: greedy requests draft a tree by default (sampled ones always draft a chain)
+    max_topk: int = 8
+    default_num_draft_tokens: int = 16  # a tree's size counting the root, unless a request says
+    max_num_draft_tokens: int = 16  # at most the target's max_draft_tokens + 1
     default_max_new_tokens: int = 128
     max_new_tokens_cap: int = 4096
     max_prompt_chars: int = 1_000_000  # bound before tokenizing
@@ -34,6 +38,10 @@ class GatewayConfig:
             raise ValueError("target_addr is required")
         if not 0 <= self.default_num_steps <= self.max_num_steps:
             raise ValueError("default_num_steps must be within 0..max_num_steps")
+        if not 1 <= self.default_topk <= self.max_topk:
+            raise ValueError("default_topk must be within 1..max_topk")
+        if not 2 <= self.default_num_draft_tokens <= self.max_num_draft_tokens:
+            raise ValueError("default_num_draft_tokens must be within 2..max_num_draft_tokens")
         if self.max_new_tokens_cap < 1 or self.default_max_new_tokens < 1:
             raise ValueError("max_new_tokens_cap and default_max_new_tokens must be >= 1")
         self.default_max_new_tokens = min(self.default_max_new_tokens, self.max_new_tokens_cap)

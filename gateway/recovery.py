@@ -14,7 +14,8 @@ log = logging.getLogger("specsplit.gateway")
 
 class Recovery:
     def __init__(self, scheduler: Scheduler, target: GrpcTarget, draft: GrpcDraft | None, store: object,
-                 target_aux_ids: list[int], max_num_steps: int, retry_s: float, step_sockets: bool = True) -> None:
+                 target_aux_ids: list[int], max_num_steps: int, retry_s: float, step_sockets: bool = True,
+                 max_topk: int = 1) -> None:
         self.scheduler, self.target, self.draft = scheduler, target, draft
         self.store, self.target_aux_ids, self.retry_s = store, target_aux_ids, retry_s
         self.max_num_steps, self.draft_name = max_num_steps, ""
@@ -41,6 +42,11 @@ class Recovery:
         if info.max_steps < self.max_num_steps:
             log.error("the draft allows %d steps, the gateway's max_num_steps is %d: speculation stays off",
                       info.max_steps, self.max_num_steps)
+            self.draft = self.scheduler.draft = None
+            return False
+        if max(info.max_topk, 1) < self.max_topk:
+            log.error("the draft branches at most %d ways, the gateway's max_topk is %d: speculation stays off",
+                      max(info.max_topk, 1), self.max_topk)
             self.draft = self.scheduler.draft = None
             return False
         if info.aux_layer_ids and list(info.aux_layer_ids) != self.target_aux_ids:

@@ -25,6 +25,7 @@ class ModelLimits:
     eos_token_ids: list[int]
     draft_available: bool
     max_prompt_tokens: int = 0  # 0: only the context window bounds the prompt
+    max_draft_tokens: int = 1 << 30  # the target's limit per verify
 
 
 def _finite(name: str, value: float) -> float:
@@ -99,12 +100,43 @@ def parse(req: gateway_pb2.GenerateRequest, codec: TextCodec | None, cfg: Gatewa
         steps = cfg.default_num_steps or 1
     if not limits.draft_available:
         steps = 0
+    topk, num_draft_tokens = tree_shape(spec.topk if spec.HasField("topk") else None,
+                                        spec.num_draft_tokens if spec.HasField("num_draft_tokens") else None,
+                                        cfg, limits, steps, temperature)
     ids = prompt_ids(req, codec, cfg, limits)
     if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
         raise InvalidRequest(f"prompt of {len(ids)} tokens exceeds the limit of {limits.max_prompt_tokens}")
-    need = len(ids) + max_new + cfg.max_num_steps + 1
-    if need > limits.max_context:
+    room = draft_room(cfg)
+    if len(ids) + max_new + room > limits.max_context:
         raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) does not fit the context "
-                             f"window of {limits.max_context} (with {cfg.max_num_steps + 1} tokens of draft room)")
+                             f"window of {limits.max_context} (with {room} tokens of draft room)")
     seed = req.seed if req.HasField("seed") else secrets.randbits(63)
-    return GenerationRequest(ids, max_new, Sampling(temperature, top_p, top_k, seed & (2**63 - 1)), stops, steps)
+    return GenerationRequest(ids, max_new, Sampling(temperature, top_p, top_k, seed & (2**63 - 1)), stops, steps,
+                             topk, num_draft_tokens)
+
+
+def draft_room(cfg: GatewayConfig) -> int:
+    """Context kept free after a request's last token for one verify's drafts and the root."""
+    return max(cfg.max_num_steps, cfg.max_num_draft_tokens - 1) + 1
+
+
+def tree_shape(topk: int | None, num_draft_tokens: int | None, cfg: GatewayConfig, limits: ModelLimits, steps: int,
+               temperature: float) -> tuple[int, int]:
+    """(topk, num_draft_tokens) of a request (None: the gateway's default); a chain is (1, steps + 1)."""
+    if topk is None:
+        topk = cfg.default_topk if temperature == 0 else 1
+    if not 1 <= topk <= cfg.max_topk:
+        raise InvalidRequest(f"speculation.topk must be within 1..{cfg.max_topk}, got {topk}")
+    if topk > 1 and temperature > 0:
+        raise InvalidRequest("speculation.topk > 1 (a tree of drafts) needs greedy decoding (temperature 0)")
+    if steps == 0 or topk == 1:
+        if num_draft_tokens is not None and steps and num_draft_tokens != steps + 1:
+            raise InvalidRequest(f"a chain (topk 1) of {steps} steps verifies num_draft_tokens = {steps + 1}, "
+                                 f"got {num_draft_tokens}")
+        return 1, steps + 1
+    most = min(cfg.max_num_draft_tokens, limits.max_draft_tokens + 1, 1 + topk + (steps - 1) * topk * topk)
+    n = num_draft_tokens if num_draft_tokens is not None else min(cfg.default_num_draft_tokens, most)
+    if not 2 <= n <= most:
+        raise InvalidRequest(f"speculation.num_draft_tokens must be within 2..{most} for topk {topk} and "
+                             f"{steps} steps, got {n}")
+    return topk, n

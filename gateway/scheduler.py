@@ -49,7 +49,13 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: Sampling
     stop_ids: set[int]
-    num_steps: int  # 0: speculation off (target-only decoding)
+    num_steps: int  # 0: speculation off (target-only decoding); a tree's depth
+    topk: int = 1  # > 1: a tree of drafts (greedy only)
+    num_draft_tokens: int = 0  # a tree's size counting the root; a chain: num_steps + 1 (0 means that)
+
+    def __post_init__(self) -> None:
+        if self.topk == 1:
+            self.num_draft_tokens = self.num_steps + 1 if self.num_steps else 0
 
 
 @dataclass
@@ -109,6 +115,7 @@ class Sequence:
         self.pending: tuple[list[int], HiddenRef, int] | None = None  # (tokens, rows, position) not yet extended
         self.drafts: list[int] = []
         self.dists: list[SparseDist] = []
+        self.parents: list[int] = []  # a tree's shape (empty: a chain)
         self.stats = SeqStats()
         self.submitted_at = time.perf_counter()
         self.done = False
@@ -260,7 +267,8 @@ class Scheduler:
             s.cycle_span = self.tracer.start_span(
                 "prefill" if s in newcomers else "cycle", context=trace.set_span_in_context(s.span),
                 attributes={"spec.cycle": 0 if s in newcomers else s.stats.cycles + 1, "spec.batch_size": len(traced),
-                            "spec.num_steps": s.req.num_steps if s.spec else 0, "spec.seq_id": s.seq_id})
+                            "spec.num_steps": s.req.num_steps if s.spec else 0, "spec.seq_id": s.seq_id,
+                            "spec.topk": s.req.topk})
             s.trace = inject(s.cycle_span)
         try:
             await self._draft_phase()
@@ -283,7 +291,8 @@ class Scheduler:
         users = [s for s in self.running if s.spec and s.pending is not None]
         for s in users:
             tokens, ref, position = s.pending  # type: ignore[misc]
-            ops.append(ExtendPropose(s.seq_id, tokens, ref, s.req.num_steps, s.req.sampling, s.trace, position))
+            ops.append(ExtendPropose(s.seq_id, tokens, ref, s.req.num_steps, s.req.sampling, s.trace, position,
+                                     s.req.topk, s.req.num_draft_tokens))
             s.in_draft = True
             self.free_generations.append(ref.generation)  # read before the draft replies: reclaim whatever happens
             s.pending = None
@@ -304,7 +313,7 @@ class Scheduler:
                 s.synced = False
                 continue
             s.synced = True
-            s.drafts, s.dists = r.draft_ids, r.draft_dists
+            s.drafts, s.dists, s.parents = r.draft_ids, r.draft_dists, r.draft_parents
             s.cycle_span.set_attributes({"spec.draft_call_ms": ms, "spec.draft_batch_ms": timing.compute_ms})
             s.stats.draft_ms += ms
             s.stats.draft_compute_ms += timing.compute_ms
@@ -327,7 +336,8 @@ class Scheduler:
                 drafts = s.drafts if s.spec and s.synced and speculating else []
                 s.sent_drafts = len(drafts)
                 capture = s.spec and s.synced and speculating
-                ops.append(Verify(s.seq_id, drafts, s.dists if drafts else [], capture=capture, trace=s.trace))
+                ops.append(Verify(s.seq_id, drafts, s.dists if drafts else [], s.parents if drafts else [],
+                                  capture=capture, trace=s.trace))
             work.append(s)
         if not ops and not releases:
             return
@@ -387,7 +397,7 @@ class Scheduler:
             s.stats.first_token_at = time.perf_counter()
             self.metrics.time_to_first_token.record(s.stats.first_token_at - s.submitted_at)
             s.span.add_event("first_token")
-        s.drafts, s.dists = [], []
+        s.drafts, s.dists, s.parents = [], [], []
         self._emit(s, r.tokens)
 
     def _emit(self, s: Sequence, tokens: list[int]) -> None:

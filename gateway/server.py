@@ -31,7 +31,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                      max_context=self.limits.max_context,
                                      max_new_tokens_cap=self.cfg.max_new_tokens_cap,
                                      default_num_steps=self.cfg.default_num_steps,
-                                     max_num_steps=self.cfg.max_num_steps,
+                                     max_num_steps=self.cfg.max_num_steps, default_topk=self.cfg.default_topk,
+                                     max_topk=self.cfg.max_topk,
+                                     default_num_draft_tokens=self.cfg.default_num_draft_tokens,
+                                     max_num_draft_tokens=self.cfg.max_num_draft_tokens,
                                      draft_available=self.scheduler.speculating)
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -90,7 +93,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         spec = gateway_pb2.SpeculationStats(
             enabled=seq.req.num_steps > 0, num_steps=seq.req.num_steps, cycles=st.cycles,
             mean_accepted_length=st.mean_accepted_length, accepted_length_histogram=hist, draft_ms=st.draft_ms,
-            verify_ms=st.verify_ms, draft_compute_ms=st.draft_compute_ms, verify_compute_ms=st.verify_compute_ms)
+            verify_ms=st.verify_ms, draft_compute_ms=st.draft_compute_ms, verify_compute_ms=st.verify_compute_ms,
+            topk=seq.req.topk if seq.req.num_steps else 0, num_draft_tokens=seq.req.num_draft_tokens)
         final = gateway_pb2.Final(
             finish_reason=end.reason,
             usage=gateway_pb2.Usage(prompt_tokens=len(seq.req.prompt_ids), completion_tokens=len(seq.generated)),

@@ -11,7 +11,7 @@ import secrets
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as sgl
 
 from gateway.config import GatewayConfig
-from gateway.requests import InvalidRequest, ModelLimits
+from gateway.requests import InvalidRequest, ModelLimits, draft_room, tree_shape
 from gateway.scheduler import GenerationRequest
 from specsplit.ops import Sampling
 from specsplit.tokenizer import TextCodec
@@ -82,18 +82,18 @@ def parse_sglang(req: sgl.GenerateRequest, codec: TextCodec | None, cfg: Gateway
     if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
         raise InvalidRequest(f"prompt of {len(ids)} tokens exceeds the limit of {limits.max_prompt_tokens}")
     p = req.sampling_params
-    draft_room = cfg.max_num_steps + 1
-    room = limits.max_context - len(ids) - draft_room
+    kept = draft_room(cfg)
+    room = limits.max_context - len(ids) - kept
     if room < 1:
         raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the context window of "
-                             f"{limits.max_context} (with {draft_room} tokens of draft room)")
+                             f"{limits.max_context} (with {kept} tokens of draft room)")
     if p.HasField("max_new_tokens"):
         max_new = p.max_new_tokens
         if not 1 <= max_new <= cfg.max_new_tokens_cap:
             raise InvalidRequest(f"max_new_tokens must be within 1..{cfg.max_new_tokens_cap}, got {max_new}")
         if max_new > room:
             raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) does not fit the context "
-                                 f"window of {limits.max_context} (with {draft_room} tokens of draft room)")
+                                 f"window of {limits.max_context} (with {kept} tokens of draft room)")
     else:  # unset: the gateway's default, lowered to what the context has room for
         max_new = min(cfg.default_max_new_tokens, room)
     temperature = _finite("temperature", p.temperature)
@@ -114,4 +114,6 @@ def parse_sglang(req: sgl.GenerateRequest, codec: TextCodec | None, cfg: Gateway
     if not p.ignore_eos:
         stops |= set(limits.eos_token_ids)
     steps = cfg.default_num_steps if limits.draft_available else 0
-    return GenerationRequest(ids, max_new, Sampling(temperature, top_p, top_k, secrets.randbits(63)), stops, steps)
+    topk, num_draft_tokens = tree_shape(None, None, cfg, limits, steps, temperature)  # the gateway's defaults
+    return GenerationRequest(ids, max_new, Sampling(temperature, top_p, top_k, secrets.randbits(63)), stops, steps,
+                             topk, num_draft_tokens)

@@ -61,6 +61,8 @@ class Verify:
     seq_id: int
     draft_ids: list[int] = field(default_factory=list)
     draft_dists: list[SparseDist] = field(default_factory=list)
+    # a tree: the index of each draft's parent in draft_ids (-1: the sequence's last token); empty: a chain
+    draft_parents: list[int] = field(default_factory=list)
     capture: bool = True
     trace: str = ""
 
@@ -105,6 +107,8 @@ class ExtendPropose:
     sampling: Sampling = field(default_factory=Sampling)
     trace: str = ""
     position: int = 0  # position of the first row; 0 (re)starts the sequence
+    topk: int = 1  # > 1: propose a tree (greedy only), num_steps deep, branching topk per expanded node
+    num_draft_tokens: int = 0  # a tree's size counting the root (SGLang's meaning): keeps num_draft_tokens - 1 drafts
 
 
 DraftOp = ExtendPropose | Release
@@ -118,6 +122,7 @@ class DraftResult:
     draft_ids: list[int] = field(default_factory=list)
     draft_dists: list[SparseDist] = field(default_factory=list)
     consumed_generation: int = 0
+    draft_parents: list[int] = field(default_factory=list)  # a tree (as in Verify); empty: a chain
     started_ns: int = 0
     ended_ns: int = 0
 

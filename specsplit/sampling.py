@@ -68,3 +68,20 @@ def verify_chain(logits: torch.Tensor, draft_ids: list[int], draft_dists: list[S
         total = float(residual.sum())
         return i, [*draft_ids[:i], sample(residual / total if total > 0 else p[i], gen)]
     return k, [*draft_ids, sample(p[k], gen)]
+
+
+def verify_tree(logits: torch.Tensor, draft_ids: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+    """Greedy verification of a tree. logits [n+1, V] for [last, d1..dn]; parents[i] is the
+    index (into draft_ids) of d(i+1)'s parent, -1 for a child of `last`. Walks down from
+    `last` while one of the children is the target's argmax -> (path: indices into the n+1
+    verified tokens, 0 = last, one per accepted draft after it; emitted tokens: the accepted
+    drafts + the target's own next token)."""
+    best = torch.argmax(logits, dim=-1).tolist()
+    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node; node 0 is `last`
+    for i, (token, parent) in enumerate(zip(draft_ids, parents, strict=True)):
+        children.setdefault((parent + 1, token), i + 1)
+    path, node = [0], 0
+    while (child := children.get((node, best[node]))) is not None:
+        path.append(child)
+        node = child
+    return path, [draft_ids[i - 1] for i in path[1:]] + [best[node]]

@@ -70,7 +70,8 @@ def target_op_to_proto(op: TargetOp) -> target_pb2.TargetOp:
             prompt_ids=op.prompt_ids, sampling=sampling_to_proto(op.sampling), capture_hidden=op.capture))
     if isinstance(op, Verify):
         return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, verify=target_pb2.TargetVerify(
-            draft_ids=op.draft_ids, draft_dists=dists_to_proto(op.draft_dists), capture_hidden=op.capture))
+            draft_ids=op.draft_ids, draft_dists=dists_to_proto(op.draft_dists), capture_hidden=op.capture,
+            draft_parents=op.draft_parents))
     if isinstance(op, Recapture):
         return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, recapture=target_pb2.TargetRecapture())
     return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, release=target_pb2.TargetRelease())
@@ -83,7 +84,7 @@ def target_op_from_proto(p: target_pb2.TargetOp) -> TargetOp | None:
                        p.prefill.capture_hidden, p.traceparent)
     if kind == "verify":
         return Verify(p.seq_id, list(p.verify.draft_ids), dists_from_proto(p.verify.draft_dists),
-                      p.verify.capture_hidden, p.traceparent)
+                      list(p.verify.draft_parents), p.verify.capture_hidden, p.traceparent)
     if kind == "release":
         return Release(p.seq_id, p.traceparent)
     if kind == "recapture":
@@ -106,7 +107,8 @@ def draft_op_to_proto(op: DraftOp) -> draft_pb2.DraftOp:
     if isinstance(op, ExtendPropose):
         return draft_pb2.DraftOp(seq_id=op.seq_id, traceparent=op.trace, extend_propose=draft_pb2.DraftExtendPropose(
             tokens=op.tokens, hidden=ref_to_proto(op.hidden), num_steps=op.num_steps,
-            sampling=sampling_to_proto(op.sampling), position=op.position))
+            sampling=sampling_to_proto(op.sampling), position=op.position, topk=op.topk,
+            num_draft_tokens=op.num_draft_tokens))
     return draft_pb2.DraftOp(seq_id=op.seq_id, traceparent=op.trace, release=draft_pb2.DraftRelease())
 
 
@@ -115,7 +117,8 @@ def draft_op_from_proto(p: draft_pb2.DraftOp) -> DraftOp | None:
     if kind == "extend_propose":
         e = p.extend_propose
         return ExtendPropose(p.seq_id, list(e.tokens), ref_from_proto(e.hidden), e.num_steps,
-                             sampling_from_proto(e.sampling), p.traceparent, e.position)
+                             sampling_from_proto(e.sampling), p.traceparent, e.position, max(e.topk, 1),
+                             e.num_draft_tokens)
     if kind == "release":
         return Release(p.seq_id, p.traceparent)
     return None
@@ -124,9 +127,9 @@ def draft_op_from_proto(p: draft_pb2.DraftOp) -> DraftOp | None:
 def draft_result_to_proto(r: DraftResult) -> draft_pb2.DraftResult:
     return draft_pb2.DraftResult(seq_id=r.seq_id, status=common_pb2.EntryStatus(code=int(r.code), message=r.message),
                                  draft_ids=r.draft_ids, draft_dists=dists_to_proto(r.draft_dists),
-                                 consumed_generation=r.consumed_generation)
+                                 consumed_generation=r.consumed_generation, draft_parents=r.draft_parents)
 
 
 def draft_result_from_proto(p: draft_pb2.DraftResult) -> DraftResult:
     return DraftResult(p.seq_id, Code(p.status.code), p.status.message, list(p.draft_ids),
-                       dists_from_proto(p.draft_dists), p.consumed_generation)
+                       dists_from_proto(p.draft_dists), p.consumed_generation, draft_parents=list(p.draft_parents))

@@ -1,4 +1,4 @@
-"""The target engine: prefill, verify (a chain of draft tokens in one forward), release.
+"""The target engine: prefill, verify (a chain or a tree of draft tokens in one forward), release.
 
 Every tensor-parallel rank runs `execute` on the same plan and reaches the same state
 (logits are gathered, samplers are seeded alike); rank 0 alone owns the hidden-state
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specsplit.models.cuda_graphs import GraphCache, bucket_up, compile_static, pow2_buckets
-from specsplit.models.layers import Segment
+from specsplit.models.layers import Segment, tree_segment
 from specsplit.models.llama import LlamaModel
 from specsplit.ops import (
     Code,
@@ -26,7 +26,7 @@ from specsplit.ops import (
     TargetResult,
     Verify,
 )
-from specsplit.sampling import select_token, verify_chain
+from specsplit.sampling import select_token, verify_chain, verify_tree
 from target_service.config import TargetConfig
 
 
@@ -114,6 +114,19 @@ class TargetEngine:
             self._check_ids(op.draft_ids)
             if not seq.sampling.greedy and len(op.draft_dists) != len(op.draft_ids):
                 raise OpError(Code.INVALID_ARGUMENT, "sampling verify needs one draft distribution per token")
+            if op.draft_parents:
+                self._check_tree(op, seq)
+
+    @staticmethod
+    def _check_tree(op: Verify, seq: Sequence) -> None:
+        if not seq.sampling.greedy:
+            raise OpError(Code.INVALID_ARGUMENT, "a tree of draft tokens is verified greedily only; "
+                                                 "sampled sequences verify a chain")
+        if len(op.draft_parents) != len(op.draft_ids):
+            raise OpError(Code.INVALID_ARGUMENT, f"{len(op.draft_parents)} parents for {len(op.draft_ids)} "
+                                                 "draft tokens")
+        if any(not -1 <= p < i for i, p in enumerate(op.draft_parents)):
+            raise OpError(Code.INVALID_ARGUMENT, "each draft token's parent must come before it (or be -1)")
 
     def _check_ids(self, ids: list[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab]
@@ -179,12 +192,15 @@ class TargetEngine:
             outcomes[w.index] = self._finish(w, logits, rows if getattr(w.op, "capture", True) else None)
 
     def _static(self, work: list[Work]) -> bool:
-        """Verifies (decode = a verify of no drafts) run as a padded static batch in a CUDA graph."""
-        return self.use_static and all(isinstance(w.op, Verify) for w in work)
+        """Verifies (decode = a verify of no drafts) run as a padded static batch in a CUDA graph;
+        a step with a tree in it runs eagerly."""
+        return self.use_static and all(isinstance(w.op, Verify) and not w.op.draft_parents for w in work)
 
     def _forward_eager(self, work: list[Work], capture: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         tokens = torch.tensor([t for w in work for t in w.tokens], dtype=torch.long, device=self.device)
-        segments = [Segment(w.slot, w.start, len(w.tokens)) for w in work]
+        segments = [tree_segment(w.slot, w.start, [-1, *(p + 1 for p in w.op.draft_parents)])
+                    if isinstance(w.op, Verify) and w.op.draft_parents else Segment(w.slot, w.start, len(w.tokens))
+                    for w in work]
         logits, aux = self.model.forward_batch(tokens, segments, self.cache, capture)  # [N, V], [N, 3H]
         parts, off = [], 0
         for w in work:
@@ -224,6 +240,8 @@ class TargetEngine:
             first = select_token(logits[-1], op.sampling, seq.generator)
             seq.length, seq.last_token, seq.tokens = len(op.prompt_ids), first, list(op.prompt_ids)
             return Outcome(TargetResult(op.seq_id, tokens=[first]), rows)
+        if isinstance(op, Verify) and op.draft_parents:
+            return self._finish_tree(w, op, logits, rows)
         if isinstance(op, Verify):
             accepted, emitted = verify_chain(logits, op.draft_ids, op.draft_dists, seq.sampling, seq.generator)
             seq.tokens += [seq.last_token, *op.draft_ids[:accepted]]
@@ -233,6 +251,23 @@ class TargetEngine:
                            None if rows is None else rows[: accepted + 1])
         # Recapture: features of positions 0..length-1 pair with tokens 1..length (the last one not cached yet)
         return Outcome(TargetResult(op.seq_id, tokens=[*seq.tokens[1:], seq.last_token]), rows)
+
+    def _finish_tree(self, w: Work, op: Verify, logits: torch.Tensor, rows: torch.Tensor | None) -> Outcome:
+        """Accept the tree's longest matching path, then move the path's KV entries (written at
+        start + node index) to start + depth, where the committed sequence continues."""
+        seq = w.seq
+        path, emitted = verify_tree(logits, op.draft_ids, op.draft_parents)
+        if path != list(range(len(path))):
+            src = torch.tensor(path, device=self.device) + w.start
+            dst = torch.arange(len(path), device=self.device) + w.start
+            for kv in (self.cache.k, self.cache.v):  # [layers, slots, entries, kv_heads, head_dim]
+                kv[:, w.slot, dst] = kv[:, w.slot, src]
+        accepted = len(path) - 1
+        seq.tokens += [seq.last_token, *emitted[:accepted]]
+        seq.length += accepted + 1
+        seq.last_token = emitted[-1]
+        kept = None if rows is None else rows[torch.tensor(path, device=rows.device)]
+        return Outcome(TargetResult(op.seq_id, tokens=emitted, num_accepted=accepted), kept)
 
     def _release(self, op: Release) -> Outcome:
         seq = self.seqs.pop(op.seq_id, None)

@@ -76,16 +76,37 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Segment:
-    """One sequence's tokens inside a flattened batch: `length` tokens of KV slot
-    `slot` at positions start..start+length-1."""
+    """One sequence's tokens inside a flattened batch: `length` tokens written to KV slot
+    `slot` at entries start..start+length-1, at those positions and causally masked unless
+    `positions` and `visible` say otherwise (the nodes of a tree: see tree_segment)."""
 
     slot: int
     start: int
     length: int
+    positions: torch.Tensor | None = None  # [length] rotary positions
+    visible: torch.Tensor | None = None  # [length, start + length] bool: the KV entries each token attends to
 
 
 def segment_positions(segments: list[Segment], device: torch.device | str) -> torch.Tensor:
-    return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segments])  # [N]
+    return torch.cat([torch.arange(s.start, s.start + s.length, device=device) if s.positions is None
+                      else s.positions.to(device) for s in segments])  # [N]
+
+
+def tree_segment(slot: int, start: int, parents: list[int]) -> Segment:
+    """A tree of len(parents) tokens written at entries start.. in order, after `start` committed
+    entries: token i's parent is parents[i] (< i; -1 for none, i.e. it follows the committed
+    entries). Each token sits at position start + depth and sees the committed entries, its
+    ancestors and itself."""
+    n = len(parents)
+    depth = [0] * n
+    visible = torch.zeros(n, start + n, dtype=torch.bool)
+    visible[:, :start] = True
+    for i, p in enumerate(parents):
+        if p >= 0:
+            depth[i] = depth[p] + 1
+            visible[i] = visible[p]
+        visible[i, start + i] = True
+    return Segment(slot, start, n, start + torch.tensor(depth), visible)
 
 
 @dataclass
@@ -150,14 +171,19 @@ class KVCache:
         return self.k[layer, batch.slots, : batch.ctx], self.v[layer, batch.slots, : batch.ctx]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """q [T, Hq, D] at positions start..start+T-1 against k, v [S, Hkv, D], S = start+T."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                     visible: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D] at entries start..start+T-1 against k, v [S, Hkv, D], S = start+T: causal,
+    or as `visible` [T, S] says."""
     t, s = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1)  # [Hq, T, D]
     kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
     vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
-    allowed = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(t, device=q.device))[:, None]
+    if visible is not None:
+        allowed = visible.to(q.device)
+    else:
+        allowed = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(t, device=q.device))[:, None]
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed)  # [Hq, T, D]
     return out.transpose(0, 1).reshape(t, -1)
 
@@ -210,7 +236,7 @@ class Attention(nn.Module):
         for seg in batch:
             part = slice(off, off + seg.length)
             k_all, v_all = cache.write_and_read(layer, seg.slot, seg.start, k[part], v[part])
-            outs.append(causal_attention(q[part], k_all, v_all, seg.start))
+            outs.append(causal_attention(q[part], k_all, v_all, seg.start, seg.visible))
             off += seg.length
         return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 

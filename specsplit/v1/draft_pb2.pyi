@@ -12,7 +12,7 @@ class DraftDescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("head_name", "hidden_size", "draft_vocab_size", "target_vocab_size", "aux_layer_ids", "attached", "max_steps", "max_context", "max_sequences", "step_socket")
+    __slots__ = ("head_name", "hidden_size", "draft_vocab_size", "target_vocab_size", "aux_layer_ids", "attached", "max_steps", "max_context", "max_sequences", "step_socket", "max_topk")
     HEAD_NAME_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class DraftInfo(_message.Message):
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOPK_FIELD_NUMBER: _ClassVar[int]
     head_name: str
     hidden_size: int
     draft_vocab_size: int
@@ -33,21 +34,26 @@ class DraftInfo(_message.Message):
     max_context: int
     max_sequences: int
     step_socket: str
-    def __init__(self, head_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., attached: _Optional[bool] = ..., max_steps: _Optional[int] = ..., max_context: _Optional[int] = ..., max_sequences: _Optional[int] = ..., step_socket: _Optional[str] = ...) -> None: ...
+    max_topk: int
+    def __init__(self, head_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., attached: _Optional[bool] = ..., max_steps: _Optional[int] = ..., max_context: _Optional[int] = ..., max_sequences: _Optional[int] = ..., step_socket: _Optional[str] = ..., max_topk: _Optional[int] = ...) -> None: ...
 
 class DraftExtendPropose(_message.Message):
-    __slots__ = ("tokens", "hidden", "num_steps", "sampling", "position")
+    __slots__ = ("tokens", "hidden", "num_steps", "sampling", "position", "topk", "num_draft_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     hidden: _common_pb2.HiddenRef
     num_steps: int
     sampling: _common_pb2.SamplingParams
     position: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenRef, _Mapping]] = ..., num_steps: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., position: _Optional[int] = ...) -> None: ...
+    topk: int
+    num_draft_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenRef, _Mapping]] = ..., num_steps: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., position: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftRelease(_message.Message):
     __slots__ = ()
@@ -74,18 +80,20 @@ class DraftStepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[DraftOp, _Mapping]]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("seq_id", "status", "draft_ids", "draft_dists", "consumed_generation")
+    __slots__ = ("seq_id", "status", "draft_ids", "draft_dists", "consumed_generation", "draft_parents")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTS_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     status: _common_pb2.EntryStatus
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_dists: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftDistribution]
     consumed_generation: int
-    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.EntryStatus, _Mapping]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., consumed_generation: _Optional[int] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.EntryStatus, _Mapping]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., consumed_generation: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftStepResponse(_message.Message):
     __slots__ = ("step_id", "results", "timing")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecsplit/v1/gateway.proto\x12\x0cspecsplit.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x87\x01\n\x0bSpeculation\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.specsplit.v1.Speculation.Mode\x12\x16\n\tnum_steps\x18\x02 \x01(\x05H\x00\x88\x01\x01\"$\n\x04Mode\x12\x0b\n\x07\x44\x45\x46\x41ULT\x10\x00\x12\x07\n\x03OFF\x10\x01\x12\x06\n\x02ON\x10\x02\x42\x0c\n\n_num_steps\"\xfb\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.specsplit.v1.TokenIdsH\x00\x12\x12\n\x08raw_text\x18\x03 \x01(\tH\x00\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12.\n\x0bspeculation\x18\x0b \x01(\x0b\x32\x19.specsplit.v1.SpeculationB\x07\n\x05inputB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xe1\x01\n\x10SpeculationStats\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\tnum_steps\x18\x02 \x01(\r\x12\x0e\n\x06\x63ycles\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12!\n\x19\x61\x63\x63\x65pted_length_histogram\x18\x05 \x03(\r\x12\x10\n\x08\x64raft_ms\x18\x06 \x01(\x01\x12\x11\n\tverify_ms\x18\x07 \x01(\x01\x12\x18\n\x10\x64raft_compute_ms\x18\x08 \x01(\x01\x12\x19\n\x11verify_compute_ms\x18\t \x01(\x01\"\xbf\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specsplit.v1.Usage\x12\x33\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x1e.specsplit.v1.SpeculationStats\x12\x12\n\nelapsed_ms\x18\x04 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x05 \x01(\x01\x12\x1a\n\x12matched_stop_token\x18\x06 \x01(\r\"W\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x13.specsplit.v1.Final\"\x12\n\x10ModelInfoRequest\"\xaf\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\ndraft_name\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x1a\n\x12max_new_tokens_cap\x18\x04 \x01(\r\x12\x19\n\x11\x64\x65\x66\x61ult_num_steps\x18\x05 \x01(\r\x12\x15\n\rmax_num_steps\x18\x06 \x01(\r\x12\x17\n\x0f\x64raft_available\x18\x07 \x01(\x08\x32\x9f\x01\n\x07Gateway\x12K\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1e.specsplit.v1.GenerateResponse0\x01\x12G\n\x0cGetModelInfo\x12\x1e.specsplit.v1.ModelInfoRequest\x1a\x17.specsplit.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecsplit/v1/gateway.proto\x12\x0cspecsplit.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xd7\x01\n\x0bSpeculation\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.specsplit.v1.Speculation.Mode\x12\x16\n\tnum_steps\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\x04topk\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x1d\n\x10num_draft_tokens\x18\x04 \x01(\x05H\x02\x88\x01\x01\"$\n\x04Mode\x12\x0b\n\x07\x44\x45\x46\x41ULT\x10\x00\x12\x07\n\x03OFF\x10\x01\x12\x06\n\x02ON\x10\x02\x42\x0c\n\n_num_stepsB\x07\n\x05_topkB\x13\n\x11_num_draft_tokens\"\xfb\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.specsplit.v1.TokenIdsH\x00\x12\x12\n\x08raw_text\x18\x03 \x01(\tH\x00\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12.\n\x0bspeculation\x18\x0b \x01(\x0b\x32\x19.specsplit.v1.SpeculationB\x07\n\x05inputB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x89\x02\n\x10SpeculationStats\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\tnum_steps\x18\x02 \x01(\r\x12\x0e\n\x06\x63ycles\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12!\n\x19\x61\x63\x63\x65pted_length_histogram\x18\x05 \x03(\r\x12\x10\n\x08\x64raft_ms\x18\x06 \x01(\x01\x12\x11\n\tverify_ms\x18\x07 \x01(\x01\x12\x18\n\x10\x64raft_compute_ms\x18\x08 \x01(\x01\x12\x19\n\x11verify_compute_ms\x18\t \x01(\x01\x12\x0c\n\x04topk\x18\n \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x0b \x01(\r\"\xbf\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specsplit.v1.Usage\x12\x33\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x1e.specsplit.v1.SpeculationStats\x12\x12\n\nelapsed_ms\x18\x04 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x05 \x01(\x01\x12\x1a\n\x12matched_stop_token\x18\x06 \x01(\r\"W\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x13.specsplit.v1.Final\"\x12\n\x10ModelInfoRequest\"\x97\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\ndraft_name\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x1a\n\x12max_new_tokens_cap\x18\x04 \x01(\r\x12\x19\n\x11\x64\x65\x66\x61ult_num_steps\x18\x05 \x01(\r\x12\x15\n\rmax_num_steps\x18\x06 \x01(\r\x12\x17\n\x0f\x64raft_available\x18\x07 \x01(\x08\x12\x14\n\x0c\x64\x65\x66\x61ult_topk\x18\x08 \x01(\r\x12\x10\n\x08max_topk\x18\t \x01(\r\x12 \n\x18\x64\x65\x66\x61ult_num_draft_tokens\x18\n \x01(\r\x12\x1c\n\x14max_num_draft_tokens\x18\x0b \x01(\r2\x9f\x01\n\x07Gateway\x12K\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1e.specsplit.v1.GenerateResponse0\x01\x12G\n\x0cGetModelInfo\x12\x1e.specsplit.v1.ModelInfoRequest\x1a\x17.specsplit.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_SPECULATION']._serialized_start=70
-  _globals['_SPECULATION']._serialized_end=205
-  _globals['_SPECULATION_MODE']._serialized_start=155
-  _globals['_SPECULATION_MODE']._serialized_end=191
-  _globals['_GENERATEREQUEST']._serialized_start=208
-  _globals['_GENERATEREQUEST']._serialized_end=587
-  _globals['_USAGE']._serialized_start=589
-  _globals['_USAGE']._serialized_end=646
-  _globals['_SPECULATIONSTATS']._serialized_start=649
-  _globals['_SPECULATIONSTATS']._serialized_end=874
-  _globals['_FINAL']._serialized_start=877
-  _globals['_FINAL']._serialized_end=1068
-  _globals['_GENERATERESPONSE']._serialized_start=1070
-  _globals['_GENERATERESPONSE']._serialized_end=1157
-  _globals['_MODELINFOREQUEST']._serialized_start=1159
-  _globals['_MODELINFOREQUEST']._serialized_end=1177
-  _globals['_MODELINFO']._serialized_start=1180
-  _globals['_MODELINFO']._serialized_end=1355
-  _globals['_GATEWAY']._serialized_start=1358
-  _globals['_GATEWAY']._serialized_end=1517
+  _globals['_SPECULATION']._serialized_end=285
+  _globals['_SPECULATION_MODE']._serialized_start=205
+  _globals['_SPECULATION_MODE']._serialized_end=241
+  _globals['_GENERATEREQUEST']._serialized_start=288
+  _globals['_GENERATEREQUEST']._serialized_end=667
+  _globals['_USAGE']._serialized_start=669
+  _globals['_USAGE']._serialized_end=726
+  _globals['_SPECULATIONSTATS']._serialized_start=729
+  _globals['_SPECULATIONSTATS']._serialized_end=994
+  _globals['_FINAL']._serialized_start=997
+  _globals['_FINAL']._serialized_end=1188
+  _globals['_GENERATERESPONSE']._serialized_start=1190
+  _globals['_GENERATERESPONSE']._serialized_end=1277
+  _globals['_MODELINFOREQUEST']._serialized_start=1279
+  _globals['_MODELINFOREQUEST']._serialized_end=1297
+  _globals['_MODELINFO']._serialized_start=1300
+  _globals['_MODELINFO']._serialized_end=1579
+  _globals['_GATEWAY']._serialized_start=1582
+  _globals['_GATEWAY']._serialized_end=1741
 # @@protoc_insertion_point(module_scope)

@@ -14,7 +14,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("mode", "num_steps")
+    __slots__ = ("mode", "num_steps", "topk", "num_draft_tokens")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         DEFAULT: _ClassVar[Speculation.Mode]
@@ -25,9 +25,13 @@ class Speculation(_message.Message):
     ON: Speculation.Mode
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     mode: Speculation.Mode
     num_steps: int
-    def __init__(self, mode: _Optional[_Union[Speculation.Mode, str]] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    topk: int
+    num_draft_tokens: int
+    def __init__(self, mode: _Optional[_Union[Speculation.Mode, str]] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "token_ids", "raw_text", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "speculation")
@@ -64,7 +68,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("enabled", "num_steps", "cycles", "mean_accepted_length", "accepted_length_histogram", "draft_ms", "verify_ms", "draft_compute_ms", "verify_compute_ms")
+    __slots__ = ("enabled", "num_steps", "cycles", "mean_accepted_length", "accepted_length_histogram", "draft_ms", "verify_ms", "draft_compute_ms", "verify_compute_ms", "topk", "num_draft_tokens")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     CYCLES_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +78,8 @@ class SpeculationStats(_message.Message):
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     num_steps: int
     cycles: int
@@ -83,7 +89,9 @@ class SpeculationStats(_message.Message):
     verify_ms: float
     draft_compute_ms: float
     verify_compute_ms: float
-    def __init__(self, enabled: _Optional[bool] = ..., num_steps: _Optional[int] = ..., cycles: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ...) -> None: ...
+    topk: int
+    num_draft_tokens: int
+    def __init__(self, enabled: _Optional[bool] = ..., num_steps: _Optional[int] = ..., cycles: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "usage", "speculation", "elapsed_ms", "first_token_ms", "matched_stop_token")
@@ -116,7 +124,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "draft_name", "max_context", "max_new_tokens_cap", "default_num_steps", "max_num_steps", "draft_available")
+    __slots__ = ("model_name", "draft_name", "max_context", "max_new_tokens_cap", "default_num_steps", "max_num_steps", "draft_available", "default_topk", "max_topk", "default_num_draft_tokens", "max_num_draft_tokens")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +132,10 @@ class ModelInfo(_message.Message):
     DEFAULT_NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TOPK_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOPK_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     draft_name: str
     max_context: int
@@ -131,4 +143,8 @@ class ModelInfo(_message.Message):
     default_num_steps: int
     max_num_steps: int
     draft_available: bool
-    def __init__(self, model_name: _Optional[str] = ..., draft_name: _Optional[str] = ..., max_context: _Optional[int] = ..., max_new_tokens_cap: _Optional[int] = ..., default_num_steps: _Optional[int] = ..., max_num_steps: _Optional[int] = ..., draft_available: _Optional[bool] = ...) -> None: ...
+    default_topk: int
+    max_topk: int
+    default_num_draft_tokens: int
+    max_num_draft_tokens: int
+    def __init__(self, model_name: _Optional[str] = ..., draft_name: _Optional[str] = ..., max_context: _Optional[int] = ..., max_new_tokens_cap: _Optional[int] = ..., default_num_steps: _Optional[int] = ..., max_num_steps: _Optional[int] = ..., draft_available: _Optional[bool] = ..., default_topk: _Optional[int] = ..., max_topk: _Optional[int] = ..., default_num_draft_tokens: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ...) -> None: ...
