@@ -108,10 +108,9 @@ class DraftEngine:
         if op.topk > 1 and op.num_steps > 0:
             if not op.sampling.greedy:
                 raise OpError(Code.INVALID_ARGUMENT, "a tree (topk > 1) is drafted for greedy sequences only")
-            most = 1 + op.topk + (op.num_steps - 1) * op.topk * op.topk  # the root and every candidate
-            if not 2 <= op.num_draft_tokens <= most:
-                raise OpError(Code.INVALID_ARGUMENT, f"num_draft_tokens {op.num_draft_tokens} is outside 2..{most} "
-                                                     f"for topk {op.topk} and {op.num_steps} steps")
+            if op.num_draft_tokens < 2:  # above every candidate: all are kept
+                raise OpError(Code.INVALID_ARGUMENT, f"num_draft_tokens {op.num_draft_tokens} is outside 2.. "
+                                                     "for a tree")
         seq = self.seqs.get(op.seq_id)
         length = 0 if seq is None else seq.length
         if op.position not in (0, length):

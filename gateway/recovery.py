@@ -18,7 +18,7 @@ class Recovery:
                  max_topk: int = 1) -> None:
         self.scheduler, self.target, self.draft = scheduler, target, draft
         self.store, self.target_aux_ids, self.retry_s = store, target_aux_ids, retry_s
-        self.max_num_steps, self.draft_name = max_num_steps, ""
+        self.max_num_steps, self.max_topk, self.draft_name = max_num_steps, max_topk, ""
         self.step_sockets = step_sockets  # use a service's Unix step socket when it offers one
         self.task: asyncio.Task[None] | None = None
 

@@ -41,6 +41,7 @@ from specsplit.ops import (
 from specsplit.telemetry import inject
 
 log = logging.getLogger("specsplit.gateway")
+MAX_DRAFT_FAILURES = 3  # consecutive per-sequence draft errors before the sequence goes on target-only
 
 
 @dataclass
@@ -116,6 +117,7 @@ class Sequence:
         self.drafts: list[int] = []
         self.dists: list[SparseDist] = []
         self.parents: list[int] = []  # a tree's shape (empty: a chain)
+        self.draft_failures = 0  # in a row
         self.stats = SeqStats()
         self.submitted_at = time.perf_counter()
         self.done = False
@@ -309,10 +311,17 @@ class Scheduler:
         for s in users:
             r = by_id.get(s.seq_id)
             if r is None or r.code != Code.OK:
-                log.warning("draft failed sequence %d (%s): resyncing it", s.seq_id, r.message if r else "no result")
+                s.draft_failures += 1
+                why = r.message if r else "no result"
+                if s.draft_failures >= MAX_DRAFT_FAILURES:  # the same failure again and again: stop asking
+                    log.warning("draft failed sequence %d %d times in a row (%s): target-only from here", s.seq_id,
+                                s.draft_failures, why)
+                    s.spec = False
+                else:
+                    log.warning("draft failed sequence %d (%s): resyncing it", s.seq_id, why)
                 s.synced = False
                 continue
-            s.synced = True
+            s.synced, s.draft_failures = True, 0
             s.drafts, s.dists, s.parents = r.draft_ids, r.draft_dists, r.draft_parents
             s.cycle_span.set_attributes({"spec.draft_call_ms": ms, "spec.draft_batch_ms": timing.compute_ms})
             s.stats.draft_ms += ms

@@ -39,6 +39,10 @@ def _gen_args(p: argparse.ArgumentParser, per_request_steps: bool = True) -> Non
     p.add_argument("--max-new-tokens", type=int, default=None)
     if per_request_steps:
         p.add_argument("--num-steps", dest="gen_num_steps", type=int, default=None, help="draft steps per cycle")
+        p.add_argument("--topk", dest="gen_topk", type=int, default=None,
+                       help="> 1: draft a tree branching topk ways (greedy only); 1: a chain")
+        p.add_argument("--num-draft-tokens", dest="gen_num_draft_tokens", type=int, default=None,
+                       help="a tree's size counting the root")
     p.add_argument("--no-spec", action="store_true", help="speculation off: target-only decoding")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -61,11 +65,13 @@ def _request(a: argparse.Namespace, prompt: str, speculation: bool | None = None
 
     spec = False if a.no_spec else speculation
     return make_request(prompt, raw=a.raw, max_new_tokens=a.max_new_tokens, num_steps=getattr(a, "gen_num_steps", None),
-                        speculation=spec, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
+                        speculation=spec, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                        topk=getattr(a, "gen_topk", None), num_draft_tokens=getattr(a, "gen_num_draft_tokens", None))
 
 
 def _summary_line(s: dict) -> str:
-    spec = f"speculation {s['num_steps']} steps" if s["speculation"] else "speculation off"
+    tree = f", tree topk {s['topk']} of {s['num_draft_tokens']}" if s.get("topk", 1) > 1 else ""
+    spec = f"speculation {s['num_steps']} steps{tree}" if s["speculation"] else "speculation off"
     return (f"[{spec}] {s['completion_tokens']} tokens in {s['elapsed_ms'] / 1e3:.2f} s = "
             f"{s['tokens_per_s']:.1f} tok/s | cycles {s['cycles']} | mean accepted length "
             f"{s['mean_accepted_length']:.2f} | draft {s['draft_ms']:.0f} ms, verify {s['verify_ms']:.0f} ms | "

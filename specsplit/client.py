@@ -15,8 +15,8 @@ from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 def make_request(prompt: str | None = None, token_ids: list[int] | None = None, raw: bool = False,
                  max_new_tokens: int | None = None, num_steps: int | None = None, speculation: bool | None = None,
                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                 seed: int | None = None, stop_token_ids: list[int] | None = None, ignore_eos: bool = False
-                 ) -> gateway_pb2.GenerateRequest:
+                 seed: int | None = None, stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
+                 topk: int | None = None, num_draft_tokens: int | None = None) -> gateway_pb2.GenerateRequest:
     req = gateway_pb2.GenerateRequest(stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos)
     if token_ids is not None:
         req.token_ids.ids.extend(token_ids)
@@ -32,6 +32,10 @@ def make_request(prompt: str | None = None, token_ids: list[int] | None = None, 
         req.speculation.mode = gateway_pb2.Speculation.ON if speculation else gateway_pb2.Speculation.OFF
     if num_steps is not None:
         req.speculation.num_steps = num_steps
+    if topk is not None:
+        req.speculation.topk = topk
+    if num_draft_tokens is not None:
+        req.speculation.num_draft_tokens = num_draft_tokens
     return req
 
 
@@ -54,6 +58,7 @@ class Generation:
             "prompt_tokens": f.usage.prompt_tokens, "completion_tokens": f.usage.completion_tokens,
             "tokens_per_s": round(self.tokens_per_s, 3), "elapsed_ms": round(f.elapsed_ms, 3),
             "first_token_ms": round(f.first_token_ms, 3), "speculation": s.enabled, "num_steps": s.num_steps,
+            "topk": s.topk, "num_draft_tokens": s.num_draft_tokens,
             "cycles": s.cycles, "mean_accepted_length": round(s.mean_accepted_length, 4),
             "accepted_length_histogram": list(s.accepted_length_histogram),
             "draft_ms": round(s.draft_ms, 3), "verify_ms": round(s.verify_ms, 3),

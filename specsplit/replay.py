@@ -68,8 +68,9 @@ class ReplayDraft:
             op = by_op.get(r.seq_id)
             if op is None:
                 self.replayer.forget(r.seq_id)
-            elif r.draft_ids:
-                r.draft_ids = self.replayer.rewrite(op, r.draft_ids)
+            elif r.draft_ids:  # a tree is replaced by a chain as deep as the tree
+                r.draft_ids = self.replayer.rewrite(op, r.draft_ids[: op.num_steps] if r.draft_parents else r.draft_ids)
+                r.draft_parents = []
         return results, timing
 
     def __getattr__(self, name: str) -> object:  # stream, attach, close: the inner client's

@@ -72,6 +72,18 @@ def test_speculative_equals_target_only_over_grpc(client: GatewayClient, steps: 
     assert not base.final.speculation.enabled and spec.final.speculation.num_steps == steps
 
 
+@pytest.mark.parametrize("topk,num_draft_tokens", [(2, 6), (4, 16)])
+def test_trees_equal_target_only_over_grpc(client: GatewayClient, topk: int, num_draft_tokens: int) -> None:
+    base = client.generate(make_request(PROMPT, max_new_tokens=24, speculation=False))
+    tree = client.generate(make_request(PROMPT, max_new_tokens=24, num_steps=3, topk=topk,
+                                        num_draft_tokens=num_draft_tokens))
+    assert tree.token_ids == base.token_ids and tree.text == base.text
+    s = tree.final.speculation
+    assert s.enabled and (s.num_steps, s.topk, s.num_draft_tokens) == (3, topk, num_draft_tokens)
+    chain = client.generate(make_request(PROMPT, max_new_tokens=8, num_steps=3)).final.speculation
+    assert (chain.topk, chain.num_draft_tokens) == (1, 4)
+
+
 def test_token_id_input_and_stop_tokens(client: GatewayClient, smollm2_dir: Path) -> None:
     text = "Count: 1, 2, 3,"
     ref = client.generate(make_request(text, raw=True, max_new_tokens=12, ignore_eos=True))
@@ -102,6 +114,10 @@ BAD_REQUESTS = {
     "negative token id": dict(token_ids=[1, -3]),
     "unknown stop token": dict(prompt=PROMPT, stop_token_ids=[10**7]),
     "too many steps": dict(prompt=PROMPT, num_steps=99),
+    "tree with sampling": dict(prompt=PROMPT, temperature=0.7, topk=4),
+    "topk too wide": dict(prompt=PROMPT, topk=99),
+    "tree too large": dict(prompt=PROMPT, topk=4, num_draft_tokens=999),
+    "chain with a tree size": dict(prompt=PROMPT, num_steps=3, topk=1, num_draft_tokens=9),
 }
 
 

@@ -1,0 +1,233 @@
+"""Tree speculation (greedy): the tree mask and positions, the verifier's walk, the target's KV
+compaction, the draft's tree, request validation, and losslessness in process and over gRPC."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_service.config import DraftConfig
+from draft_service.runtime import DraftRuntime
+from gateway.config import GatewayConfig
+from gateway.local import LocalEngines
+from gateway.requests import InvalidRequest, ModelLimits, tree_shape
+from gateway.scheduler import GenerationRequest
+from specsplit.handoff.factory import open_reader
+from specsplit.models.layers import tree_segment
+from specsplit.ops import Code, ExtendPropose, HiddenRef, Prefill, Release, Sampling, Verify
+from specsplit.sampling import verify_tree
+from specsplit.tokenizer import TextCodec
+from target_service.config import TargetConfig
+from tests.test_lossless import CHAT_PROMPTS, TINY_PROMPTS
+from tests.test_target_engine import runtime
+
+
+def test_tree_segment_positions_and_mask() -> None:
+    seg = tree_segment(slot=2, start=3, parents=[-1, 0, 0, 1])  # root, two children, a grandchild under the first
+    assert seg.positions.tolist() == [3, 4, 4, 5]
+    assert seg.visible.tolist() == [[True] * 3 + [True, False, False, False],
+                                    [True] * 3 + [True, True, False, False],
+                                    [True] * 3 + [True, False, True, False],
+                                    [True] * 3 + [True, True, False, True]]
+
+
+def test_verify_tree_walks_the_matching_path() -> None:
+    # drafts: 5 and 6 under the root, 7 under 6, 8 under 5; the target wants 6, then 7, then 1
+    logits = torch.zeros(5, 10)
+    for row, best in enumerate([6, 0, 7, 1, 0]):
+        logits[row, best] = 1.0
+    path, emitted = verify_tree(logits, [5, 6, 7, 8], [-1, -1, 1, 0])
+    assert path == [0, 2, 3] and emitted == [6, 7, 1]
+    path, emitted = verify_tree(torch.eye(10)[[9, 0, 0, 0, 0]], [5, 6, 7, 8], [-1, -1, 1, 0])
+    assert path == [0] and emitted == [9]  # nothing matches: the target's own token
+
+
+def greedy_continuation(tiny_target: Path, prompt: list[int], n: int) -> list[int]:
+    rt = runtime(tiny_target)
+    try:
+        (res,), _ = rt.step([Prefill(1, prompt, capture=False)], [])
+        out = list(res.tokens)
+        while len(out) < n:
+            (res,), _ = rt.step([Verify(1, [], capture=False)], [])
+            out += res.tokens
+        return out[:n]
+    finally:
+        rt.close()
+
+
+def test_tree_verify_accepts_a_scattered_path_and_moves_its_kv(tiny_target: Path) -> None:
+    """The accepted nodes sit at tree indices 2, 4, 5; after the verify the sequence must go on
+    exactly as target-only decoding does, and the rows handed to the draft are those of the path."""
+    prompt = [3, 14, 15, 92, 65]
+    g = greedy_continuation(tiny_target, prompt, 10)  # g[0] comes from the prefill
+    wrong = (g[1] + 1) % 512
+    rt = runtime(tiny_target, max_context=64, max_draft_tokens=8, max_sequences=2)
+    try:
+        (p1, p2), _ = rt.step([Prefill(1, prompt), Prefill(2, prompt)], [])
+        assert p1.tokens == p2.tokens == g[:1]
+        # drafts: wrong, g1 under the root; g3 under `wrong`; g2 under g1; g3 under g2
+        tree = Verify(1, [wrong, g[1], g[3], g[2], g[3]], draft_parents=[-1, -1, 0, 1, 3])
+        chain = Verify(2, [g[1], g[2], g[3]])
+        (t, c), _ = rt.step([tree, chain], [])
+        assert t.code == Code.OK and t.tokens == g[1:5] and t.num_accepted == 3
+        assert c.tokens == t.tokens and t.hidden.rows == c.hidden.rows == 4
+        reader = open_reader(rt.writer.descriptor)
+        rows_t = reader.read(t.hidden.offset, t.hidden.rows, t.hidden.inline).clone()
+        rows_c = reader.read(c.hidden.offset, c.hidden.rows, c.hidden.inline).clone()
+        reader.close()
+        torch.testing.assert_close(rows_t, rows_c, rtol=1e-4, atol=1e-4)  # fp32, other batch shapes
+        got = list(t.tokens)
+        while len(got) < 9:
+            (a, b), _ = rt.step([Verify(1, [], capture=False), Verify(2, [], capture=False)], [])
+            assert a.tokens == b.tokens
+            got += a.tokens
+        assert got == g[1:10]
+    finally:
+        rt.close()
+
+
+def test_target_rejects_bad_trees(tiny_target: Path) -> None:
+    rt = runtime(tiny_target, max_context=64, max_sequences=2)
+    try:
+        rt.step([Prefill(1, [1, 2, 3]), Prefill(2, [1, 2, 3], Sampling(temperature=1.0, seed=1))], [])
+        res, _ = rt.step([Verify(1, [4, 5], draft_parents=[-1, 1])], [])  # a parent after its child
+        assert res[0].code == Code.INVALID_ARGUMENT and "before it" in res[0].message
+        res, _ = rt.step([Verify(1, [4, 5], draft_parents=[-1])], [])
+        assert res[0].code == Code.INVALID_ARGUMENT and "parents" in res[0].message
+        res, _ = rt.step([Verify(2, [4, 5], [([4], [1.0]), ([5], [1.0])], draft_parents=[-1, -1])], [])
+        assert res[0].code == Code.INVALID_ARGUMENT and "greedily" in res[0].message
+        (ok,), _ = rt.step([Verify(1, [4], draft_parents=[-1])], [])  # the sequence is intact
+        assert ok.code == Code.OK and len(ok.tokens) >= 1
+    finally:
+        rt.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny_target: Path, tiny_head: Path) -> LocalEngines:
+    engines = LocalEngines(TargetConfig(model=str(tiny_target), max_context=256, max_draft_tokens=32),
+                           DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
+    yield engines
+    engines.close()
+
+
+def test_draft_tree_of_topk_1_is_the_chain(tiny_engines: LocalEngines) -> None:
+    """A one-way tree keeps the chain's tokens; wider trees keep num_draft_tokens - 1 distinct
+    (parent, token) nodes, parents first."""
+    draft, target = tiny_engines.draft, tiny_engines.target
+    assert draft is not None
+    (pre,), _ = target.step([Prefill(40, [5, 6, 7, 8])], [])
+    tokens = [6, 7, 8, *pre.tokens]
+    ref = pre.hidden
+
+    def propose(seq_id: int, **kw: int) -> tuple[list[int], list[int]]:
+        (r,), _ = draft.step([ExtendPropose(seq_id, tokens, HiddenRef(ref.offset, ref.rows, ref.generation), 5,
+                                            **kw)])
+        assert r.code == Code.OK, r.message
+        return r.draft_ids, r.draft_parents
+
+    chain, none = propose(41)
+    one_way, parents = propose(42, topk=1, num_draft_tokens=6)
+    assert none == [] and parents == [] and one_way == chain
+    for k, n in [(2, 6), (4, 16), (8, 40)]:
+        ids, parents = propose(43 + k, topk=k, num_draft_tokens=n)
+        assert len(ids) == len(parents) == n - 1
+        assert all(-1 <= p < i for i, p in enumerate(parents))
+        assert len(set(zip(parents, ids, strict=True))) == len(ids)
+        assert ids[0] == chain[0]  # the best first token heads the tree
+    draft.step([Release(s) for s in (41, 42, 45, 47, 51)])
+    target.step([Release(40)], [ref.generation])
+
+
+def test_draft_rejects_bad_tree_requests(tiny_engines: LocalEngines) -> None:
+    draft = tiny_engines.draft
+    assert draft is not None
+    ref = HiddenRef(0, 1, 0, inline=b"")
+    cases = {"topk 99 is outside": dict(topk=99, num_draft_tokens=8),
+             "outside 2..": dict(topk=4, num_draft_tokens=1),
+             "greedy sequences only": dict(topk=4, num_draft_tokens=8, sampling=Sampling(temperature=1.0))}
+    for message, kw in cases.items():
+        (r,), _ = draft.step([ExtendPropose(60, [1], ref, 3, **kw)])
+        assert r.code == Code.INVALID_ARGUMENT and message in r.message, r.message
+
+
+@pytest.mark.parametrize("topk,num_draft_tokens", [(2, 6), (4, 16)])
+def test_tiny_trees_are_lossless(tiny_engines: LocalEngines, topk: int, num_draft_tokens: int) -> None:
+    base = tiny_engines.generate([GenerationRequest(p, 40, Sampling(), {511}, 0) for p in TINY_PROMPTS])
+    for steps in (1, 3, 6):
+        spec = tiny_engines.generate([GenerationRequest(p, 40, Sampling(), {511}, steps, topk, num_draft_tokens)
+                                      for p in TINY_PROMPTS])
+        assert [s.tokens for s in spec] == [b.tokens for b in base], f"steps {steps}"
+    assert tiny_engines.target.stats()["active_sequences"] == 0
+
+
+@pytest.mark.slow
+def test_smollm2_trees_with_the_shipped_head_are_lossless_and_accept_more(smollm2_dir: Path) -> None:
+    engines = LocalEngines(TargetConfig(model=str(smollm2_dir), max_context=512, dtype="float32"),
+                           DraftConfig(head="default", target=str(smollm2_dir), max_context=512))
+    try:
+        codec = TextCodec.from_checkpoint(smollm2_dir)
+        prompts = [codec.encode(codec.render_chat(p)) for p in CHAT_PROMPTS]
+        base = engines.generate([GenerationRequest(p, 48, Sampling(), {2}, 0) for p in prompts])
+        chain = engines.generate([GenerationRequest(p, 48, Sampling(), {2}, 4) for p in prompts])
+        tree = engines.generate([GenerationRequest(p, 48, Sampling(), {2}, 4, 4, 16) for p in prompts])
+        assert [r.tokens for r in tree] == [r.tokens for r in base] == [r.tokens for r in chain]
+
+        def tau(rs: list) -> float:
+            return sum(k * v for r in rs for k, v in r.stats.histogram.items()) / sum(r.stats.cycles for r in rs)
+
+        assert tau(tree) > tau(chain) > 1.5
+    finally:
+        engines.close()
+
+
+def test_request_tree_shape_validation() -> None:
+    cfg, limits = GatewayConfig(default_topk=4).validate(), ModelLimits(512, 2048, [2], True, max_draft_tokens=16)
+    assert tree_shape(None, None, cfg, limits, 5, 0.0) == (4, 16)  # greedy: the default tree
+    assert tree_shape(None, None, cfg, limits, 5, 0.7) == (1, 6)  # sampled: a chain
+    assert tree_shape(1, None, cfg, limits, 3, 0.0) == (1, 4)
+    assert tree_shape(2, None, cfg, limits, 1, 0.0) == (2, 3)  # one level of two: at most 3 counting the root
+    assert tree_shape(8, 9, cfg, limits, 0, 0.0) == (1, 1)  # speculation off
+    for args, message in [((4, None, 5, 0.7), "needs greedy"), ((9, None, 5, 0.0), "topk must be within"),
+                          ((4, 17, 5, 0.0), "within 2..16"), ((4, 1, 5, 0.0), "within 2..16"),
+                          ((1, 9, 5, 0.0), "num_draft_tokens = 6")]:
+        topk, n, steps, temperature = args
+        with pytest.raises(InvalidRequest, match=message):
+            tree_shape(topk, n, cfg, limits, steps, temperature)
+
+
+def test_draft_runtime_reports_max_topk(tiny_target: Path, tiny_head: Path) -> None:
+    rt = DraftRuntime(DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=64, max_topk=3).validate())
+    assert rt.engine.max_topk == 3
+
+
+class FailingDraft:
+    """A draft client whose every proposal fails for the sequence (an engine error each cycle)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.calls = inner, 0
+
+    async def step(self, ops: list) -> tuple[list, object]:
+        results, timing = await self.inner.step(ops)
+        self.calls += 1
+        for r in results:
+            if r.code == Code.OK and ops and isinstance(ops[0], ExtendPropose):
+                r.code, r.message, r.draft_ids = Code.INTERNAL, "injected failure", []
+        return results, timing
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_a_draft_failing_every_cycle_leaves_the_sequence_target_only(tiny_engines: LocalEngines) -> None:
+    """No livelock: after MAX_DRAFT_FAILURES failures in a row the sequence decodes target-only."""
+    from gateway.clients import LocalDraft
+    from gateway.scheduler import MAX_DRAFT_FAILURES
+
+    assert tiny_engines.draft is not None
+    base = tiny_engines.generate([GenerationRequest(TINY_PROMPTS[0], 30, Sampling(), {511}, 0)])
+    failing = FailingDraft(LocalDraft(tiny_engines.draft))
+    (out,) = tiny_engines.generate([GenerationRequest(TINY_PROMPTS[0], 30, Sampling(), {511}, 3)], failing)
+    assert out.tokens == base[0].tokens and failing.calls <= MAX_DRAFT_FAILURES + 2
+    assert tiny_engines.draft.stats()["active_sequences"] == 0
