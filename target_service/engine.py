@@ -192,9 +192,9 @@ class TargetEngine:
             outcomes[w.index] = self._finish(w, logits, rows if getattr(w.op, "capture", True) else None)
 
     def _static(self, work: list[Work]) -> bool:
-        """Verifies (decode = a verify of no drafts) run as a padded static batch in a CUDA graph;
-        a step with a tree in it runs eagerly."""
-        return self.use_static and all(isinstance(w.op, Verify) and not w.op.draft_parents for w in work)
+        """Verifies (decode = a verify of no drafts), chains and trees, run as a padded static batch
+        in a CUDA graph."""
+        return self.use_static and all(isinstance(w.op, Verify) for w in work)
 
     def _forward_eager(self, work: list[Work], capture: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         tokens = torch.tensor([t for w in work for t in w.tokens], dtype=torch.long, device=self.device)
@@ -223,6 +223,8 @@ class TargetEngine:
             tokens[i, : len(w.tokens)] = torch.tensor(w.tokens)
             positions[i] += w.start
             slots[i] = w.slot
+        if any(isinstance(w.op, Verify) and w.op.draft_parents for w in work):
+            return self._run_static_tree(work, tokens, positions, slots, ctx, capture)
 
         def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
             return self.static_fn(tokens, positions, slots, ctx, self.cache, capture)
@@ -230,6 +232,35 @@ class TargetEngine:
         with torch.no_grad() if self.cfg.compile else torch.inference_mode():
             logits, aux = self.graphs.run((b, t, ctx, capture), fn, tokens=tokens.to(self.device),
                                           positions=positions.to(self.device), slots=slots.to(self.device))
+        assert logits is not None
+        return [(logits[i, : len(w.tokens)], None if aux is None else aux[i, : len(w.tokens)])
+                for i, w in enumerate(work)]
+
+    def _run_static_tree(self, work: list[Work], tokens: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
+                         ctx: int, capture: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """A static batch holding trees (graphs of their own key): rows write KV entries start.. in
+        order, at rotary positions start + depth, seeing the committed entries, their ancestors
+        and themselves (chain rows and padding tokens: everything up to their own entry)."""
+        b, t = tokens.shape
+        keys = torch.arange(ctx)
+        visible = keys[None, None, :] <= entries[:, :, None]  # [B, T, ctx] causal
+        positions = entries.clone()
+        for i, w in enumerate(work):
+            if isinstance(w.op, Verify) and w.op.draft_parents:
+                seg = tree_segment(w.slot, w.start, [-1, *(p + 1 for p in w.op.draft_parents)])
+                n = seg.length
+                positions[i, :n] = seg.positions
+                visible[i, :n, : w.start + n] = seg.visible
+
+        def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
+               visible: torch.Tensor) -> tuple:
+            return self.static_fn(tokens, positions, slots, ctx, self.cache, capture, entries, visible)
+
+        dev = self.device
+        with torch.no_grad() if self.cfg.compile else torch.inference_mode():
+            logits, aux = self.graphs.run((b, t, ctx, capture, "tree"), fn, tokens=tokens.to(dev),
+                                          positions=positions.to(dev), slots=slots.to(dev), entries=entries.to(dev),
+                                          visible=visible.to(dev))
         assert logits is not None
         return [(logits[i, : len(w.tokens)], None if aux is None else aux[i, : len(w.tokens)])
                 for i, w in enumerate(work)]

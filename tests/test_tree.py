@@ -231,3 +231,41 @@ def test_a_draft_failing_every_cycle_leaves_the_sequence_target_only(tiny_engine
     (out,) = tiny_engines.generate([GenerationRequest(TINY_PROMPTS[0], 30, Sampling(), {511}, 3)], failing)
     assert out.tokens == base[0].tokens and failing.calls <= MAX_DRAFT_FAILURES + 2
     assert tiny_engines.draft.stats()["active_sequences"] == 0
+
+
+def test_static_tree_verify_equals_the_segment_path(tiny_target: Path) -> None:
+    """The padded static batch (what CUDA graphs capture) holding a tree and a chain gives the
+    segment path's tokens, and the sequences go on alike."""
+    prompt = [3, 14, 15, 92, 65]
+    g = greedy_continuation(tiny_target, prompt, 10)
+    wrong = (g[1] + 1) % 512
+    outs = []
+    for static in (False, True):
+        rt = runtime(tiny_target, max_context=64, max_draft_tokens=8, max_sequences=2)
+        rt.engine.use_static = static
+        try:
+            rt.step([Prefill(1, prompt), Prefill(2, [7, 7, 7])], [])
+            (t, c), _ = rt.step([Verify(1, [wrong, g[1], g[3], g[2], g[3]], draft_parents=[-1, -1, 0, 1, 3]),
+                                 Verify(2, [7, 7])], [])
+            got = [t.tokens, c.tokens]
+            for _ in range(4):
+                (a, b), _ = rt.step([Verify(1, [], capture=False), Verify(2, [], capture=False)], [])
+                got += [a.tokens, b.tokens]
+            outs.append(got)
+        finally:
+            rt.close()
+    assert outs[0] == outs[1] and outs[0][0] == g[1:5]
+
+
+def test_static_engines_trees_are_lossless(tiny_target: Path, tiny_head: Path) -> None:
+    engines = LocalEngines(TargetConfig(model=str(tiny_target), max_context=256, max_draft_tokens=32),
+                           DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
+    try:
+        assert engines.draft is not None
+        engines.target.engine.use_static = engines.draft.engine.use_static = True
+        base = engines.generate([GenerationRequest(p, 30, Sampling(), {511}, 0) for p in TINY_PROMPTS])
+        mixed = engines.generate([GenerationRequest(p, 30, Sampling(), {511}, s, k, n) for p, s, k, n in
+                                  zip(TINY_PROMPTS, [3, 5, 2, 4], [4, 1, 2, 8], [16, 0, 5, 32], strict=True)])
+        assert [r.tokens for r in mixed] == [r.tokens for r in base]
+    finally:
+        engines.close()

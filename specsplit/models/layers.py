@@ -115,17 +115,20 @@ class StaticBatch:
     graph serves every step of that shape: each sequence reads keys [0, ctx) of its slot."""
 
     slots: torch.Tensor  # [B] KV slot of each sequence
-    positions: torch.Tensor  # [B, T]
+    positions: torch.Tensor  # [B, T] KV entries written (and, for chains, rotary positions)
     ctx: int  # keys read per sequence: a bucket >= max(positions) + 1
-    allowed: torch.Tensor  # [B, 1, T, ctx] key s is visible to query t: s <= positions[b, t]
+    allowed: torch.Tensor  # [B, 1, T, ctx] key s is visible to query t: s <= positions[b, t] for chains
     dtype: torch.dtype = torch.float32  # of the additive masks
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
-    def build(slots: torch.Tensor, positions: torch.Tensor, ctx: int, dtype: torch.dtype = torch.float32
-              ) -> StaticBatch:
-        keys = torch.arange(ctx, device=positions.device)
-        return StaticBatch(slots, positions, ctx, (keys[None, None, :] <= positions[:, :, None])[:, None], dtype)
+    def build(slots: torch.Tensor, positions: torch.Tensor, ctx: int, dtype: torch.dtype = torch.float32,
+              visible: torch.Tensor | None = None) -> StaticBatch:
+        """Causal over each row's entries, or as `visible` [B, T, ctx] says (trees)."""
+        if visible is None:
+            keys = torch.arange(ctx, device=positions.device)
+            visible = keys[None, None, :] <= positions[:, :, None]
+        return StaticBatch(slots, positions, ctx, visible[:, None], dtype)
 
     def grouped_mask(self, group: int) -> torch.Tensor:
         """Additive mask [B, 1, group*T, ctx] for queries grouped per KV head (rows: member, token),

@@ -78,11 +78,15 @@ class LlamaModel(nn.Module):
         return self.static_forward(tokens, positions, slots, ctx, cache, capture)
 
     def static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: int,
-                       cache: KVCache, capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       cache: KVCache, capture: bool = False, entries: torch.Tensor | None = None,
+                       visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward_static without the inference-mode wrapper: what torch.compile traces (its
-        compiled code runs under no_grad, as inference tensors cannot be mutated in a graph)."""
+        compiled code runs under no_grad, as inference tensors cannot be mutated in a graph).
+        Trees: `entries` [B, T] are the KV entries written (positions are then rotary positions
+        only) and `visible` [B, T, ctx] what each token attends to."""
         b, t = tokens.shape
-        batch = StaticBatch.build(slots, positions, ctx, self.embed_tokens.weight.dtype)
+        batch = StaticBatch.build(slots, positions if entries is None else entries, ctx,
+                                  self.embed_tokens.weight.dtype, visible)
         logits, aux = self._forward(tokens.reshape(-1), positions.reshape(-1), batch, cache, capture)
         return logits.view(b, t, -1), None if aux is None else aux.view(b, t, -1)
 
