@@ -103,6 +103,25 @@ def test_engines_with_and_without_graphs_give_identical_tokens(tiny_target: Path
 
 
 @needs_gpus(1)
+def test_trees_with_and_without_graphs_give_identical_tokens(tiny_target: Path, tiny_head: Path) -> None:
+    """Tree verifies run in graphs of their own key (the draft grows trees eagerly); the tokens
+    equal the eager run's and target-only decoding's."""
+    results = {}
+    for graphs in (False, True):
+        e = engines(tiny_target, tiny_head, graphs)
+        try:
+            base = greedy(e, TINY_PROMPTS, 0)
+            trees = [r.tokens for r in e.generate([GenerationRequest(p, 32, Sampling(), set(), s, k, n) for p, s, k, n
+                                                   in zip(TINY_PROMPTS, [3, 5, 2, 4], [4, 2, 8, 1], [16, 8, 12, 0],
+                                                          strict=True)])]
+            results[graphs] = (base, trees)
+        finally:
+            e.close()
+    assert results[True] == results[False]
+    assert results[True][1] == results[True][0]
+
+
+@needs_gpus(1)
 def test_draft_proposals_with_and_without_graphs_are_identical(tiny_target: Path, tiny_head: Path) -> None:
     """The draft's proposals (not only the target's tokens) do not depend on graphs."""
     class Recording(LocalDraft):
