@@ -47,22 +47,23 @@ def per_cycle(label: str, steps: int, tokens: int, decode_s: float, cycles: int,
 def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list[int]
                ) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
     target = TargetRuntime(TargetConfig(model=a.model, dtype=a.dtype, device=a.device, hidden_backend=a.backend,
-                                        max_context=a.max_context, max_sequences=2,
-                                        compile=a.compile).validate(), TensorParallel())
+                                        max_context=a.max_context, max_sequences=2, compile=a.compile,
+                                        max_draft_tokens=max(16, tree_size(a))).validate(), TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
-                                     max_context=a.max_context, max_sequences=2,
-                                     compile=a.compile).validate())
+                                     max_context=a.max_context, max_sequences=2, compile=a.compile,
+                                     max_topk=max(8, tree_topk(a))).validate())
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
     try:
         for steps in [0, *steps_list]:  # warm-up: capture the graphs of every bucket the runs will use
-            generate(target, draft, prompts[0], a.max_new_tokens, steps)
+            generate(target, draft, prompts[0], a.max_new_tokens, steps, None, tree_topk(a), tree_size(a))
         base = [generate(target, None, p, a.max_new_tokens, 0) for p in prompts]
         refs = [p + r.tokens for p, r in zip(prompts, base, strict=True)]
         rows = {0: summarize("in_process", 0, base)}
         for steps in steps_list:
             replayer = None if a.accept_rate is None else Replayer(refs, a.accept_rate, target.model.cfg.vocab_size)
-            runs = [generate(target, draft, p, a.max_new_tokens, steps, replayer) for p in prompts]
+            runs = [generate(target, draft, p, a.max_new_tokens, steps, replayer, tree_topk(a), tree_size(a))
+                    for p in prompts]
             rows[steps] = summarize("in_process", steps, runs)
             # in bfloat16 a verify of k+1 rows may round a near-tie differently from a one-row decode; then the
             # sequence leaves its reference (and replayed acceptance falls): reported, not hidden
@@ -77,9 +78,23 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
         torch.cuda.empty_cache()
 
 
+def tree_topk(a: argparse.Namespace) -> int:
+    return getattr(a, "topk", 1)
+
+
+def tree_size(a: argparse.Namespace) -> int:
+    """A tree's num_draft_tokens (0 for chains)."""
+    return getattr(a, "num_draft_tokens", 0) if tree_topk(a) > 1 else 0
+
+
 def summarize(label: str, steps: int, runs: list[LoopRun]) -> dict[str, Any]:
     return per_cycle(label, steps, sum(len(r.tokens) - 1 for r in runs), sum(r.decode_s for r in runs),
                      sum(r.cycles for r in runs), sum(r.draft_ms for r in runs), sum(r.verify_ms for r in runs))
+
+
+def shape(a: argparse.Namespace, steps: int) -> dict[str, int]:
+    """The request's tree shape (nothing for chains and target-only)."""
+    return {"topk": tree_topk(a), "num_draft_tokens": tree_size(a)} if steps and tree_topk(a) > 1 else {}
 
 
 def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[int]], steps_list: list[int],
@@ -90,9 +105,12 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
         ref_file.write_text(json.dumps(refs))
         replay = ["--replay-references", str(ref_file), "--replay-accept-rate", str(a.accept_rate)]
     engine_flags = (["--inline-steps"] if a.inline_steps else []) + (["--compile"] if a.compile else [])
+    trees = ["--max-num-draft-tokens", str(max(16, tree_size(a)))]
     cfg = StackConfig(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
                       hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
-                      extra_target_args=engine_flags, extra_draft_args=list(engine_flags), extra_gateway_args=replay,
+                      extra_target_args=[*engine_flags, "--max-draft-tokens", str(max(16, tree_size(a)))],
+                      extra_draft_args=[*engine_flags, "--max-topk", str(max(8, tree_topk(a)))],
+                      extra_gateway_args=[*replay, *trees],
                       step_sockets=not a.grpc_steps)
     rows = {}
     with ServiceStack(cfg) as stack:
@@ -100,10 +118,11 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
         try:
             for steps in [0, *steps_list]:  # warm-up: every bucket the runs will use
                 client.generate(make_request(token_ids=prompts[0], max_new_tokens=a.max_new_tokens, ignore_eos=True,
-                                             num_steps=steps, speculation=steps > 0), timeout=600)
+                                             num_steps=steps, speculation=steps > 0, **shape(a, steps)), timeout=600)
             for steps in [0, *steps_list]:
                 gens = [client.generate(make_request(token_ids=p, max_new_tokens=a.max_new_tokens, ignore_eos=True,
-                                                     num_steps=steps, speculation=steps > 0), timeout=600)
+                                                     num_steps=steps, speculation=steps > 0, **shape(a, steps)),
+                                        timeout=600)
                         for p in prompts]
                 same = round(sum(list(g.token_ids) == r[len(p) : len(p) + a.max_new_tokens]
                                  for g, r, p in zip(gens, refs, prompts, strict=True)) / len(gens), 3)

@@ -91,6 +91,8 @@ def main() -> None:
                    help="the gateway's Steps over the gRPC streams (default: the services' Unix step sockets)")
     p.add_argument("--compile", action="store_true", help="the target's and the draft's static forwards through "
                    "torch.compile")
+    p.add_argument("--topk", type=int, default=1, help="> 1: the draft proposes trees branching topk ways")
+    p.add_argument("--num-draft-tokens", type=int, default=16, help="a tree's size counting the root (trees only)")
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the HF generate reference (0: skip it)")
     p.add_argument("--threads", type=int, default=0)
     a = p.parse_args()
@@ -113,6 +115,7 @@ def main() -> None:
         remote = cycle_overhead.services(a, prompts, refs, steps_list, Path(tmp))
     base = local[0]["decode_tokens_per_s"]
     common = {"bench": "end_to_end", "model": a.model, "head": Path(a.head).name, "dtype": a.dtype,
+              "topk": a.topk, "num_draft_tokens": a.num_draft_tokens if a.topk > 1 else None,
               "max_new_tokens": a.max_new_tokens, "prompts": len(prompts)}
     summary: dict[str, Any] = {}
     for steps in [0, *steps_list]:

@@ -34,8 +34,9 @@ class LoopRun:
 
 
 def generate(target: TargetRuntime, draft: DraftRuntime | None, prompt: list[int], max_new: int, steps: int,
-             replayer: Replayer | None = None) -> LoopRun:
-    """Greedy; speculation when steps > 0 (then `draft` is required)."""
+             replayer: Replayer | None = None, topk: int = 1, num_draft_tokens: int = 0) -> LoopRun:
+    """Greedy; speculation when steps > 0 (then `draft` is required); a tree when topk > 1
+    (a replayer turns it into a chain)."""
     sid, spec = next(_ids), steps > 0 and draft is not None
     (first,), _ = target.step([Prefill(sid, prompt, capture=spec)], [])
     if first.code:
@@ -45,15 +46,19 @@ def generate(target: TargetRuntime, draft: DraftRuntime | None, prompt: list[int
     t0 = time.perf_counter()
     while len(out) < max_new:
         drafts: list[int] = []
+        parents: list[int] = []
         if spec:
             assert draft is not None and ref is not None
-            op = ExtendPropose(sid, feed, ref, steps, position=position)
+            op = ExtendPropose(sid, feed, ref, steps, position=position, topk=topk, num_draft_tokens=num_draft_tokens)
             (d,), timing = draft.step([op])
             draft_ms += timing.compute_ms
-            drafts = replayer.rewrite(op, d.draft_ids) if replayer else d.draft_ids
+            if replayer:
+                drafts = replayer.rewrite(op, d.draft_ids[:steps] if d.draft_parents else d.draft_ids)
+            else:
+                drafts, parents = d.draft_ids, d.draft_parents
             release.append(ref.generation)  # consumed by the draft
             position += len(feed)
-        (v,), timing = target.step([Verify(sid, drafts, capture=spec)], release)
+        (v,), timing = target.step([Verify(sid, drafts, draft_parents=parents, capture=spec)], release)
         if v.code:
             raise RuntimeError(f"verify failed: {v.message}")
         verify_ms += timing.compute_ms

@@ -23,3 +23,7 @@ def test_the_last_cycle_is_cut_at_max_new(tiny_target: Path, tiny_head: Path) ->
     run = generate(engines.target, engines.draft, prompt, 10, 4, replayer)  # every proposal right: 5 tokens a cycle
     assert run.cycles == 2  # 1 + 5 + 5 = 11 tokens made, 10 counted
     assert run.tokens == reference.tokens[:10]
+    tree = generate(engines.target, engines.draft, prompt, 30, 3, None, topk=4, num_draft_tokens=12)
+    assert tree.tokens == reference.tokens  # the plain loop verifies trees too
+    replayed = generate(engines.target, engines.draft, prompt, 10, 4, replayer, topk=4, num_draft_tokens=12)
+    assert replayed.cycles == 2 and replayed.tokens == reference.tokens[:10]  # replay turns the tree into a chain
