@@ -269,3 +269,27 @@ def test_static_engines_trees_are_lossless(tiny_target: Path, tiny_head: Path) -
         assert [r.tokens for r in mixed] == [r.tokens for r in base]
     finally:
         engines.close()
+
+
+def test_a_draft_narrower_than_the_gateways_max_topk_is_not_used() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from gateway.recovery import Recovery
+    from specsplit.v1 import draft_pb2
+
+    class Draft:
+        def __init__(self, max_topk: int) -> None:
+            self.info = draft_pb2.DraftInfo(max_steps=8, max_topk=max_topk, max_sequences=4, head_name="h")
+
+        async def attach(self, store: object, timeout: float) -> draft_pb2.DraftInfo:
+            return self.info
+
+        def use_step_transport(self, socket: str) -> str:
+            return "grpc stream"
+
+    for max_topk, usable in ((2, False), (8, True)):
+        scheduler = SimpleNamespace(draft=object(), max_sequences=8)
+        recovery = Recovery(scheduler, None, Draft(max_topk), None, [], 8, 1.0, max_topk=8)
+        assert asyncio.run(recovery.attach_draft()) is usable
+        assert (scheduler.draft is None) is not usable
