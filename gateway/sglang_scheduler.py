@@ -216,7 +216,11 @@ class SglangSchedulerServicer(sgl_grpc.SglangSchedulerServicer):
                      "context_length": self.limits.max_context, "max_running_requests": s.max_sequences,
                      "max_total_tokens": s.max_sequences * self.limits.max_context, "is_embedding": False,
                      "vocab_size": self.limits.vocab_size, "speculative_algorithm": "EAGLE3",
-                     "speculative_num_steps": self.cfg.default_num_steps, "target_addr": self.cfg.target_addr,
+                     "speculative_num_steps": self.cfg.default_num_steps,
+                     "speculative_eagle_topk": self.cfg.default_topk,  # SGLang's names; a chain is topk 1
+                     "speculative_num_draft_tokens": (self.cfg.default_num_draft_tokens if self.cfg.default_topk > 1
+                                                      else self.cfg.default_num_steps + 1),
+                     "target_addr": self.cfg.target_addr,
                      "draft_addr": self.cfg.draft_addr})
         info = struct_pb2.Struct()
         info.update({"max_sequences": s.max_sequences, "max_queue": s.max_queue, "speculating": s.speculating})

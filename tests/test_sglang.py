@@ -92,6 +92,9 @@ def test_model_server_info_and_health(sglang: sgl_grpc.SglangSchedulerStub, smol
     server = sglang.GetServerInfo(sgl.GetServerInfoRequest(), timeout=10)
     assert server.server_type == "grpc" and server.server_args["dp_size"] == 1
     assert server.server_args["max_running_requests"] == 4
+    args = server.server_args
+    assert (args["speculative_eagle_topk"], args["speculative_num_draft_tokens"]) == (1,
+                                                                                    args["speculative_num_steps"] + 1)
     health = sglang.HealthCheck(sgl.HealthCheckRequest(), timeout=10)
     assert health.healthy, health.message
     with pytest.raises(grpc.RpcError) as err:
