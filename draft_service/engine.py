@@ -179,7 +179,7 @@ class DraftEngine:
             inputs[b] = hidden[j].expand(len(tree.frontier), -1)
         for depth in range(1, max(steps.values())):
             live = [b for b in order if steps[b] > depth]
-            segments = [trees[b].frontier_segment() for b in live]
+            segments = [trees[b].frontier_segment(self.device) for b in live]
             tokens = torch.tensor([trees[b].tokens[i] for b in live for i in trees[b].frontier], dtype=torch.long,
                                   device=self.device)
             logits, prenorm = self.head.forward_batch(tokens, torch.cat([inputs[b] for b in live]), segments,

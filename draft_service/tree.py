@@ -53,9 +53,10 @@ class DraftTree:
         fresh = range(first, len(self.tokens))
         self.frontier = sorted(fresh, key=lambda i: (-self.scores[i], i))[: self.topk]
 
-    def frontier_segment(self) -> Segment:
+    def frontier_segment(self, device: torch.device | str = "cpu") -> Segment:
         """The frontier's nodes as one segment: written side by side after the entries used so
-        far, at position length + depth - 1 (the chain's position for that depth)."""
+        far, at position length + depth - 1 (the chain's position for that depth); its tensors
+        moved to `device` once."""
         n, start = len(self.frontier), self.next_entry
         visible = torch.zeros(n, start + n, dtype=torch.bool)  # [n, start + n]
         visible[:, : self.length] = True
@@ -66,7 +67,7 @@ class DraftTree:
             visible[j, own] = True
         self.next_entry += n
         positions = torch.tensor([self.length + self.depths[i] - 1 for i in self.frontier])
-        return Segment(self.slot, start, n, positions, visible)
+        return Segment(self.slot, start, n, positions.to(device), visible.to(device))
 
     def result(self) -> tuple[list[int], list[int]]:
         """The kept draft tokens in creation order (parents first) and their parents' indices

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import torch
 
@@ -198,9 +199,8 @@ class TargetEngine:
 
     def _forward_eager(self, work: list[Work], capture: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         tokens = torch.tensor([t for w in work for t in w.tokens], dtype=torch.long, device=self.device)
-        segments = [tree_segment(w.slot, w.start, [-1, *(p + 1 for p in w.op.draft_parents)])
-                    if isinstance(w.op, Verify) and w.op.draft_parents else Segment(w.slot, w.start, len(w.tokens))
-                    for w in work]
+        segments = [tree_segment(w.slot, w.start, _tree_parents(w.op), self.device) if _is_tree(w.op)
+                    else Segment(w.slot, w.start, len(w.tokens)) for w in work]
         logits, aux = self.model.forward_batch(tokens, segments, self.cache, capture)  # [N, V], [N, 3H]
         parts, off = [], 0
         for w in work:
@@ -223,7 +223,7 @@ class TargetEngine:
             tokens[i, : len(w.tokens)] = torch.tensor(w.tokens)
             positions[i] += w.start
             slots[i] = w.slot
-        if any(isinstance(w.op, Verify) and w.op.draft_parents for w in work):
+        if any(_is_tree(w.op) for w in work):
             return self._run_static_tree(work, tokens, positions, slots, ctx, capture)
 
         def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
@@ -246,8 +246,8 @@ class TargetEngine:
         visible = keys[None, None, :] <= entries[:, :, None]  # [B, T, ctx] causal
         positions = entries.clone()
         for i, w in enumerate(work):
-            if isinstance(w.op, Verify) and w.op.draft_parents:
-                seg = tree_segment(w.slot, w.start, [-1, *(p + 1 for p in w.op.draft_parents)])
+            if _is_tree(w.op):
+                seg = tree_segment(w.slot, w.start, _tree_parents(w.op))  # on the host: filled into host tensors
                 n = seg.length
                 positions[i, :n] = seg.positions
                 visible[i, :n, : w.start + n] = seg.visible
@@ -271,7 +271,7 @@ class TargetEngine:
             first = select_token(logits[-1], op.sampling, seq.generator)
             seq.length, seq.last_token, seq.tokens = len(op.prompt_ids), first, list(op.prompt_ids)
             return Outcome(TargetResult(op.seq_id, tokens=[first]), rows)
-        if isinstance(op, Verify) and op.draft_parents:
+        if _is_tree(op):
             return self._finish_tree(w, op, logits, rows)
         if isinstance(op, Verify):
             accepted, emitted = verify_chain(logits, op.draft_ids, op.draft_dists, seq.sampling, seq.generator)
@@ -305,3 +305,12 @@ class TargetEngine:
         if seq is not None:
             self.free_slots.append(seq.slot)
         return Outcome(TargetResult(op.seq_id))
+
+
+def _is_tree(op: TargetOp) -> TypeGuard[Verify]:
+    return isinstance(op, Verify) and bool(op.draft_parents)
+
+
+def _tree_parents(op: Verify) -> list[int]:
+    """The verified tokens' parents: [last, d1..dn] with `last` the root (draft parent -1 -> 0)."""
+    return [-1, *(p + 1 for p in op.draft_parents)]

@@ -92,11 +92,11 @@ def segment_positions(segments: list[Segment], device: torch.device | str) -> to
                       else s.positions.to(device) for s in segments])  # [N]
 
 
-def tree_segment(slot: int, start: int, parents: list[int]) -> Segment:
+def tree_segment(slot: int, start: int, parents: list[int], device: torch.device | str = "cpu") -> Segment:
     """A tree of len(parents) tokens written at entries start.. in order, after `start` committed
     entries: token i's parent is parents[i] (< i; -1 for none, i.e. it follows the committed
     entries). Each token sits at position start + depth and sees the committed entries, its
-    ancestors and itself."""
+    ancestors and itself. Built on the host, moved to `device` once (not in every layer)."""
     n = len(parents)
     depth = [0] * n
     visible = torch.zeros(n, start + n, dtype=torch.bool)
@@ -106,7 +106,7 @@ def tree_segment(slot: int, start: int, parents: list[int]) -> Segment:
             depth[i] = depth[p] + 1
             visible[i] = visible[p]
         visible[i, start + i] = True
-    return Segment(slot, start, n, start + torch.tensor(depth), visible)
+    return Segment(slot, start, n, (start + torch.tensor(depth)).to(device), visible.to(device))
 
 
 @dataclass
