@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draft_service.tree import DraftTree
+from draft_service.tree import DraftTree, grow_trees_static, static_tree_result
 from specsplit.handoff.base import HiddenReader
 from specsplit.models.cuda_graphs import GraphCache, bucket_up, compile_static, pow2_buckets
 from specsplit.models.eagle3 import Eagle3Head
@@ -127,9 +127,8 @@ class DraftEngine:
                             ) -> list[tuple[list[int], list[SparseDist], list[int]]]:
         trees = {b: DraftTree(seq.slot, seq.length + len(op.tokens), op.topk, op.num_draft_tokens - 1)
                  for b, (_, op, seq, _) in enumerate(work) if op.topk > 1 and op.num_steps > 0}
-        if self.use_static and not trees and max(len(op.tokens) for _, op, _, _ in work) <= self.max_steps + 1:
-            # cycles' extends; prompt-length extends and trees run eagerly
-            return [(ids, dists, []) for ids, dists in self._propose_static(work)]
+        if self.use_static and max(len(op.tokens) for _, op, _, _ in work) <= self.max_steps + 1:
+            return self._propose_static(work, trees)  # cycles' extends; prompt-length extends run eagerly
         tokens = torch.tensor([t for _, op, _, _ in work for t in op.tokens], dtype=torch.long, device=self.device)
         feats = torch.cat([f for _, _, _, f in work])
         segments = [Segment(seq.slot, seq.length, len(op.tokens)) for _, op, seq, _ in work]
@@ -202,16 +201,17 @@ class DraftEngine:
         top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return self.head.to_target_ids(top.indices).tolist(), top.values.tolist()
 
-    def _propose_static(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]]
-                        ) -> list[tuple[list[int], list[SparseDist]]]:
+    def _propose_static(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]],
+                        trees: dict[int, DraftTree]) -> list[tuple[list[int], list[SparseDist], list[int]]]:
         """The same extend and proposal as a padded static batch: one extend forward, then one
         forward per step for all sequences, tokens chosen on the device (greedy) so that the
         whole proposal needs one host synchronisation. Every sequence runs the batch's largest
-        num_steps and keeps its own; the extra steps write KV entries the next extend overwrites."""
+        num_steps and keeps its own; the extra steps write KV entries the next extend overwrites.
+        Trees grow after the chains, all levels in one graph (grow_trees_static)."""
         n = len(work)
         b = bucket_up(n, self.batch_buckets)
         t = max(len(op.tokens) for _, op, _, _ in work)
-        steps = max(op.num_steps for _, op, _, _ in work)
+        steps = max((op.num_steps for i, (_, op, _, _) in enumerate(work) if i not in trees), default=0)
         assert b is not None
         tokens = torch.zeros(b, t, dtype=torch.long)
         positions = torch.arange(t).repeat(b, 1)  # [B, T]
@@ -231,8 +231,10 @@ class DraftEngine:
         for _, op, seq, _ in work:
             seq.length += len(op.tokens)
         sampled = [i for i, (_, _, seq, _) in enumerate(work) if not seq.sampling.greedy]
-        out: list[tuple[list[int], list[SparseDist]]] = [([], []) for _ in work]
+        out: list[tuple[list[int], list[SparseDist], list[int]]] = [([], [], []) for _ in work]
         chosen = torch.empty(b, steps, dtype=torch.long, device=self.device)  # [B, steps] target ids
+        if trees:  # the chain steps below may replay the graph whose outputs these are
+            tree_logits, tree_hidden = last_logits.clone(), hidden.clone()
         for step in range(steps):
             chosen[:, step] = self.head.to_target_ids(torch.argmax(last_logits, dim=-1))
             for i in sampled:
@@ -243,10 +245,47 @@ class DraftEngine:
                 logits, prenorm = self._static_forward(chosen[:, step : step + 1], hidden[:, None], pos, slots_dev,
                                                        int(pos.max()) + 1)
                 last_logits, hidden = logits[:, 0], prenorm[:, 0]
+        grown = self._grow_static(trees, {i: work[i][1].num_steps for i in trees}, tree_logits, tree_hidden,
+                                  ends, slots_dev) if trees else {}
         ids = chosen.tolist()
         for i, (_, op, _, _) in enumerate(work):
-            out[i][0].extend(ids[i][: op.num_steps])
+            if i in grown:
+                out[i][0].extend(grown[i][0])
+                out[i][2].extend(grown[i][1])
+            else:
+                out[i][0].extend(ids[i][: op.num_steps])
         return out
+
+    def _grow_static(self, trees: dict[int, DraftTree], steps_of: dict[int, int], logits: torch.Tensor,
+                     hidden: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor
+                     ) -> dict[int, tuple[list[int], list[int]]]:
+        """Every tree of the batch, grown on the device: one graph per topk (all rows of the
+        padded batch grow; the others' extra KV entries are overwritten by their next extend).
+        logits [B, Vd], hidden [B, H], ends [B] each row's committed draft entries."""
+        grown: dict[int, tuple[list[int], list[int]]] = {}
+        for topk in sorted({tree.topk for tree in trees.values()}):
+            rows = [i for i, tree in trees.items() if tree.topk == topk]
+            steps = max(steps_of[i] for i in rows)
+            ctx = bucket_up(int(ends.max()) + (steps - 1) * topk, self.ctx_buckets)
+            assert ctx is not None
+            b = logits.shape[0]
+
+            def fn(logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                   topk: int = topk, steps: int = steps, ctx: int = ctx) -> tuple:
+                def forward(*args: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+                    return self.static_fn(*args[:5], self.cache, *args[5:])
+
+                return grow_trees_static(forward, self.head.to_target_ids, logits, hidden, lengths, slots,
+                                         topk, steps, ctx)
+
+            with torch.no_grad() if self.compiled else torch.inference_mode():
+                tokens, parents, order = self.graphs.run(("tree", b, topk, steps, ctx), fn, logits=logits,
+                                                         hidden=hidden, lengths=ends.to(self.device), slots=slots)
+            assert tokens is not None and parents is not None and order is not None
+            tok, par, best = (x.tolist() for x in (tokens, parents, order))
+            for i in rows:
+                grown[i] = static_tree_result(tok[i], par[i], best[i], topk, steps_of[i], trees[i].keep)
+        return grown
 
     def _static_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                         slots: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,10 +10,17 @@ parent, so the kept set holds every kept node's ancestors.
 Expanded nodes write draft KV entries after the committed ones (a level's nodes side by
 side); each sees the committed entries, its ancestors' entries and its own. The next
 extend overwrites them all.
+
+Two implementations: `DraftTree` keeps one tree on the host (the eager path, one forward
+and one host synchronisation per level), `grow_trees_static` grows a padded batch of trees
+with tensors only (no host synchronisation: one CUDA graph for all levels). Both lay out
+the candidates alike (level by level, each expanded node's children in its topk order) and
+break score ties by index, so they build the same trees.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -77,3 +84,58 @@ class DraftTree:
         index = {node: j for j, node in enumerate(kept)}
         parents = [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in kept]
         return [self.tokens[i] for i in kept], parents
+
+
+StaticForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def grow_trees_static(forward: StaticForward, to_target_ids: Callable[[torch.Tensor], torch.Tensor],
+                      logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                      topk: int, steps: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grow B trees of `steps` levels at once. logits [B, Vd] and hidden [B, H] of each
+    sequence after its extend; lengths [B] committed draft entries; slots [B].
+    `forward(tokens, hidden, positions, slots, ctx, entries, visible)` is the head's static
+    forward. Returns, for the N = topk + (steps - 1) * topk² candidates of each tree: target
+    ids [B, N], parents [B, N] (candidate index, -1 under the sequence) and the candidates
+    best first [B, N] (stable: ties keep index order, so parents come before children)."""
+    b, k, h = logits.shape[0], topk, hidden.shape[-1]
+    lp, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [B, K]
+    front_scores = lp.double().clamp(max=0.0)  # cumulative log-probabilities, as DraftTree's floats
+    front_tokens = to_target_ids(ids)  # [B, K]
+    tokens, scores = [front_tokens], [front_scores]
+    parents = [torch.full((b, k), -1, dtype=torch.long, device=logits.device)]
+    frontier = torch.arange(k, device=logits.device).expand(b, k)  # candidate index of each frontier node
+    inputs = hidden[:, None].expand(b, k, h)  # [B, K, H]
+    keys = torch.arange(ctx, device=logits.device)
+    seen = (keys[None, :] < lengths[:, None])[:, None].expand(b, k, ctx)  # [B, K, ctx] committed entries
+    lane = torch.arange(k, device=logits.device)
+    for depth in range(1, steps):
+        entries = lengths[:, None] + (depth - 1) * k + lane  # [B, K] a level's nodes side by side
+        positions = (lengths + depth - 1)[:, None].expand(b, k)  # the chain's position for this depth
+        visible = seen | (keys == entries[..., None])  # [B, K, ctx]
+        out, prenorm = forward(front_tokens, inputs, positions, slots, ctx, entries, visible)  # [B,K,Vd], [B,K,H]
+        lp, ids = torch.log_softmax(out.float(), dim=-1).topk(k, dim=-1)  # [B, K, K]
+        cand = (front_scores[..., None] + lp.double().clamp(max=0.0)).reshape(b, k * k)
+        cand_tokens = to_target_ids(ids).reshape(b, k * k)
+        tokens.append(cand_tokens)
+        scores.append(cand)
+        parents.append(frontier[..., None].expand(b, k, k).reshape(b, k * k))
+        best = torch.sort(cand, dim=-1, descending=True, stable=True).indices[:, :k]  # [B, K]
+        frontier = k + (depth - 1) * k * k + best
+        front_scores, front_tokens = cand.gather(1, best), cand_tokens.gather(1, best)
+        parent_lane = best // k  # each new frontier node's parent, as a lane of this level
+        inputs = prenorm.gather(1, parent_lane[..., None].expand(b, k, h))
+        seen = visible.gather(1, parent_lane[..., None].expand(b, k, ctx))  # the parent's view, with its entry
+    all_scores = torch.cat(scores, dim=1)
+    order = torch.sort(all_scores, dim=-1, descending=True, stable=True).indices
+    return torch.cat(tokens, dim=1), torch.cat(parents, dim=1), order
+
+
+def static_tree_result(tokens: list[int], parents: list[int], order: list[int], topk: int, steps: int,
+                       keep: int) -> tuple[list[int], list[int]]:
+    """One row of grow_trees_static, cut to a tree of `steps` levels (a batch grows its
+    deepest) and its best `keep` candidates, as DraftTree.result gives them."""
+    n = topk + (steps - 1) * topk * topk  # candidates of the first `steps` levels
+    kept = sorted([i for i in order if i < n][:keep])
+    index = {node: j for j, node in enumerate(kept)}
+    return [tokens[i] for i in kept], [index[parents[i]] if parents[i] >= 0 else -1 for i in kept]

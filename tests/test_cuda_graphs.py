@@ -104,21 +104,34 @@ def test_engines_with_and_without_graphs_give_identical_tokens(tiny_target: Path
 
 @needs_gpus(1)
 def test_trees_with_and_without_graphs_give_identical_tokens(tiny_target: Path, tiny_head: Path) -> None:
-    """Tree verifies run in graphs of their own key (the draft grows trees eagerly); the tokens
-    equal the eager run's and target-only decoding's."""
+    """Tree verifies run in graphs of their own key and the draft grows all of a tree's levels
+    in one graph; the trees and tokens equal the eager run's and target-only decoding's."""
+    class Recording(LocalDraft):
+        seen: list[tuple[list[int], list[int]]]
+
+        async def step(self, ops):  # noqa: ANN001, ANN202
+            results, timing = await super().step(ops)
+            self.seen.extend((r.draft_ids, r.draft_parents) for r in results)
+            return results, timing
+
     results = {}
     for graphs in (False, True):
         e = engines(tiny_target, tiny_head, graphs)
         try:
             base = greedy(e, TINY_PROMPTS, 0)
+            recording = Recording(e.draft)
+            recording.seen = []
             trees = [r.tokens for r in e.generate([GenerationRequest(p, 32, Sampling(), set(), s, k, n) for p, s, k, n
                                                    in zip(TINY_PROMPTS, [3, 5, 2, 4], [4, 2, 8, 1], [16, 8, 12, 0],
-                                                          strict=True)])]
-            results[graphs] = (base, trees)
+                                                          strict=True)], recording)]
+            results[graphs] = (base, trees, recording.seen)
+            if graphs:
+                assert any(key[0] == "tree" for key in e.draft.engine.graphs.graphs)
         finally:
             e.close()
     assert results[True] == results[False]
     assert results[True][1] == results[True][0]
+    assert any(parents for _, parents in results[True][2])
 
 
 @needs_gpus(1)

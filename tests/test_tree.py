@@ -10,12 +10,13 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
+from draft_service.tree import DraftTree, grow_trees_static, static_tree_result
 from gateway.config import GatewayConfig
 from gateway.local import LocalEngines
 from gateway.requests import InvalidRequest, ModelLimits, tree_shape
 from gateway.scheduler import GenerationRequest
 from specsplit.handoff.factory import open_reader
-from specsplit.models.layers import tree_segment
+from specsplit.models.layers import Segment, tree_segment
 from specsplit.ops import Code, ExtendPropose, HiddenRef, Prefill, Release, Sampling, Verify
 from specsplit.sampling import verify_tree
 from specsplit.tokenizer import TextCodec
@@ -138,6 +139,102 @@ def test_draft_tree_of_topk_1_is_the_chain(tiny_engines: LocalEngines) -> None:
         assert ids[0] == chain[0]  # the best first token heads the tree
     draft.step([Release(s) for s in (41, 42, 45, 47, 51)])
     target.step([Release(40)], [ref.generation])
+
+
+class FakeHead:
+    """A deterministic stand-in for the head's static forward over a 40-token vocabulary:
+    logits from the token and the hidden input, a new hidden from both. Records each level's
+    entries and masks."""
+
+    def __init__(self, hidden: int = 6, vocab: int = 40) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.tok, self.mix = torch.randn(vocab, vocab, generator=g), torch.randn(hidden, vocab, generator=g)
+        self.emb = torch.randn(vocab, hidden, generator=g)
+        self.seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                ctx: int, entries: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.seen.append((positions, entries, visible))
+        draft_ids = (tokens - 1) // 3  # the head embeds target ids: back to this table's rows
+        return self.tok[draft_ids] + hidden @ self.mix, torch.tanh(hidden + self.emb[draft_ids])
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids * 3 + 1  # a reduced vocabulary mapped into a wider one
+
+
+def host_tree(head: FakeHead, logits: torch.Tensor, hidden: torch.Tensor, length: int, topk: int, steps: int,
+              keep: int) -> tuple[DraftTree, list[Segment]]:
+    """The eager path's bookkeeping (DraftEngine._grow_trees) for one sequence, on FakeHead."""
+    tree, segments = DraftTree(0, length, topk, keep), []
+    top = torch.log_softmax(logits, -1).topk(topk)
+    tree.add(-1, head.to_target_ids(top.indices).tolist(), top.values.tolist())
+    tree.choose_frontier(0)
+    inputs = hidden.expand(topk, -1)
+    for _ in range(1, steps):
+        segments.append(tree.frontier_segment())
+        ids = torch.tensor([tree.tokens[i] for i in tree.frontier])
+        out, prenorm = head.forward(ids[None], inputs[None], None, None, 0, None, None)
+        head.seen.pop()
+        top = torch.log_softmax(out[0], -1).topk(topk)
+        first, rows = len(tree.tokens), {}
+        for j, node in enumerate(tree.frontier):
+            tree.add(node, head.to_target_ids(top.indices[j]).tolist(), top.values[j].tolist())
+            rows[node] = j
+        tree.choose_frontier(first)
+        inputs = prenorm[0][[rows[tree.parents[i]] for i in tree.frontier]]
+    return tree, segments
+
+
+@pytest.mark.parametrize("topk,steps", [(1, 4), (2, 1), (3, 4), (4, 5)])
+def test_static_tree_growth_builds_the_host_trees(topk: int, steps: int) -> None:
+    """grow_trees_static (tensors only, what one CUDA graph captures) gives DraftTree's trees:
+    the same candidates, parents, order, rotary positions, KV entries and attention masks."""
+    head, g = FakeHead(), torch.Generator().manual_seed(topk * 10 + steps)
+    lengths, ctx = torch.tensor([5, 9, 1]), 40
+    logits, hidden = torch.randn(3, 40, generator=g), torch.randn(3, 6, generator=g)
+    tokens, parents, order = grow_trees_static(head.forward, head.to_target_ids, logits, hidden, lengths,
+                                               torch.tensor([2, 0, 1]), topk, steps, ctx)
+    assert tokens.shape == parents.shape == order.shape == (3, topk + (steps - 1) * topk * topk)
+    levels = head.seen
+    for b, length in enumerate(lengths.tolist()):
+        for keep in (2, 7, 100):
+            tree, segments = host_tree(head, logits[b], hidden[b], length, topk, steps, keep)
+            assert tokens[b].tolist() == tree.tokens and parents[b].tolist() == tree.parents
+            for cut in range(1, steps + 1):  # a row of a batch grown deeper than its own num_steps
+                short, _ = host_tree(head, logits[b], hidden[b], length, topk, cut, keep)
+                assert static_tree_result(tokens[b].tolist(), parents[b].tolist(), order[b].tolist(), topk, cut,
+                                          keep) == short.result()
+        for (positions, entries, visible), seg in zip(levels, segments, strict=True):
+            assert positions[b].tolist() == seg.positions.tolist()
+            assert entries[b].tolist() == list(range(seg.start, seg.start + seg.length))
+            width = seg.visible.shape[1]
+            assert torch.equal(visible[b, :, :width], seg.visible) and not visible[b, :, width:].any()
+
+
+def test_static_and_eager_drafts_grow_the_same_trees(tiny_engines: LocalEngines) -> None:
+    """The draft engine's padded static path (CUDA's) and its eager path propose the same trees
+    and chains, also with trees of two widths and a chain in one batch."""
+    draft, target = tiny_engines.draft, tiny_engines.target
+    assert draft is not None
+    (pre,), _ = target.step([Prefill(70, [5, 6, 7, 8])], [])
+    tokens, ref = [6, 7, 8, *pre.tokens], pre.hidden
+    shapes = [dict(topk=4, num_draft_tokens=16, num_steps=5), dict(topk=2, num_draft_tokens=6, num_steps=3),
+              dict(num_steps=4), dict(topk=4, num_draft_tokens=9, num_steps=2)]
+    proposals = []
+    for static, base in ((False, 71), (True, 81)):
+        draft.engine.use_static = static
+        try:
+            ops = [ExtendPropose(base + i, tokens, HiddenRef(ref.offset, ref.rows, ref.generation), **kw)
+                   for i, kw in enumerate(shapes)]
+            results, _ = draft.step(ops)
+            assert all(r.code == Code.OK for r in results), [r.message for r in results]
+            proposals.append([(r.draft_ids, r.draft_parents) for r in results])
+        finally:
+            draft.engine.use_static = False
+            draft.step([Release(base + i) for i in range(len(shapes))])
+    target.step([Release(70)], [ref.generation])
+    assert proposals[0] == proposals[1]
+    assert [len(ids) for ids, _ in proposals[1]] == [15, 5, 4, 8]
 
 
 def test_draft_rejects_bad_tree_requests(tiny_engines: LocalEngines) -> None:

@@ -80,10 +80,14 @@ class Eagle3Head(nn.Module):
         return self.static_forward(tokens, hidden, positions, slots, ctx, cache)
 
     def static_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                       slots: torch.Tensor, ctx: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward_static without the inference-mode wrapper (what torch.compile traces)."""
+                       slots: torch.Tensor, ctx: int, cache: KVCache, entries: torch.Tensor | None = None,
+                       visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_static without the inference-mode wrapper (what torch.compile traces). Trees:
+        `entries` [B, T] are the KV entries written (positions are then rotary positions only)
+        and `visible` [B, T, ctx] what each token attends to."""
         b, t = tokens.shape
-        batch = StaticBatch.build(slots, positions, ctx, self.embed_tokens.weight.dtype)
+        batch = StaticBatch.build(slots, positions if entries is None else entries, ctx,
+                                  self.embed_tokens.weight.dtype, visible)
         logits, prenorm = self._forward(tokens.reshape(-1), hidden.reshape(b * t, -1), positions.reshape(-1),
                                         batch, cache)
         return logits.view(b, t, -1), prenorm.view(b, t, -1)
