@@ -25,6 +25,11 @@ SHAPES: dict[str, LlamaConfig] = {
         rope_theta=500000.0, max_position=8192, name="llama-3.1-8b-shape", eos_token_ids=[128001],
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192}),
+    # SmolLM2-135M-Instruct's shape: the shipped head's target, for timing without its 94 MiB file
+    "smollm2-135m": LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, vocab_size=49152,
+        rope_theta=100000.0, max_position=8192, tie_word_embeddings=True, name="smollm2-135m-shape",
+        bos_token_id=1, eos_token_ids=[2]),
 }
 
 

@@ -1,0 +1,112 @@
+"""Where an in-process speculation cycle's time goes: for target-only decoding, chains and trees,
+the engines' time per cycle (what bench.end_to_end reports as draft_us / verify_us) against the
+GPU time of the kernels they ran (torch.profiler, CUDA graphs on; the draft on its own GPU so
+that each GPU's kernels belong to one engine), the CUDA API calls that wait, and the host's
+busiest operators. Engine time well above its kernels' time means the host, not the GPU,
+decides the step. One JSON line per mode, then a summary line.
+
+  python -m bench.cycle_anatomy --model shape:smollm2-135m --device cuda:0 --draft-device cuda:1
+  python -m bench.cycle_anatomy --model <SmolLM2 GGUF> --head default ...   # the real head
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from bench.plain_loop import generate
+from bench.spec_vs_baseline import git_commit
+from draft_service.config import DraftConfig
+from draft_service.runtime import DraftRuntime
+from specsplit.models.parallel import TensorParallel
+from target_service.config import TargetConfig
+from target_service.runtime import TargetRuntime
+
+WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaMemcpy",
+                 "cudaGraphLaunch", "cudaLaunchKernel", "cudaEventSynchronize")
+
+
+def profile_run(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], new: int, steps: int, topk: int,
+                tree: int, top: int) -> dict[str, Any]:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        run = generate(target, draft if steps else None, prompt, new, steps, None, topk, tree)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    cycles = run.cycles
+    gpu_us: dict[str, float] = defaultdict(float)
+    kernels: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            gpu_us[f"cuda:{ev.device_index}"] += ev.device_time_total
+            kernels[f"cuda:{ev.device_index}"] += 1
+    averages = prof.key_averages()
+    api = {e.key: {"calls_per_cycle": round(e.count / cycles, 2), "us_per_cycle": round(e.cpu_time_total / cycles, 1)}
+           for e in averages if e.key in WAITING_CALLS}
+    host = sorted((e for e in averages if not e.key.startswith("cuda") and e.self_cpu_time_total > 0),
+                  key=lambda e: -e.self_cpu_time_total)[:top]
+    return {"num_steps": steps, "topk": topk if steps else None, "num_draft_tokens": tree or None,
+            "cycles": cycles, "accepted_length": round((len(run.tokens) - 1) / cycles, 3),
+            "cycle_us_profiled": round(run.decode_s * 1e6 / cycles, 1),
+            "draft_engine_us": round(run.draft_ms * 1e3 / cycles, 1),
+            "verify_engine_us": round(run.verify_ms * 1e3 / cycles, 1),
+            "gpu_kernel_us": {d: round(t / cycles, 1) for d, t in sorted(gpu_us.items())},
+            "kernels_per_cycle": {d: round(n / cycles, 1) for d, n in sorted(kernels.items())},
+            "cuda_api": api,
+            "host_ops_self_us": [{"op": e.key[:80], "calls_per_cycle": round(e.count / cycles, 2),
+                                  "us_per_cycle": round(e.self_cpu_time_total / cycles, 1)} for e in host]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="shape:smollm2-135m")
+    p.add_argument("--head", default="random")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--draft-device", default="cuda:1")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=96, help="per profiled run (the warm-up runs it too)")
+    p.add_argument("--num-steps", default="0,3,5", help="0: target-only; the others as chains and as trees")
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--num-draft-tokens", type=int, default=16)
+    p.add_argument("--top", type=int, default=12, help="host operators listed per mode")
+    a = p.parse_args()
+    t0 = time.time()
+    target = TargetRuntime(TargetConfig(model=a.model, dtype=a.dtype, device=a.device, max_context=1024,
+                                        max_sequences=2, max_draft_tokens=max(16, a.num_draft_tokens)).validate(),
+                           TensorParallel())
+    draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
+                                     max_context=1024, max_sequences=2, max_topk=max(8, a.topk)).validate())
+    assert target.writer is not None
+    draft.attach(target.writer.descriptor)
+    prompt = [100 + (i * 37) % 5000 for i in range(a.prompt_tokens)]
+    modes = [(s, 1, 0) for s in (int(x) for x in a.num_steps.split(",") if x)]
+    modes += [(s, a.topk, a.num_draft_tokens) for s, _, _ in modes if s > 0]
+    summary: dict[str, Any] = {}
+    try:
+        for steps, topk, tree in modes:
+            generate(target, draft if steps else None, prompt, a.max_new_tokens, steps, None, topk, tree)  # warm-up
+            row = profile_run(target, draft, prompt, a.max_new_tokens, steps, topk, tree, a.top)
+            name = "target_only" if not steps else f"{'tree' if tree else 'chain'}{steps}"
+            summary[name] = {"draft_engine_us": row["draft_engine_us"], "verify_engine_us": row["verify_engine_us"],
+                             "gpu_kernel_us": row["gpu_kernel_us"]}
+            print(json.dumps({"bench": "cycle_anatomy", "mode": name, "model": a.model, "head": a.head,
+                              "dtype": a.dtype, **row}), flush=True)
+    finally:
+        target.close()
+    print(json.dumps({"bench": "cycle_anatomy", "summary": "engine µs per cycle against their GPUs' kernel µs",
+                      "target_device": a.device, "draft_device": a.draft_device, "per_mode": summary,
+                      "note": "profiled runs: the profiler's own cost is in the engine times",
+                      "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                      "commit": git_commit(), "machine": platform.machine(), "wall_s": round(time.time() - t0, 1)}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
