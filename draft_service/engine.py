@@ -125,10 +125,10 @@ class DraftEngine:
 
     def _extend_and_propose(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]]
                             ) -> list[tuple[list[int], list[SparseDist], list[int]]]:
+        if self.use_static and max(len(op.tokens) for _, op, _, _ in work) <= self.max_steps + 1:
+            return self._propose_static(work)  # cycles' extends; prompt-length extends run eagerly
         trees = {b: DraftTree(seq.slot, seq.length + len(op.tokens), op.topk, op.num_draft_tokens - 1)
                  for b, (_, op, seq, _) in enumerate(work) if op.topk > 1 and op.num_steps > 0}
-        if self.use_static and max(len(op.tokens) for _, op, _, _ in work) <= self.max_steps + 1:
-            return self._propose_static(work, trees)  # cycles' extends; prompt-length extends run eagerly
         tokens = torch.tensor([t for _, op, _, _ in work for t in op.tokens], dtype=torch.long, device=self.device)
         feats = torch.cat([f for _, _, _, f in work])
         segments = [Segment(seq.slot, seq.length, len(op.tokens)) for _, op, seq, _ in work]
@@ -201,90 +201,98 @@ class DraftEngine:
         top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return self.head.to_target_ids(top.indices).tolist(), top.values.tolist()
 
-    def _propose_static(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]],
-                        trees: dict[int, DraftTree]) -> list[tuple[list[int], list[SparseDist], list[int]]]:
-        """The same extend and proposal as a padded static batch: one extend forward, then one
-        forward per step for all sequences, tokens chosen on the device (greedy) so that the
-        whole proposal needs one host synchronisation. Every sequence runs the batch's largest
-        num_steps and keeps its own; the extra steps write KV entries the next extend overwrites.
-        Trees grow after the chains, all levels in one graph (grow_trees_static)."""
+    def _propose_static(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]]
+                        ) -> list[tuple[list[int], list[SparseDist], list[int]]]:
+        """The same extend and proposal as a padded static batch: one extend forward, then the
+        greedy chains (trees of topk 1) and the trees grown on the device, all steps of a width
+        in one function (one CUDA graph, grow_trees_static) and one host synchronisation.
+        Sampled chains choose each token on the host, one forward per step for the whole batch.
+        Every row runs its group's deepest proposal and keeps its own; the extra steps write KV
+        entries that the next extend overwrites."""
         n = len(work)
         b = bucket_up(n, self.batch_buckets)
         t = max(len(op.tokens) for _, op, _, _ in work)
-        steps = max((op.num_steps for i, (_, op, _, _) in enumerate(work) if i not in trees), default=0)
         assert b is not None
-        tokens = torch.zeros(b, t, dtype=torch.long)
-        positions = torch.arange(t).repeat(b, 1)  # [B, T]
-        slots = torch.full((b,), self.pad_slot, dtype=torch.long)
-        last = torch.zeros(b, dtype=torch.long)  # index of each sequence's last real token
-        feats = torch.zeros(b, t, work[0][3].shape[-1], dtype=self.head.fc.weight.dtype, device=self.device)
-        for i, (_, op, seq, f) in enumerate(work):
-            tokens[i, : len(op.tokens)] = torch.tensor(op.tokens)
-            positions[i] += seq.length
-            slots[i], last[i] = seq.slot, len(op.tokens) - 1
+        pad = b - n
+        tokens = torch.tensor([[*op.tokens, *[0] * (t - len(op.tokens))] for _, op, _, _ in work] + [[0] * t] * pad)
+        positions = torch.tensor([list(range(seq.length, seq.length + t)) for _, _, seq, _ in work]
+                                 + [list(range(t))] * pad)  # [B, T]
+        slots = torch.tensor([seq.slot for _, _, seq, _ in work] + [self.pad_slot] * pad, device=self.device)
+        last = torch.tensor([len(op.tokens) - 1 for _, op, _, _ in work] + [0] * pad, device=self.device)
+        ends = torch.tensor([seq.length + len(op.tokens) for _, op, seq, _ in work] + [t] * pad)  # after the extend
+        width = work[0][3].shape[-1]
+        feats = torch.zeros(b, t, width, dtype=self.head.fc.weight.dtype, device=self.device)  # [B, T, 3H]
+        for i, (_, op, _, f) in enumerate(work):
             feats[i, : len(op.tokens)] = f
-        ends = positions[torch.arange(b), last] + 1  # [B] each sequence's length after the extend
-        slots_dev, rows = slots.to(self.device), torch.arange(b, device=self.device)
-        logits, prenorm = self._static_forward(tokens, feats, positions, slots_dev, int(positions.max()) + 1)
-        last_dev = last.to(self.device)
-        last_logits, hidden = logits[rows, last_dev], prenorm[rows, last_dev]  # [B, Vd], [B, H]
+        rows = torch.arange(b, device=self.device)
+        logits, prenorm = self._static_forward(tokens, feats, positions, slots, int(positions.max()) + 1)
+        last_logits, hidden = logits[rows, last], prenorm[rows, last]  # [B, Vd], [B, H]
         for _, op, seq, _ in work:
             seq.length += len(op.tokens)
-        sampled = [i for i, (_, _, seq, _) in enumerate(work) if not seq.sampling.greedy]
         out: list[tuple[list[int], list[SparseDist], list[int]]] = [([], [], []) for _ in work]
-        chosen = torch.empty(b, steps, dtype=torch.long, device=self.device)  # [B, steps] target ids
-        if trees:  # the chain steps below may replay the graph whose outputs these are
-            tree_logits, tree_hidden = last_logits.clone(), hidden.clone()
-        for step in range(steps):
-            chosen[:, step] = self.head.to_target_ids(torch.argmax(last_logits, dim=-1))
-            for i in sampled:
-                if work[i][1].num_steps > step:
-                    chosen[i, step] = self._choose(work[i][2], last_logits[i], ([], out[i][1]))
-            if step + 1 < steps:
-                pos = (ends + step)[:, None]  # [B, 1]
-                logits, prenorm = self._static_forward(chosen[:, step : step + 1], hidden[:, None], pos, slots_dev,
-                                                       int(pos.max()) + 1)
-                last_logits, hidden = logits[:, 0], prenorm[:, 0]
-        grown = self._grow_static(trees, {i: work[i][1].num_steps for i in trees}, tree_logits, tree_hidden,
-                                  ends, slots_dev) if trees else {}
-        ids = chosen.tolist()
-        for i, (_, op, _, _) in enumerate(work):
-            if i in grown:
-                out[i][0].extend(grown[i][0])
-                out[i][2].extend(grown[i][1])
-            else:
-                out[i][0].extend(ids[i][: op.num_steps])
+        shapes = {i: (op.topk, op.num_steps, op.num_draft_tokens - 1 if op.topk > 1 else op.num_steps)
+                  for i, (_, op, seq, _) in enumerate(work) if op.num_steps > 0 and seq.sampling.greedy}
+        sampled = [i for i, (_, op, seq, _) in enumerate(work) if op.num_steps > 0 and not seq.sampling.greedy]
+        if sampled:
+            grow_from = (last_logits.clone(), hidden.clone()) if shapes else None  # the steps replay graphs
+            self._sampled_chains(work, sampled, out, last_logits, hidden, ends, slots)
+            if grow_from is not None:
+                last_logits, hidden = grow_from
+        for i, (ids, parents) in self._grow_static(shapes, last_logits, hidden, ends, slots).items():
+            out[i][0].extend(ids)
+            if shapes[i][0] > 1:  # a chain is sent without its parents
+                out[i][2].extend(parents)
         return out
 
-    def _grow_static(self, trees: dict[int, DraftTree], steps_of: dict[int, int], logits: torch.Tensor,
-                     hidden: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor
-                     ) -> dict[int, tuple[list[int], list[int]]]:
-        """Every tree of the batch, grown on the device: one graph per topk (all rows of the
-        padded batch grow; the others' extra KV entries are overwritten by their next extend).
-        logits [B, Vd], hidden [B, H], ends [B] each row's committed draft entries."""
+    def _sampled_chains(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]], sampled: list[int],
+                        out: list[tuple[list[int], list[SparseDist], list[int]]], last_logits: torch.Tensor,
+                        hidden: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor) -> None:
+        """The sampled rows' chains: each step's tokens drawn on the host, with their q."""
+        steps = max(work[i][1].num_steps for i in sampled)
+        chosen = torch.zeros(last_logits.shape[0], steps, dtype=torch.long, device=self.device)  # [B, steps]
+        for step in range(steps):
+            for i in sampled:
+                if work[i][1].num_steps > step:
+                    chosen[i, step] = self._choose(work[i][2], last_logits[i], (out[i][0], out[i][1]))
+            if step + 1 < steps:
+                pos = (ends + step)[:, None]  # [B, 1]
+                logits, prenorm = self._static_forward(chosen[:, step : step + 1], hidden[:, None], pos, slots,
+                                                       int(pos.max()) + 1)
+                last_logits, hidden = logits[:, 0], prenorm[:, 0]
+
+    def _grow_static(self, shapes: dict[int, tuple[int, int, int]], logits: torch.Tensor, hidden: torch.Tensor,
+                     ends: torch.Tensor, slots: torch.Tensor) -> dict[int, tuple[list[int], list[int]]]:
+        """The rows' proposals grown on the device, shapes[row] = (topk, num_steps, tokens to
+        keep): one graph per topk for the whole padded batch (the other rows' extra KV entries
+        are overwritten by their next extend). logits [B, Vd], hidden [B, H], ends [B] each
+        row's committed draft entries (host)."""
         grown: dict[int, tuple[list[int], list[int]]] = {}
-        for topk in sorted({tree.topk for tree in trees.values()}):
-            rows = [i for i, tree in trees.items() if tree.topk == topk]
-            steps = max(steps_of[i] for i in rows)
+        b = logits.shape[0]
+        lengths = ends.to(self.device)
+        for topk in sorted({shape[0] for shape in shapes.values()}):
+            rows = [i for i, shape in shapes.items() if shape[0] == topk]
+            steps = max(shapes[i][1] for i in rows)
             ctx = bucket_up(int(ends.max()) + (steps - 1) * topk, self.ctx_buckets)
             assert ctx is not None
-            b = logits.shape[0]
 
             def fn(logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                    topk: int = topk, steps: int = steps, ctx: int = ctx) -> tuple:
                 def forward(*args: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
                     return self.static_fn(*args[:5], self.cache, *args[5:])
 
-                return grow_trees_static(forward, self.head.to_target_ids, logits, hidden, lengths, slots,
-                                         topk, steps, ctx)
+                return (torch.cat(grow_trees_static(forward, self.head.to_target_ids, logits, hidden, lengths, slots,
+                                                    topk, steps, ctx), dim=1),)  # one copy to the host
 
             with torch.no_grad() if self.compiled else torch.inference_mode():
-                tokens, parents, order = self.graphs.run(("tree", b, topk, steps, ctx), fn, logits=logits,
-                                                         hidden=hidden, lengths=ends.to(self.device), slots=slots)
-            assert tokens is not None and parents is not None and order is not None
-            tok, par, best = (x.tolist() for x in (tokens, parents, order))
+                (packed,) = self.graphs.run(("grow", b, topk, steps, ctx), fn, logits=logits, hidden=hidden,
+                                            lengths=lengths, slots=slots)
+            assert packed is not None
+            host = packed.tolist()  # [B, 3N]: target ids, parents, best-first order
+            per = packed.shape[1] // 3
             for i in rows:
-                grown[i] = static_tree_result(tok[i], par[i], best[i], topk, steps_of[i], trees[i].keep)
+                row = host[i]
+                grown[i] = static_tree_result(row[:per], row[per : 2 * per], row[2 * per :], topk, shapes[i][1],
+                                              shapes[i][2])
         return grown
 
     def _static_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

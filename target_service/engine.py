@@ -14,7 +14,7 @@ from typing import TypeGuard
 import torch
 
 from specsplit.models.cuda_graphs import GraphCache, bucket_up, compile_static, pow2_buckets
-from specsplit.models.layers import Segment, tree_segment
+from specsplit.models.layers import Segment, tree_layout, tree_segment
 from specsplit.models.llama import LlamaModel
 from specsplit.ops import (
     Code,
@@ -216,13 +216,10 @@ class TargetEngine:
         t = max(len(w.tokens) for w in work)
         ctx = bucket_up(max(w.start for w in work) + t, self.ctx_buckets)
         assert b is not None and ctx is not None
-        tokens = torch.zeros(b, t, dtype=torch.long)
-        positions = torch.arange(t).repeat(b, 1)  # [B, T]
-        slots = torch.full((b,), self.pad_slot, dtype=torch.long)
-        for i, w in enumerate(work):
-            tokens[i, : len(w.tokens)] = torch.tensor(w.tokens)
-            positions[i] += w.start
-            slots[i] = w.slot
+        pad = b - len(work)
+        tokens = torch.tensor([[*w.tokens, *[0] * (t - len(w.tokens))] for w in work] + [[0] * t] * pad)  # [B, T]
+        positions = torch.tensor([list(range(w.start, w.start + t)) for w in work] + [list(range(t))] * pad)
+        slots = torch.tensor([w.slot for w in work] + [self.pad_slot] * pad)
         if any(_is_tree(w.op) for w in work):
             return self._run_static_tree(work, tokens, positions, slots, ctx, capture)
 
@@ -246,11 +243,12 @@ class TargetEngine:
         visible = keys[None, None, :] <= entries[:, :, None]  # [B, T, ctx] causal
         positions = entries.clone()
         for i, w in enumerate(work):
-            if _is_tree(w.op):
-                seg = tree_segment(w.slot, w.start, _tree_parents(w.op))  # on the host: filled into host tensors
-                n = seg.length
-                positions[i, :n] = seg.positions
-                visible[i, :n, : w.start + n] = seg.visible
+            if _is_tree(w.op):  # on the host, a few writes per tree (not per node)
+                tree_positions, rows, cols = tree_layout(w.start, _tree_parents(w.op))
+                n = len(tree_positions)
+                positions[i, :n] = torch.tensor(tree_positions)
+                visible[i, :n, w.start :] = False
+                visible[i, rows, cols] = True
 
         def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
                visible: torch.Tensor) -> tuple:

@@ -105,7 +105,7 @@ def test_engines_with_and_without_graphs_give_identical_tokens(tiny_target: Path
 @needs_gpus(1)
 def test_trees_with_and_without_graphs_give_identical_tokens(tiny_target: Path, tiny_head: Path) -> None:
     """Tree verifies run in graphs of their own key and the draft grows all of a tree's levels
-    in one graph; the trees and tokens equal the eager run's and target-only decoding's."""
+    (and a greedy chain's steps) in one graph; the trees and tokens equal the eager run's and target-only decoding's."""
     class Recording(LocalDraft):
         seen: list[tuple[list[int], list[int]]]
 
@@ -126,7 +126,7 @@ def test_trees_with_and_without_graphs_give_identical_tokens(tiny_target: Path, 
                                                           strict=True)], recording)]
             results[graphs] = (base, trees, recording.seen)
             if graphs:
-                assert any(key[0] == "tree" for key in e.draft.engine.graphs.graphs)
+                assert any(key[0] == "grow" for key in e.draft.engine.graphs.graphs)
         finally:
             e.close()
     assert results[True] == results[False]

@@ -232,9 +232,18 @@ def test_static_and_eager_drafts_grow_the_same_trees(tiny_engines: LocalEngines)
         finally:
             draft.engine.use_static = False
             draft.step([Release(base + i) for i in range(len(shapes))])
+    draft.engine.use_static = True
+    try:  # a sampled chain in the batch (its own loop on the host) leaves the others' proposals as they were
+        ops = [ExtendPropose(91 + i, tokens, HiddenRef(ref.offset, ref.rows, ref.generation), **kw)
+               for i, kw in enumerate([*shapes, dict(num_steps=3, sampling=Sampling(temperature=0.8, seed=5))])]
+        results, _ = draft.step(ops)
+    finally:
+        draft.engine.use_static = False
+        draft.step([Release(91 + i) for i in range(len(ops))])
     target.step([Release(70)], [ref.generation])
-    assert proposals[0] == proposals[1]
+    assert proposals[0] == proposals[1] == [(r.draft_ids, r.draft_parents) for r in results[:-1]]
     assert [len(ids) for ids, _ in proposals[1]] == [15, 5, 4, 8]
+    assert len(results[-1].draft_ids) == len(results[-1].draft_dists) == 3 and not results[-1].draft_parents
 
 
 def test_draft_rejects_bad_tree_requests(tiny_engines: LocalEngines) -> None:

@@ -92,21 +92,31 @@ def segment_positions(segments: list[Segment], device: torch.device | str) -> to
                       else s.positions.to(device) for s in segments])  # [N]
 
 
+def tree_layout(start: int, parents: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """A tree of len(parents) tokens at entries start..: token i's parent is parents[i] (< i; -1
+    for none, i.e. it follows the committed entries). Returns each token's rotary position
+    (start + depth) and the (token, entry) pairs of the tree that each token sees: its
+    ancestors and itself. Plain lists: a whole tree's mask is then one indexed write."""
+    positions, rows, cols = [], [], []
+    seen: list[list[int]] = []
+    for i, p in enumerate(parents):
+        own = [*(seen[p] if p >= 0 else []), start + i]
+        seen.append(own)
+        positions.append(start + len(own) - 1)
+        rows += [i] * len(own)
+        cols += own
+    return positions, rows, cols
+
+
 def tree_segment(slot: int, start: int, parents: list[int], device: torch.device | str = "cpu") -> Segment:
-    """A tree of len(parents) tokens written at entries start.. in order, after `start` committed
-    entries: token i's parent is parents[i] (< i; -1 for none, i.e. it follows the committed
-    entries). Each token sits at position start + depth and sees the committed entries, its
+    """A tree (see tree_layout) as a segment: each token sees the committed entries, its
     ancestors and itself. Built on the host, moved to `device` once (not in every layer)."""
     n = len(parents)
-    depth = [0] * n
+    positions, rows, cols = tree_layout(start, parents)
     visible = torch.zeros(n, start + n, dtype=torch.bool)
     visible[:, :start] = True
-    for i, p in enumerate(parents):
-        if p >= 0:
-            depth[i] = depth[p] + 1
-            visible[i] = visible[p]
-        visible[i, start + i] = True
-    return Segment(slot, start, n, (start + torch.tensor(depth)).to(device), visible.to(device))
+    visible[rows, cols] = True
+    return Segment(slot, start, n, torch.tensor(positions, device=device), visible.to(device))
 
 
 @dataclass
