@@ -10,6 +10,7 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.runtime import build_head
+from draft_service.tree import grow_trees_static
 from gateway.local import LocalEngines
 from specsplit.models.cuda_graphs import compile_static
 from target_service.config import TargetConfig
@@ -53,6 +54,29 @@ def test_compiled_head_static_forward_matches_eager(tiny_target: Path, tiny_head
             out = compiled(tokens, hidden, positions, slots, ctx, caches[1])
         for x, y in zip(out, ref, strict=True):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_tree_growth_grows_the_eager_trees(tiny_target: Path, tiny_head: Path) -> None:
+    """The draft's device-side proposal (grow_trees_static: tree masks, separate KV entries and
+    rotary positions) through the compiled head forward builds the same trees."""
+    head = build_head(DraftConfig(head=str(tiny_head), target=str(tiny_target)))
+    compiled = compile_static(head.static_forward)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, head.cfg.draft_vocab_size, generator=g)
+    hidden = torch.randn(2, head.cfg.hidden_size, generator=g)
+    lengths, slots = torch.tensor([5, 9]), torch.tensor([0, 1])
+    grown = []
+    for fn in (head.static_forward, compiled):
+        cache = head.new_cache(3, 64)
+
+        def forward(*args: torch.Tensor | int, fn=fn, cache=cache) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+            return fn(*args[:5], cache, *args[5:])
+
+        with torch.no_grad():
+            grown.append(grow_trees_static(forward, head.to_target_ids, logits, hidden, lengths, slots, 3, 4, 32))
+    for x, y in zip(*grown, strict=True):
+        assert torch.equal(x, y)
 
 
 @pytest.mark.gpu
