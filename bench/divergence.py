@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import time
 from typing import Any
@@ -40,6 +41,11 @@ def next_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     tokens = torch.tensor(ids, device=model.embed_tokens.weight.device)
     logits, _ = model.forward_batch(tokens, [Segment(0, 0, len(ids))], cache)
     return logits[-1].float()
+
+
+def bf16_step(x: float) -> float:
+    """The distance between adjacent bf16 values around x (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 0.0
 
 
 def load(model_dir: str, dtype: str, device: str) -> LlamaModel:
@@ -99,8 +105,7 @@ def main() -> None:
                            logit_speculative=round(float(run_logits[ts]), 4), margin=round(margin, 4),
                            float32_margin=round(float(fp32_logits[tb] - fp32_logits[ts]), 4),
                            float32_picks=int(fp32_logits.argmax()),
-                           bf16_spacing_at_logit=round(float(torch.finfo(torch.bfloat16).eps
-                                                             * abs(run_logits[tb])), 4))
+                           bf16_step_at_logit=bf16_step(float(run_logits[tb])))
             print(json.dumps(row), flush=True)
         summary[mode] = {"identical": f"{same}/{len(prompts)}",
                          "max_abs_margin_at_divergence": round(max((abs(m) for m in margins), default=0.0), 4)}
