@@ -17,14 +17,21 @@ LABEL = "replayed acceptance"
 
 class Replayer:
     """Rewrites proposals. A sequence is matched to its reference (prompt + target-only greedy
-    output) by its first extend, which carries tokens 1..n of the sequence."""
+    output) by its first extend, which carries tokens 1..n of the sequence.
+
+    Whether the draft "guesses" the reference token at a position is a seeded function of
+    (reference, position) alone, not of a stream shared by everything the replayer has seen:
+    two runs of the same references (one in process, one through the services, with
+    different warm-ups before them) get the same acceptance, cycle for cycle. A position
+    drafted again after an earlier rejection reuses its draw; that draw had no effect before
+    (acceptance stops at the first miss), so positions stay independent Bernoulli(rate)."""
 
     def __init__(self, references: list[list[int]], accept_rate: float, vocab: int, seed: int = 0) -> None:
         if not 0.0 <= accept_rate <= 1.0:
             raise ValueError(f"accept rate {accept_rate} outside [0, 1]")
-        self.references, self.accept_rate, self.vocab = references, accept_rate, vocab
-        self.rng = random.Random(seed)
-        self.by_seq: dict[int, tuple[list[int], int]] = {}  # seq_id -> (reference, tokens consumed so far)
+        self.references, self.accept_rate, self.vocab, self.seed = references, accept_rate, vocab, seed
+        self.hits: dict[int, list[bool]] = {}  # reference index -> whether the draft guesses each position
+        self.by_seq: dict[int, tuple[int, int]] = {}  # seq_id -> (reference index, tokens consumed so far)
 
     @classmethod
     def from_file(cls, path: str | Path, accept_rate: float, vocab: int) -> Replayer:
@@ -33,22 +40,31 @@ class Replayer:
             raise ValueError(f"{path}: expected a JSON list of token-id lists")
         return cls([[int(t) for t in r] for r in refs], accept_rate, vocab)
 
+    def _hit(self, index: int, position: int) -> bool:
+        if index not in self.hits:
+            rng = random.Random(self.seed * 1_000_003 + index)
+            self.hits[index] = [rng.random() < self.accept_rate for _ in self.references[index]]
+        hits = self.hits[index]
+        return position < len(hits) and hits[position]
+
     def rewrite(self, op: ExtendPropose, draft_ids: list[int]) -> list[int]:
         if op.position == 0:
-            ref = next((r for r in self.references if r[1 : 1 + len(op.tokens)] == op.tokens), None)
-            if ref is None:
+            index = next((i for i, r in enumerate(self.references) if r[1 : 1 + len(op.tokens)] == op.tokens), None)
+            if index is None:
                 self.by_seq.pop(op.seq_id, None)
                 return draft_ids
-            self.by_seq[op.seq_id] = (ref, 0)
+            self.by_seq[op.seq_id] = (index, 0)
         if op.seq_id not in self.by_seq:
             return draft_ids
-        ref, seen = self.by_seq[op.seq_id]
+        index, seen = self.by_seq[op.seq_id]
+        ref = self.references[index]
         n = seen + len(op.tokens)  # the draft has seen tokens 1..n; the next true token is ref[n + 1]
-        self.by_seq[op.seq_id] = (ref, n)
+        self.by_seq[op.seq_id] = (index, n)
         out = []
         for i in range(len(draft_ids)):
-            true = ref[n + 1 + i] if n + 1 + i < len(ref) else 0
-            out.append(true if self.rng.random() < self.accept_rate else (true + 1) % self.vocab)
+            at = n + 1 + i
+            true = ref[at] if at < len(ref) else 0
+            out.append(true if self._hit(index, at) else (true + 1) % self.vocab)
         return out
 
     def forget(self, seq_id: int) -> None:
