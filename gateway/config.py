@@ -24,6 +24,7 @@ class GatewayConfig:
     max_queue: int = 256  # requests waiting for a KV slot; beyond: RESOURCE_EXHAUSTED
     max_prompt_tokens: int = 0  # 0: the target's context window
     max_streams: int = 512  # concurrent Generate calls; beyond: RESOURCE_EXHAUSTED
+    stream_interval: int = 1  # tokens gathered per streamed message after the first (SGLang's --stream-interval)
     tls_cert: str = ""  # PEM files: serve TLS on the public port
     tls_key: str = ""
     auth_token: str | None = None  # bearer token clients must send (from a file or SPECSPLIT_AUTH_TOKEN)
@@ -49,6 +50,8 @@ class GatewayConfig:
             raise ValueError(f"port {self.port} out of range")
         if not 0.0 <= self.replay_accept_rate <= 1.0:
             raise ValueError("replay_accept_rate must be within [0, 1]")
+        if not 1 <= self.stream_interval <= 4096:
+            raise ValueError("stream_interval must be within 1..4096")
         if self.max_queue < 1 or self.max_streams < 1:
             raise ValueError("max_queue and max_streams must be >= 1")
         if self.max_prompt_tokens < 0 or self.max_prompt_chars < 1:

@@ -67,14 +67,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except Unavailable as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             detok = IncrementalDetokenizer(self.codec) if self.codec is not None else None
+            pending: list[int] = []  # tokens not streamed yet: the first goes at once, then stream_interval at a time
+            streamed = False
             while True:
                 event = await seq.events.get()
                 if isinstance(event, list):
-                    yield gateway_pb2.GenerateResponse(token_ids=event, text=detok.push(event) if detok else "")
+                    pending += event
+                    if not streamed or len(pending) >= self.cfg.stream_interval:
+                        yield gateway_pb2.GenerateResponse(token_ids=pending, text=detok.push(pending) if detok else "")
+                        pending, streamed = [], True
                 elif isinstance(event, Failed):
                     span.set_status(trace.Status(trace.StatusCode.ERROR, event.message))
                     await context.abort(event.code, event.message)
                 else:
+                    if pending:
+                        yield gateway_pb2.GenerateResponse(token_ids=pending, text=detok.push(pending) if detok else "")
                     span.set_attributes({"gen_ai.usage.output_tokens": len(seq.generated),
                                          "gen_ai.response.finish_reasons": [event.reason],
                                          "spec.cycles": seq.stats.cycles,

@@ -194,6 +194,30 @@ def test_logs_have_no_tracebacks(stack: ServiceStack) -> None:
         assert "Traceback" not in log.read_text(), log.name
 
 
+def test_stream_interval_gathers_tokens_and_loses_none(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
+    """--stream-interval 5: the first token alone, then messages of at least 5 tokens (the last
+    one may be shorter), the same tokens and text as streaming every cycle."""
+    cfg = StackConfig(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=tmp_path,
+                      extra_gateway_args=["--stream-interval", "5"])
+    with ServiceStack(cfg) as s:
+        c = GatewayClient(s.addr("gateway"))
+        try:
+            for steps in (0, 3):
+                chunks: list[int] = []
+                gen = c.generate(make_request(token_ids=[5, 6, 7], max_new_tokens=29, ignore_eos=True,
+                                              num_steps=steps, speculation=steps > 0),
+                                 on_chunk=lambda m, chunks=chunks: chunks.append(len(m.token_ids)))
+                sizes = [n for n in chunks if n]
+                assert len(gen.token_ids) == 29 and sum(sizes) == 29
+                assert sizes[0] == 1 and all(n >= 5 for n in sizes[1:-1]), sizes
+                if steps == 0:
+                    base = gen.token_ids
+                else:
+                    assert gen.token_ids == base
+        finally:
+            c.close()
+
+
 def test_inline_steps_give_the_same_tokens(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
     """--inline-steps (steps on the services' event loops, no engine thread) changes latency only."""
     cfg = StackConfig(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=tmp_path,
@@ -209,3 +233,12 @@ def test_inline_steps_give_the_same_tokens(tiny_target: Path, tiny_head: Path, t
         assert spec.final.speculation.cycles > 0
         t, d = wait_idle(s)
         assert t.active_sequences == 0 and d.active_sequences == 0
+
+
+def test_gateway_config_rejects_a_bad_stream_interval() -> None:
+    from gateway.config import GatewayConfig
+
+    for bad in (0, -1, 5000):
+        with pytest.raises(ValueError, match="stream_interval"):
+            GatewayConfig(stream_interval=bad).validate()
+    assert GatewayConfig(stream_interval=16).validate().stream_interval == 16
