@@ -1,10 +1,12 @@
 """Per-cycle cost of the three services as processes, on a tiny model (compute close to
 nothing, so what is left is the serving path): wall µs per cycle and the CPU µs each
 process (target, draft, gateway) burns per cycle, with the gateway's Steps over the gRPC
-streams and over the Unix step sockets, in one run. One JSON line per transport, then the
-ratios.
+streams and over the Unix step sockets, in one run, and with the gateway streaming every
+cycle's tokens or gathering them (`--stream-intervals 1,16`). One JSON line per run, then
+the ratios.
 
   python -m bench.stack_cpu_time --tokens 1000 --requests 2 --rounds 2
+  python -m bench.stack_cpu_time --transports socket --stream-intervals 1,16
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, requests: int) -> dict:
+def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, requests: int, interval: int = 1) -> dict:
     cfg = StackConfig(model=str(model), head=str(head), num_steps=steps, threads=1, step_sockets=sockets,
-                      log_dir=Path(tempfile.mkdtemp(prefix="stack-cpu-")))
+                      log_dir=Path(tempfile.mkdtemp(prefix="stack-cpu-")),
+                      extra_gateway_args=["--stream-interval", str(interval)])
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
         client.generate(make_request(token_ids=[1, 2, 3], max_new_tokens=16, num_steps=steps))  # warm-up
@@ -48,6 +51,7 @@ def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, request
     verify_us = sum(g.final.speculation.verify_compute_ms for g in gens) / cycles * 1e3
     draft_us = sum(g.final.speculation.draft_compute_ms for g in gens) / cycles * 1e3
     return {"bench": "stack_cpu_time", "transport": "unix socket" if sockets else "grpc stream", "num_steps": steps,
+            "stream_interval": interval,
             "cycles": cycles, "tokens": sum(len(g.token_ids) for g in gens),
             "wall_us_per_cycle": round(wall / cycles * 1e6), "cpu_us_per_cycle": {
                 n: round((after[n] - before[n]) / cycles * 1e6) for n in pids},
@@ -60,27 +64,39 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2000)
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--num-steps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2, help="gRPC then socket, this many times")
+    p.add_argument("--rounds", type=int, default=2, help="each configuration this many times, alternating")
+    p.add_argument("--transports", default="grpc,socket")
+    p.add_argument("--stream-intervals", default="1", help="the gateway's --stream-interval values to compare")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="stack-cpu-"))
     model = write_tiny_target(tmp / "target", tiny_config(), seed=1)
     head_cfg, weights = random_head(load_target_config(model), draft_vocab_size=384, seed=2, std=0.2)
     save_head(tmp / "head", head_cfg, weights)
+    transports = {"grpc": "grpc stream", "socket": "unix socket"}
+    configs = [(t, int(i)) for t in a.transports.split(",") for i in a.stream_intervals.split(",")]
     rows = []
-    for _ in range(a.rounds):  # alternating, so that drifts of a shared machine hit both alike
-        for sockets in (False, True):
-            rows.append(run(model, tmp / "head", sockets, a.num_steps, a.tokens, a.requests))
+    for _ in range(a.rounds):  # alternating, so that drifts of a shared machine hit all alike
+        for transport, interval in configs:
+            rows.append(run(model, tmp / "head", transport == "socket", a.num_steps, a.tokens, a.requests, interval))
             print(json.dumps(rows[-1]), flush=True)
 
-    def mean(transport: str, key: str) -> float:
-        vals = [r[key] for r in rows if r["transport"] == transport]
+    def mean(transport: str, interval: int, key: str) -> float:
+        vals = [r[key] for r in rows if r["transport"] == transport and r["stream_interval"] == interval]
         return sum(vals) / len(vals)
 
-    g, u = "grpc stream", "unix socket"
+    def gateway_cpu(transport: str, interval: int) -> float:
+        vals = [r["cpu_us_per_cycle"]["gateway"] for r in rows
+                if r["transport"] == transport and r["stream_interval"] == interval]
+        return round(sum(vals) / len(vals))
+
     print(json.dumps({"bench": "stack_cpu_time", "summary": True, "rounds": a.rounds,
-                      "wall_socket_over_grpc": round(mean(u, "wall_us_per_cycle") / mean(g, "wall_us_per_cycle"), 3),
-                      "outside_compute_us_per_cycle": {g: round(mean(g, "outside_compute_us_per_cycle")),
-                                                       u: round(mean(u, "outside_compute_us_per_cycle"))},
+                      "wall_us_per_cycle": {f"{transports[t]}, interval {i}": round(mean(transports[t], i,
+                                                                                         "wall_us_per_cycle"))
+                                            for t, i in configs},
+                      "outside_compute_us_per_cycle": {f"{transports[t]}, interval {i}": round(
+                          mean(transports[t], i, "outside_compute_us_per_cycle")) for t, i in configs},
+                      "gateway_cpu_us_per_cycle": {f"{transports[t]}, interval {i}": gateway_cpu(transports[t], i)
+                                                   for t, i in configs},
                       "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),
                       "python": platform.python_version()}), flush=True)
 
