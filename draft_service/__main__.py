@@ -13,6 +13,7 @@ from draft_service.runtime import DraftRuntime
 from draft_service.server import DraftServicer
 from specsplit.serving import (
     configure_logging,
+    exit_with_launcher,
     install_uvloop,
     log,
     new_server,
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as e:  # a bad setting: say which, no traceback
         raise SystemExit(f"{__package__}: configuration error: {e}") from None
     configure_logging("draft")
+    exit_with_launcher()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     runtime = DraftRuntime(cfg)

@@ -22,6 +22,7 @@ from specsplit.replay import LABEL as REPLAY_LABEL
 from specsplit.replay import ReplayDraft, Replayer
 from specsplit.serving import (
     configure_logging,
+    exit_with_launcher,
     install_uvloop,
     log,
     new_server,
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as e:  # a bad setting: say which, no traceback
         raise SystemExit(f"{__package__}: configuration error: {e}") from None
     configure_logging("gateway")
+    exit_with_launcher()
     install_uvloop()
     asyncio.run(serve(cfg))
 

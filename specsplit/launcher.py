@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -18,11 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-
-def _die_with_parent() -> None:
-    """Child-side: get SIGTERM when the launching process dies (Linux prctl PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(OSError):  # not Linux: the stack's stop() still ends the children
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+from specsplit.serving import LAUNCHER_PID_ENV
 
 
 def free_port() -> int:
@@ -98,9 +92,10 @@ class ServiceStack:
         if self.cfg.log_dir is not None:
             self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.cfg.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.cfg.env)
+        # no preexec_fn (unsafe with threads): the service itself asks to die with us (exit_with_launcher)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())}, **self.cfg.env)
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT if out
-                                else None, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                                else None, env=env, start_new_session=True)
         self.procs[name] = proc
         return proc
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -56,6 +59,22 @@ def install_uvloop() -> None:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep running without it
         log.warning("uvloop not available; using the default asyncio loop")
+
+
+LAUNCHER_PID_ENV = "SPECSPLIT_LAUNCHER_PID"  # set by specsplit.launcher for the services it starts
+
+
+def exit_with_launcher() -> None:
+    """A service started by specsplit.launcher gets SIGTERM when the launching process dies (Linux
+    PR_SET_PDEATHSIG). Set here, after exec: a subprocess preexec_fn is unsafe in a launcher with threads
+    (gRPC's), where the child can deadlock between fork and exec and block the launcher for ever."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher:
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the stack's stop() still ends the services
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != int(launcher):  # the launcher died before prctl took effect
+        raise SystemExit("the launcher exited before this service started")
 
 
 def configure_logging(name: str) -> None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from specsplit.serving import (
     configure_logging,
+    exit_with_launcher,
     install_uvloop,
     log,
     new_server,
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as e:  # a bad setting: say which, no traceback
         raise SystemExit(f"{__package__}: configuration error: {e}") from None
     configure_logging("target")
+    exit_with_launcher()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
