@@ -302,7 +302,8 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         try:
-            results, timing = await asyncio.wait_for(self.draft.step(ops), self.step_timeout_s)
+            async with asyncio.timeout(self.step_timeout_s):  # not wait_for: no task per call, and on 3.11
+                results, timing = await self.draft.step(ops)  # wait_for can swallow a cancel (hangs stop())
         except Exception as e:
             self.draft_failed(f"{type(e).__name__}: {e}")
             return
@@ -351,7 +352,8 @@ class Scheduler:
         if not ops and not releases:
             return
         t0 = time.perf_counter()
-        results, timing = await asyncio.wait_for(self.target.step(ops, releases), self.step_timeout_s)
+        async with asyncio.timeout(self.step_timeout_s):
+            results, timing = await self.target.step(ops, releases)
         ms = (time.perf_counter() - t0) * 1e3
         by_id: dict[int, TargetResult] = {r.seq_id: r for r in results}
         kinds = {op.seq_id: op for op in ops if not isinstance(op, Release)}

@@ -1,0 +1,123 @@
+"""The speculation loop against engines that answer at once or hang: stop() always ends it,
+and a step slower than step_timeout_s counts as that service failing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from gateway.scheduler import Failed, Finished, GenerationRequest, Scheduler
+from specsplit.ops import (
+    DraftOp,
+    DraftResult,
+    ExtendPropose,
+    HiddenRef,
+    Prefill,
+    Release,
+    Sampling,
+    StepTiming,
+    TargetOp,
+    TargetResult,
+)
+
+
+class InstantTarget:
+    """Accepts every draft and adds token 9; hangs when `hang` is set."""
+
+    def __init__(self) -> None:
+        self.generation, self.hang = 0, False
+
+    async def step(self, ops: list[TargetOp], releases: list[int]) -> tuple[list[TargetResult], StepTiming]:
+        await asyncio.sleep(0)  # a real client suspends for its I/O
+        if self.hang:
+            await asyncio.Event().wait()
+        out = []
+        for op in ops:
+            if isinstance(op, Release):
+                continue
+            self.generation += 1
+            tokens = [9] if isinstance(op, Prefill) else [*op.draft_ids, 9]
+            out.append(TargetResult(op.seq_id, tokens=tokens, num_accepted=len(tokens) - 1,
+                                    hidden=HiddenRef(0, len(tokens), self.generation)))
+        return out, StepTiming()
+
+
+class InstantDraft:
+    """Proposes 1, 2, ... num_steps; hangs when `hang` is set."""
+
+    def __init__(self) -> None:
+        self.hang = False
+
+    async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
+        await asyncio.sleep(0)
+        if self.hang:
+            await asyncio.Event().wait()
+        return [DraftResult(op.seq_id, draft_ids=list(range(1, op.num_steps + 1)))
+                for op in ops if isinstance(op, ExtendPropose)], StepTiming()
+
+
+def request(max_new_tokens: int, num_steps: int = 3) -> GenerationRequest:
+    return GenerationRequest([1, 2, 3], max_new_tokens, Sampling(), set(), num_steps)
+
+
+async def drain(seq) -> tuple[list[int], object]:  # noqa: ANN001
+    tokens: list[int] = []
+    while True:
+        ev = await seq.events.get()
+        if isinstance(ev, list):
+            tokens += ev
+        else:
+            return tokens, ev
+
+
+def test_stop_ends_the_loop_even_when_steps_answer_at_once() -> None:
+    """Python 3.11's wait_for could swallow the cancel of a step that had just finished, so that
+    stop() waited for ever; 200 stops in the middle of generations must all return."""
+
+    async def main() -> None:
+        for _ in range(200):
+            s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=4, max_queue=8)
+            s.draft_restored()
+            s.start()
+            s.submit(request(10_000))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            await asyncio.wait_for(s.stop(), 5.0)
+            assert s.task is not None and s.task.done()
+
+    asyncio.run(main())
+
+
+def test_a_draft_step_past_the_timeout_leaves_the_stream_target_only() -> None:
+    async def main() -> tuple[list[int], object, bool]:
+        draft = InstantDraft()
+        s = Scheduler(InstantTarget(), draft, max_sequences=4, max_queue=8, step_timeout_s=0.2)
+        s.draft_restored()
+        s.start()
+        seq = s.submit(request(12))
+        first = await seq.events.get()  # the prefill's token
+        draft.hang = True
+        tokens, end = await asyncio.wait_for(drain(seq), 10.0)
+        await s.stop()
+        return [*first, *tokens], end, s.draft_down
+
+    tokens, end, draft_down = asyncio.run(main())
+    assert draft_down and end == Finished("length") and len(tokens) == 12
+
+
+def test_a_target_step_past_the_timeout_fails_the_stream_unavailable() -> None:
+    async def main() -> object:
+        target = InstantTarget()
+        s = Scheduler(target, InstantDraft(), max_sequences=4, max_queue=8, step_timeout_s=0.2)
+        s.draft_restored()
+        s.start()
+        seq = s.submit(request(10_000))
+        await seq.events.get()
+        target.hang = True
+        _, end = await asyncio.wait_for(drain(seq), 10.0)
+        await s.stop()
+        return end
+
+    end = asyncio.run(main())
+    assert isinstance(end, Failed) and end.code == grpc.StatusCode.UNAVAILABLE
