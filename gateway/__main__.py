@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--max-streams", type=int, default=d.max_streams)
     p.add_argument("--stream-interval", type=int, default=d.stream_interval,
                    help="tokens gathered per streamed message after the first one (1: every cycle's tokens at once)")
+    p.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
+                   help="seconds: a draft step slower than this suspends speculation (streams go on target-only), "
+                        "a target step slower than this ends the streams with UNAVAILABLE")
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
     p.add_argument("--tls-cert", default=os.environ.get("SPECSPLIT_TLS_CERT", ""))
@@ -75,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                          max_num_draft_tokens=a.max_num_draft_tokens,
                          default_max_new_tokens=a.max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
                          max_queue=a.max_queue, max_streams=a.max_streams, stream_interval=a.stream_interval,
+                         step_timeout_s=a.step_timeout,
                          max_prompt_tokens=a.max_prompt_tokens,
                          max_prompt_chars=a.max_prompt_chars, tls_cert=a.tls_cert, tls_key=a.tls_key,
                          replay_references=a.replay_references, replay_accept_rate=a.replay_accept_rate,

@@ -52,6 +52,8 @@ class GatewayConfig:
             raise ValueError("replay_accept_rate must be within [0, 1]")
         if not 1 <= self.stream_interval <= 4096:
             raise ValueError("stream_interval must be within 1..4096")
+        if not 0.0 < self.step_timeout_s <= 3600.0:
+            raise ValueError("step_timeout_s must be within (0, 3600] seconds")
         if self.max_queue < 1 or self.max_streams < 1:
             raise ValueError("max_queue and max_streams must be >= 1")
         if self.max_prompt_tokens < 0 or self.max_prompt_chars < 1:

@@ -242,3 +242,13 @@ def test_gateway_config_rejects_a_bad_stream_interval() -> None:
         with pytest.raises(ValueError, match="stream_interval"):
             GatewayConfig(stream_interval=bad).validate()
     assert GatewayConfig(stream_interval=16).validate().stream_interval == 16
+
+
+def test_gateway_config_rejects_a_bad_step_timeout() -> None:
+    from gateway.__main__ import parse_args
+    from gateway.config import GatewayConfig
+
+    for bad in (0.0, -1.0, 7200.0):
+        with pytest.raises(ValueError, match="step_timeout_s"):
+            GatewayConfig(step_timeout_s=bad).validate()
+    assert parse_args(["--step-timeout", "2.5"]).step_timeout_s == 2.5
