@@ -2,8 +2,8 @@
 nothing, so what is left is the serving path): wall µs per cycle and the CPU µs each
 process (target, draft, gateway) burns per cycle, with the gateway's Steps over the gRPC
 streams and over the Unix step sockets, in one run, and with the gateway streaming every
-cycle's tokens or gathering them (`--stream-intervals 1,16`). One JSON line per run, then
-the ratios.
+cycle's tokens or gathering them (`--stream-intervals 1,16`), and the gateway's CPU per
+thread (its event loop is the process's main thread). One JSON line per run, then the ratios.
 
   python -m bench.stack_cpu_time --tokens 1000 --requests 2 --rounds 2
   python -m bench.stack_cpu_time --transports socket --stream-intervals 1,16
@@ -32,6 +32,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of each live thread, named `main` (the process's first thread: the event loop
+    of every service) or by its kernel name and id."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = "main" if int(tid) == pid else f"{stat[stat.index('(') + 1:stat.rindex(')')]}-{tid}"
+        fields = stat.rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, requests: int, interval: int = 1) -> dict:
     cfg = StackConfig(model=str(model), head=str(head), num_steps=steps, threads=1, step_sockets=sockets,
                       log_dir=Path(tempfile.mkdtemp(prefix="stack-cpu-")),
@@ -41,11 +56,13 @@ def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, request
         client.generate(make_request(token_ids=[1, 2, 3], max_new_tokens=16, num_steps=steps))  # warm-up
         pids = {name: p.pid for name, p in stack.procs.items()}
         before = {n: cpu_seconds(p) for n, p in pids.items()}
+        gw_threads_before = thread_cpu_seconds(pids["gateway"])
         t0 = time.perf_counter()
         gens = [client.generate(make_request(token_ids=[5, 6, 7 + i], max_new_tokens=tokens, ignore_eos=True,
                                              num_steps=steps)) for i in range(requests)]
         wall = time.perf_counter() - t0
         after = {n: cpu_seconds(p) for n, p in pids.items()}
+        gw_threads = {n: c - gw_threads_before.get(n, 0.0) for n, c in thread_cpu_seconds(pids["gateway"]).items()}
         client.close()
     cycles = sum(g.final.speculation.cycles for g in gens)
     verify_us = sum(g.final.speculation.verify_compute_ms for g in gens) / cycles * 1e3
@@ -55,6 +72,9 @@ def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, request
             "cycles": cycles, "tokens": sum(len(g.token_ids) for g in gens),
             "wall_us_per_cycle": round(wall / cycles * 1e6), "cpu_us_per_cycle": {
                 n: round((after[n] - before[n]) / cycles * 1e6) for n in pids},
+            "gateway_threads_cpu_us_per_cycle": {  # threads alive at the end that used >= 1 µs a cycle
+                n: round(c / cycles * 1e6) for n, c in sorted(gw_threads.items(), key=lambda kv: -kv[1])
+                if c / cycles * 1e6 >= 1},
             "verify_compute_us_per_cycle": round(verify_us), "draft_compute_us_per_cycle": round(draft_us),
             "outside_compute_us_per_cycle": round(wall / cycles * 1e6 - verify_us - draft_us)}
 
