@@ -68,12 +68,16 @@ def exit_with_launcher() -> None:
     """A service started by specsplit.launcher gets SIGTERM when the launching process dies (Linux
     PR_SET_PDEATHSIG). Set here, after exec: a subprocess preexec_fn is unsafe in a launcher with threads
     (gRPC's), where the child can deadlock between fork and exec and block the launcher for ever."""
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if not launcher:
+    value = os.environ.get(LAUNCHER_PID_ENV)
+    if not value:
         return
+    try:
+        launcher = int(value)
+    except ValueError:
+        raise SystemExit(f"{LAUNCHER_PID_ENV}={value!r} is not a process id (it is set by the launcher)") from None
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the stack's stop() still ends the services
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-    if os.getppid() != int(launcher):  # the launcher died before prctl took effect
+    if os.getppid() != launcher:  # the launcher died before prctl took effect
         raise SystemExit("the launcher exited before this service started")
 
 

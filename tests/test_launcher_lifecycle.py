@@ -62,3 +62,9 @@ def test_without_the_variable_nothing_changes() -> None:
     code = "from specsplit.serving import exit_with_launcher; exit_with_launcher(); print('ran')"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ran"
+
+
+def test_a_garbled_variable_is_a_clear_error() -> None:
+    env = dict(os.environ, **{LAUNCHER_PID_ENV: "not-a-pid"})
+    r = subprocess.run([sys.executable, "-c", SERVICE], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "is not a process id" in r.stderr and "Traceback" not in r.stderr
