@@ -252,6 +252,9 @@ class Scheduler:
                 self.target_failed(f"{type(e).__name__}: {e}")
             finally:
                 self.in_cycle = False
+            # let the rest of the event loop run between cycles even when the clients never suspend
+            # (the in-process LocalTarget/LocalDraft): submissions, cancels, recovery callbacks
+            await asyncio.sleep(0)
 
     async def _cycle(self) -> None:
         for seq in [s for s in self.running if s.cancelled]:

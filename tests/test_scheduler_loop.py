@@ -25,11 +25,12 @@ from specsplit.ops import (
 class InstantTarget:
     """Accepts every draft and adds token 9; hangs when `hang` is set."""
 
-    def __init__(self) -> None:
-        self.generation, self.hang = 0, False
+    def __init__(self, suspend: bool = True) -> None:
+        self.generation, self.hang, self.suspend = 0, False, suspend
 
     async def step(self, ops: list[TargetOp], releases: list[int]) -> tuple[list[TargetResult], StepTiming]:
-        await asyncio.sleep(0)  # a real client suspends for its I/O
+        if self.suspend:
+            await asyncio.sleep(0)  # a real client suspends for its I/O (the in-process ones do not)
         if self.hang:
             await asyncio.Event().wait()
         out = []
@@ -46,11 +47,12 @@ class InstantTarget:
 class InstantDraft:
     """Proposes 1, 2, ... num_steps; hangs when `hang` is set."""
 
-    def __init__(self) -> None:
-        self.hang = False
+    def __init__(self, suspend: bool = True) -> None:
+        self.hang, self.suspend = False, suspend
 
     async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
-        await asyncio.sleep(0)
+        if self.suspend:
+            await asyncio.sleep(0)
         if self.hang:
             await asyncio.Event().wait()
         return [DraftResult(op.seq_id, draft_ids=list(range(1, op.num_steps + 1)))
@@ -121,3 +123,23 @@ def test_a_target_step_past_the_timeout_fails_the_stream_unavailable() -> None:
 
     end = asyncio.run(main())
     assert isinstance(end, Failed) and end.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_loop_lets_others_run_between_cycles_when_clients_never_suspend() -> None:
+    """The in-process clients (LocalTarget/LocalDraft) return without suspending: the loop must
+    still give the event loop a turn every cycle (submissions, cancels, recovery callbacks)."""
+
+    async def main() -> tuple[int, int]:
+        s = Scheduler(InstantTarget(suspend=False), InstantDraft(suspend=False), max_sequences=4, max_queue=8)
+        s.draft_restored()
+        s.start()
+        seq = s.submit(request(4_000))
+        turns = 0
+        while not seq.done:
+            await asyncio.sleep(0)
+            turns += 1
+        await s.stop()
+        return turns, s.cycles
+
+    turns, cycles = asyncio.run(main())
+    assert cycles > 900 and turns >= cycles - 1
