@@ -205,12 +205,16 @@ class SocketStream:
 
     async def exchange(self, request: Any) -> Any:
         try:
+            hello = b""
             if self.writer is None:
                 self.reader, self.writer = await asyncio.open_unix_connection(self.path)
-                self.writer.write(_hello(self.service))
+                hello = _hello(self.service)
             assert self.reader is not None
             data = request.SerializeToString()
-            self.writer.write(_LEN.pack(len(data)) + data)
+            # the hello and the first request in one write: a service that refuses the stream reads the
+            # hello, answers with an error frame and closes; a request written after that close would
+            # fail with a broken pipe and hide the service's reason
+            self.writer.write(hello + _LEN.pack(len(data)) + data)
             kind, n = _HEAD.unpack(await self.reader.readexactly(_HEAD.size))
             if n > MAX_MESSAGE_BYTES:
                 raise ConnectionError(f"{self.service} step socket: reply of {n} bytes")
