@@ -32,12 +32,18 @@ from specsplit.ops import (
 from specsplit.serving import install_uvloop
 
 
-class StubTarget:
-    def __init__(self) -> None:
-        self.generation = 0
+class InstantTarget:
+    """Accepts every draft and adds token 9. `suspend`: yield to the event loop once, as a client doing
+    I/O does (the in-process clients do not); `hang`: never answer (for timeout tests)."""
+
+    def __init__(self, suspend: bool = True) -> None:
+        self.generation, self.hang, self.suspend = 0, False, suspend
 
     async def step(self, ops: list[TargetOp], releases: list[int]) -> tuple[list[TargetResult], StepTiming]:
-        await asyncio.sleep(0)  # a real client suspends for its I/O
+        if self.suspend:
+            await asyncio.sleep(0)  # a real client suspends for its I/O (the in-process ones do not)
+        if self.hang:
+            await asyncio.Event().wait()
         out = []
         for op in ops:
             if isinstance(op, Release):
@@ -49,15 +55,23 @@ class StubTarget:
         return out, StepTiming()
 
 
-class StubDraft:
+class InstantDraft:
+    """Proposes 1, 2, ... num_steps; hangs when `hang` is set."""
+
+    def __init__(self, suspend: bool = True) -> None:
+        self.hang, self.suspend = False, suspend
+
     async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
-        await asyncio.sleep(0)
+        if self.suspend:
+            await asyncio.sleep(0)
+        if self.hang:
+            await asyncio.Event().wait()
         return [DraftResult(op.seq_id, draft_ids=list(range(1, op.num_steps + 1)))
                 for op in ops if isinstance(op, ExtendPropose)], StepTiming()
 
 
 async def measure(batch: int, cycles: int, num_steps: int) -> dict:
-    s = Scheduler(StubTarget(), StubDraft(), max_sequences=batch, max_queue=batch)
+    s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=batch, max_queue=batch)
     s.draft_restored()
     s.start()
     tokens = cycles * (num_steps + 1)

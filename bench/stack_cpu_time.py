@@ -27,9 +27,13 @@ from specsplit.client import GatewayClient, make_request
 from specsplit.launcher import ServiceStack, StackConfig
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _stat_cpu_seconds(stat: str) -> float:
+    fields = stat.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def cpu_seconds(pid: int) -> float:
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
@@ -42,8 +46,7 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
         except OSError:  # the thread ended meanwhile
             continue
         name = "main" if int(tid) == pid else f"{stat[stat.index('(') + 1:stat.rindex(')')]}-{tid}"
-        fields = stat.rsplit(")", 1)[1].split()
-        out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        out[name] = _stat_cpu_seconds(stat)
     return out
 
 

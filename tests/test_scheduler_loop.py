@@ -7,56 +7,9 @@ import asyncio
 
 import grpc
 
+from bench.scheduler_cpu import InstantDraft, InstantTarget
 from gateway.scheduler import Failed, Finished, GenerationRequest, Scheduler
-from specsplit.ops import (
-    DraftOp,
-    DraftResult,
-    ExtendPropose,
-    HiddenRef,
-    Prefill,
-    Release,
-    Sampling,
-    StepTiming,
-    TargetOp,
-    TargetResult,
-)
-
-
-class InstantTarget:
-    """Accepts every draft and adds token 9; hangs when `hang` is set."""
-
-    def __init__(self, suspend: bool = True) -> None:
-        self.generation, self.hang, self.suspend = 0, False, suspend
-
-    async def step(self, ops: list[TargetOp], releases: list[int]) -> tuple[list[TargetResult], StepTiming]:
-        if self.suspend:
-            await asyncio.sleep(0)  # a real client suspends for its I/O (the in-process ones do not)
-        if self.hang:
-            await asyncio.Event().wait()
-        out = []
-        for op in ops:
-            if isinstance(op, Release):
-                continue
-            self.generation += 1
-            tokens = [9] if isinstance(op, Prefill) else [*op.draft_ids, 9]
-            out.append(TargetResult(op.seq_id, tokens=tokens, num_accepted=len(tokens) - 1,
-                                    hidden=HiddenRef(0, len(tokens), self.generation)))
-        return out, StepTiming()
-
-
-class InstantDraft:
-    """Proposes 1, 2, ... num_steps; hangs when `hang` is set."""
-
-    def __init__(self, suspend: bool = True) -> None:
-        self.hang, self.suspend = False, suspend
-
-    async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
-        if self.suspend:
-            await asyncio.sleep(0)
-        if self.hang:
-            await asyncio.Event().wait()
-        return [DraftResult(op.seq_id, draft_ids=list(range(1, op.num_steps + 1)))
-                for op in ops if isinstance(op, ExtendPropose)], StepTiming()
+from specsplit.ops import Sampling
 
 
 def request(max_new_tokens: int, num_steps: int = 3) -> GenerationRequest:
