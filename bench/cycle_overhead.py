@@ -98,7 +98,7 @@ def shape(a: argparse.Namespace, steps: int) -> dict[str, int]:
 
 
 def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[int]], steps_list: list[int],
-             log_dir: Path) -> dict[int, dict[str, Any]]:
+             log_dir: Path, loop_thread: bool = True) -> dict[int, dict[str, Any]]:
     replay: list[str] = []
     if a.accept_rate is not None:
         ref_file = log_dir / "references.json"
@@ -110,7 +110,7 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                       hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
                       extra_target_args=[*engine_flags, "--max-draft-tokens", str(max(16, tree_size(a)))],
                       extra_draft_args=[*engine_flags, "--max-topk", str(max(8, tree_topk(a)))],
-                      extra_gateway_args=[*replay, *trees],
+                      extra_gateway_args=[*replay, *trees, *([] if loop_thread else ["--no-loop-thread"])],
                       step_sockets=not a.grpc_steps)
     rows = {}
     with ServiceStack(cfg) as stack:
@@ -159,6 +159,8 @@ def main() -> None:
                    help="the gateway's Steps over the gRPC streams (default: the services' Unix step sockets)")
     p.add_argument("--compile", action="store_true", help="the target's and the draft's static forwards through "
                    "torch.compile")
+    p.add_argument("--loop-threads", default="on", help="on,off: (ii) with the gateway's speculation loop on its own "
+                   "thread (the default), and/or on the server's event loop (--no-loop-thread); each against (i)")
     a = p.parse_args()
     steps_list = [int(x) for x in a.num_steps.split(",") if x]
     t0 = time.time()
@@ -166,18 +168,24 @@ def main() -> None:
     vocab = load_target_config(resolve_target_dir(a.model)).vocab_size
     prompts = [torch.randint(0, vocab - 1, (a.prompt_tokens,), generator=g).tolist() for _ in range(a.prompts)]
     refs, local = in_process(a, prompts, steps_list)
-    with tempfile.TemporaryDirectory() as tmp:
-        remote = services(a, prompts, refs, steps_list, Path(tmp))
+    variants = [v == "on" for v in a.loop_threads.split(",")]
+    remote = {}
+    for loop_thread in variants:
+        with tempfile.TemporaryDirectory() as tmp:
+            remote[loop_thread] = services(a, prompts, refs, steps_list, Path(tmp), loop_thread)
     for steps in [0, *steps_list]:
-        i, ii = local[steps], remote[steps]
-        print(json.dumps({
-            "bench": "cycle_overhead", "label": LABEL if steps else "target-only", "model": a.model,
-            "num_steps": steps, "accept_rate": a.accept_rate if steps else None,
-            "ratio_services_over_in_process": round(ii["decode_tokens_per_s"] / i["decode_tokens_per_s"], 4),
-            "in_process": i, "services": ii, "target_device": a.device, "draft_device": a.draft_device,
-            "inline_steps": a.inline_steps, "step_transport": "grpc stream" if a.grpc_steps else "unix socket",
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        }), flush=True)
+        for loop_thread in variants:
+            i, ii = local[steps], remote[loop_thread][steps]
+            print(json.dumps({
+                "bench": "cycle_overhead", "label": LABEL if steps else "target-only", "model": a.model,
+                "num_steps": steps, "accept_rate": a.accept_rate if steps else None,
+                "ratio_services_over_in_process": round(ii["decode_tokens_per_s"] / i["decode_tokens_per_s"], 4),
+                "cycle_ratio_in_process_over_services": round(i["cycle_us"] / ii["cycle_us"], 4),
+                "in_process": i, "services": ii, "target_device": a.device, "draft_device": a.draft_device,
+                "inline_steps": a.inline_steps, "step_transport": "grpc stream" if a.grpc_steps else "unix socket",
+                "gateway_loop_thread": loop_thread,
+                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            }), flush=True)
     print(json.dumps({"bench": "cycle_overhead", "label": LABEL, "commit": git_commit(),
                       "wall_s": round(time.time() - t0, 1)}), flush=True)
 

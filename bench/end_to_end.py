@@ -95,6 +95,8 @@ def main() -> None:
     p.add_argument("--num-draft-tokens", type=int, default=16, help="a tree's size counting the root (trees only)")
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the HF generate reference (0: skip it)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--loop-threads", default="on", help="on,off: through the services with the gateway's speculation "
+                   "loop on its own thread (the default), and/or on the server's event loop (--no-loop-thread)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -111,15 +113,18 @@ def main() -> None:
         raise SystemExit(f"{a.model}: no tokenizer")
     prompts = [codec.encode(codec.render_chat(t)) for t in CHAT_PROMPTS[: a.prompts]]
     refs, local = cycle_overhead.in_process(a, prompts, steps_list)
-    with tempfile.TemporaryDirectory() as tmp:
-        remote = cycle_overhead.services(a, prompts, refs, steps_list, Path(tmp))
+    remote: dict[str, dict[int, dict[str, Any]]] = {}
+    for variant in a.loop_threads.split(","):  # "services", or "services_loop_thread_off"
+        with tempfile.TemporaryDirectory() as tmp:
+            remote["services" if variant == "on" else "services_loop_thread_off"] = cycle_overhead.services(
+                a, prompts, refs, steps_list, Path(tmp), loop_thread=variant == "on")
     base = local[0]["decode_tokens_per_s"]
     common = {"bench": "end_to_end", "model": a.model, "head": Path(a.head).name, "dtype": a.dtype,
               "topk": a.topk, "num_draft_tokens": a.num_draft_tokens if a.topk > 1 else None,
               "max_new_tokens": a.max_new_tokens, "prompts": len(prompts)}
     summary: dict[str, Any] = {}
     for steps in [0, *steps_list]:
-        for mode, row in (("in_process", local[steps]), ("services", remote[steps])):
+        for mode, row in (("in_process", local[steps]), *((m, r[steps]) for m, r in remote.items())):
             ratio = round(row["decode_tokens_per_s"] / base, 3)
             summary[f"{mode}_{'target_only' if steps == 0 else f'spec{steps}'}"] = ratio
             print(json.dumps({**common, **row, "mode": mode, "over_in_process_target_only": ratio}), flush=True)

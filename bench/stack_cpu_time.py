@@ -3,10 +3,12 @@ nothing, so what is left is the serving path): wall µs per cycle and the CPU µ
 process (target, draft, gateway) burns per cycle, with the gateway's Steps over the gRPC
 streams and over the Unix step sockets, in one run, and with the gateway streaming every
 cycle's tokens or gathering them (`--stream-intervals 1,16`), and the gateway's CPU per
-thread (its event loop is the process's main thread). One JSON line per run, then the ratios.
+thread (`main` serves the clients; the speculation loop has a thread of its own unless
+`--loop-threads off`). One JSON line per run, then the means.
 
   python -m bench.stack_cpu_time --tokens 1000 --requests 2 --rounds 2
   python -m bench.stack_cpu_time --transports socket --stream-intervals 1,16
+  python -m bench.stack_cpu_time --transports socket --loop-threads on,off
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.spec_vs_baseline import git_commit
@@ -50,10 +53,12 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
     return out
 
 
-def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, requests: int, interval: int = 1) -> dict:
+def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, requests: int, interval: int = 1,
+        loop_thread: bool = True) -> dict:
     cfg = StackConfig(model=str(model), head=str(head), num_steps=steps, threads=1, step_sockets=sockets,
                       log_dir=Path(tempfile.mkdtemp(prefix="stack-cpu-")),
-                      extra_gateway_args=["--stream-interval", str(interval)])
+                      extra_gateway_args=["--stream-interval", str(interval),
+                                          *([] if loop_thread else ["--no-loop-thread"])])
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
         client.generate(make_request(token_ids=[1, 2, 3], max_new_tokens=16, num_steps=steps))  # warm-up
@@ -71,7 +76,7 @@ def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, request
     verify_us = sum(g.final.speculation.verify_compute_ms for g in gens) / cycles * 1e3
     draft_us = sum(g.final.speculation.draft_compute_ms for g in gens) / cycles * 1e3
     return {"bench": "stack_cpu_time", "transport": "unix socket" if sockets else "grpc stream", "num_steps": steps,
-            "stream_interval": interval,
+            "stream_interval": interval, "loop_thread": loop_thread,
             "cycles": cycles, "tokens": sum(len(g.token_ids) for g in gens),
             "wall_us_per_cycle": round(wall / cycles * 1e6), "cpu_us_per_cycle": {
                 n: round((after[n] - before[n]) / cycles * 1e6) for n in pids},
@@ -90,36 +95,38 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="each configuration this many times, alternating")
     p.add_argument("--transports", default="grpc,socket")
     p.add_argument("--stream-intervals", default="1", help="the gateway's --stream-interval values to compare")
+    p.add_argument("--loop-threads", default="on", help="on,off: the speculation loop on its own thread, or not "
+                                                       "(the gateway's --no-loop-thread)")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="stack-cpu-"))
     model = write_tiny_target(tmp / "target", tiny_config(), seed=1)
     head_cfg, weights = random_head(load_target_config(model), draft_vocab_size=384, seed=2, std=0.2)
     save_head(tmp / "head", head_cfg, weights)
     transports = {"grpc": "grpc stream", "socket": "unix socket"}
-    configs = [(t, int(i)) for t in a.transports.split(",") for i in a.stream_intervals.split(",")]
+    configs = [(t, int(i), lt == "on") for t in a.transports.split(",") for i in a.stream_intervals.split(",")
+               for lt in a.loop_threads.split(",")]
     rows = []
     for _ in range(a.rounds):  # alternating, so that drifts of a shared machine hit all alike
-        for transport, interval in configs:
-            rows.append(run(model, tmp / "head", transport == "socket", a.num_steps, a.tokens, a.requests, interval))
+        for transport, interval, loop_thread in configs:
+            rows.append(run(model, tmp / "head", transport == "socket", a.num_steps, a.tokens, a.requests, interval,
+                            loop_thread))
             print(json.dumps(rows[-1]), flush=True)
 
-    def mean(transport: str, interval: int, key: str) -> float:
-        vals = [r[key] for r in rows if r["transport"] == transport and r["stream_interval"] == interval]
-        return sum(vals) / len(vals)
+    def label(transport: str, interval: int, loop_thread: bool) -> str:
+        return f"{transports[transport]}, interval {interval}, loop thread {'on' if loop_thread else 'off'}"
 
-    def gateway_cpu(transport: str, interval: int) -> float:
-        vals = [r["cpu_us_per_cycle"]["gateway"] for r in rows
-                if r["transport"] == transport and r["stream_interval"] == interval]
+    def mean(config: tuple[str, int, bool], value: Callable[[dict], float]) -> int:
+        transport, interval, loop_thread = config
+        vals = [value(r) for r in rows if (r["transport"], r["stream_interval"], r["loop_thread"])
+                == (transports[transport], interval, loop_thread)]
         return round(sum(vals) / len(vals))
 
     print(json.dumps({"bench": "stack_cpu_time", "summary": True, "rounds": a.rounds,
-                      "wall_us_per_cycle": {f"{transports[t]}, interval {i}": round(mean(transports[t], i,
-                                                                                         "wall_us_per_cycle"))
-                                            for t, i in configs},
-                      "outside_compute_us_per_cycle": {f"{transports[t]}, interval {i}": round(
-                          mean(transports[t], i, "outside_compute_us_per_cycle")) for t, i in configs},
-                      "gateway_cpu_us_per_cycle": {f"{transports[t]}, interval {i}": gateway_cpu(transports[t], i)
-                                                   for t, i in configs},
+                      "wall_us_per_cycle": {label(*c): mean(c, lambda r: r["wall_us_per_cycle"]) for c in configs},
+                      "outside_compute_us_per_cycle": {label(*c): mean(c, lambda r: r["outside_compute_us_per_cycle"])
+                                                       for c in configs},
+                      "gateway_cpu_us_per_cycle": {label(*c): mean(c, lambda r: r["cpu_us_per_cycle"]["gateway"])
+                                                   for c in configs},
                       "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),
                       "python": platform.python_version()}), flush=True)
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc
 
 from gateway.clients import GrpcDraft, GrpcTarget
 from gateway.config import GatewayConfig
+from gateway.loop_thread import LoopThread
 from gateway.observe import GatewayMetrics
 from gateway.recovery import Recovery
 from gateway.requests import ModelLimits
@@ -29,9 +33,11 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
-from specsplit.telemetry import setup_telemetry
+from specsplit.telemetry import Telemetry, setup_telemetry
 from specsplit.tokenizer import TextCodec
-from specsplit.v1 import gateway_pb2_grpc
+from specsplit.v1 import gateway_pb2_grpc, target_pb2
+
+T = TypeVar("T")
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
@@ -70,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--replay-accept-rate", type=float, default=d.replay_accept_rate)
     p.add_argument("--no-step-sockets", dest="step_sockets", action="store_false",
                    help="always send Steps over the gRPC streams, even where a service offers a Unix step socket")
+    p.add_argument("--no-loop-thread", dest="loop_thread", action="store_false",
+                   help="run the speculation loop on the server's event loop instead of a thread of its own "
+                        "(whose step sockets are read blocking)")
     p.add_argument("--auth-token-file", default=None, help="file holding the bearer token (or SPECSPLIT_AUTH_TOKEN)")
     a = p.parse_args(argv)
     return GatewayConfig(target_addr=a.target, draft_addr=a.draft, model=a.model, host=a.host, port=a.port,
@@ -82,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                          max_prompt_tokens=a.max_prompt_tokens,
                          max_prompt_chars=a.max_prompt_chars, tls_cert=a.tls_cert, tls_key=a.tls_key,
                          replay_references=a.replay_references, replay_accept_rate=a.replay_accept_rate,
-                         step_sockets=a.step_sockets,
+                         step_sockets=a.step_sockets, loop_thread=a.loop_thread,
                          auth_token=read_token(a.auth_token_file, os.environ.get("SPECSPLIT_AUTH_TOKEN"))).validate()
 
 
@@ -92,14 +101,32 @@ def draft_label(cfg: GatewayConfig, name: str) -> str:
     return name
 
 
-async def serve(cfg: GatewayConfig) -> None:
-    model_dir = resolve_target_dir(cfg.model)
-    codec = TextCodec.from_checkpoint(model_dir)
-    target = GrpcTarget(cfg.target_addr)
+@dataclass
+class Backend:
+    """The gateway's side of the services: their clients, the speculation loop and the
+    recovery task, all on one event loop (the loop thread's, by default)."""
+
+    info: target_pb2.TargetInfo
+    target: GrpcTarget
+    draft: GrpcDraft | None
+    scheduler: Scheduler
+    recovery: Recovery
+
+    async def stop(self) -> None:
+        await self.recovery.stop()
+        await self.scheduler.stop()
+        for client in (self.target, self.draft):
+            if client is not None:
+                await client.close()
+
+
+async def connect(cfg: GatewayConfig, telemetry: Telemetry, on_target_state: Callable[[bool], None]) -> Backend:
+    """Reach both services and start the loop, on the event loop that will run it."""
+    blocking = cfg.step_timeout_s if cfg.loop_thread else None  # step sockets read blocking on the loop thread
+    target = GrpcTarget(cfg.target_addr, blocking)
     info = await target.describe(timeout=300.0)
     log.info("target steps over %s", target.use_step_transport(info.step_socket if cfg.step_sockets else ""))
-    draft = GrpcDraft(cfg.draft_addr) if cfg.draft_addr else None
-    telemetry = setup_telemetry("specsplit-gateway")
+    draft = GrpcDraft(cfg.draft_addr, blocking) if cfg.draft_addr else None
     loop_draft = draft
     if draft is not None and cfg.replay_references:
         loop_draft = ReplayDraft(draft, Replayer.from_file(cfg.replay_references, cfg.replay_accept_rate,
@@ -108,6 +135,7 @@ async def serve(cfg: GatewayConfig) -> None:
                     cfg.replay_references)
     scheduler = Scheduler(target, loop_draft, info.max_sequences, cfg.max_queue, telemetry.tracer,
                           GatewayMetrics.create(telemetry.meter), cfg.step_timeout_s)
+    scheduler.on_target_state.append(on_target_state)
     recovery = Recovery(scheduler, target, draft, info.hidden_store, list(info.aux_layer_ids), cfg.max_num_steps,
                         cfg.draft_retry_s, cfg.step_sockets, cfg.max_topk)
     if draft is not None:
@@ -115,16 +143,33 @@ async def serve(cfg: GatewayConfig) -> None:
             scheduler.draft_restored()
         else:
             log.warning("draft service not usable yet: target-only decoding until it attaches")
-    limits = ModelLimits(info.vocab_size, info.max_context, list(info.eos_token_ids), draft is not None,
-                         cfg.max_prompt_tokens, info.max_draft_tokens)
-    server, health = new_server([BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else None)
-    loop = asyncio.get_running_loop()
-    scheduler.on_target_state.append(
-        lambda up: loop.create_task(set_serving(health, ["specsplit.v1.Gateway"], up)))
     scheduler.start()
     recovery.start()
+    return Backend(info, target, draft, scheduler, recovery)
+
+
+async def serve(cfg: GatewayConfig) -> None:
+    model_dir = resolve_target_dir(cfg.model)
+    codec = TextCodec.from_checkpoint(model_dir)
+    telemetry = setup_telemetry("specsplit-gateway")
+    server, health = new_server([BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else None)
+    loop = asyncio.get_running_loop()
+
+    def on_target_state(up: bool) -> None:  # called on the speculation loop's thread
+        loop.call_soon_threadsafe(lambda: loop.create_task(set_serving(health, ["specsplit.v1.Gateway"], up)))
+
+    loop_thread = LoopThread("spec-loop").start() if cfg.loop_thread else None
+
+    async def on_backend(coro: Coroutine[Any, Any, T]) -> T:
+        return await (loop_thread.run(coro) if loop_thread is not None else coro)
+
+    backend = await on_backend(connect(cfg, telemetry, on_target_state))
+    info, scheduler = backend.info, backend.scheduler
+    limits = ModelLimits(info.vocab_size, info.max_context, list(info.eos_token_ids), backend.draft is not None,
+                         cfg.max_prompt_tokens, info.max_draft_tokens)
+    draft_name = backend.recovery.draft_name
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(cfg, scheduler, codec, limits, info.model_name, draft_label(cfg, recovery.draft_name)), server)
+        GatewayServicer(cfg, scheduler, codec, limits, info.model_name, draft_label(cfg, draft_name)), server)
     sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(  # for smg, on the same port
         SglangSchedulerServicer(cfg, scheduler, codec, limits,
                                 WorkerModel.load(info.model_name, cfg.model, model_dir, codec)), server)
@@ -137,13 +182,14 @@ async def serve(cfg: GatewayConfig) -> None:
         server.add_insecure_port(addr)
     await server.start()
     await set_serving(health, ["specsplit.v1.Gateway"], True)
-    log.info("gateway on %s:%d (target %s, draft %s)", cfg.host, cfg.port, cfg.target_addr,
-             recovery.draft_name or "none")
+    log.info("gateway on %s:%d (target %s, draft %s; speculation loop on %s)", cfg.host, cfg.port, cfg.target_addr,
+             draft_name or "none", "its own thread" if loop_thread is not None else "the server's event loop")
 
     async def on_stop() -> None:
         await set_serving(health, ["specsplit.v1.Gateway"], False)
-        await recovery.stop()
-        await scheduler.stop()
+        await on_backend(backend.stop())
+        if loop_thread is not None:
+            loop_thread.stop()
 
     try:
         await serve_until_signal(server, on_stop)

@@ -14,7 +14,7 @@ import grpc
 from specsplit import wire
 from specsplit.ops import DraftOp, DraftResult, StepTiming, TargetOp, TargetResult
 from specsplit.serving import channel_options
-from specsplit.step_socket import SocketStream
+from specsplit.step_socket import BlockingSocketStream, SocketStream
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
@@ -61,18 +61,26 @@ class _BidiStream:
         self.call = None
 
 
-def _stream(open_call: Any, socket_path: str, service: str, reply_type: type) -> StepStream:
+def _stream(open_call: Any, socket_path: str, service: str, reply_type: type, blocking_timeout_s: float | None
+            ) -> StepStream:
     if socket_path and Path(socket_path).is_socket():
+        if blocking_timeout_s is not None:
+            return BlockingSocketStream(socket_path, service, reply_type, blocking_timeout_s)
         return SocketStream(socket_path, service, reply_type)
     return _BidiStream(open_call)
 
 
 def _transport_name(stream: StepStream) -> str:
+    if isinstance(stream, BlockingSocketStream):
+        return f"unix:{stream.path} (blocking, on the speculation loop's thread)"
     return f"unix:{stream.path}" if isinstance(stream, SocketStream) else "grpc stream"
 
 
 class GrpcTarget:
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, blocking_timeout_s: float | None = None) -> None:
+        """blocking_timeout_s: step sockets are read blocking, with this timeout (only for a loop
+        on a thread of its own, see BlockingSocketStream); None: asyncio streams."""
+        self.blocking_timeout_s = blocking_timeout_s
         self.channel = grpc.aio.insecure_channel(addr, options=channel_options())
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self.stream: StepStream = _BidiStream(self.stub.Step)
@@ -85,7 +93,8 @@ class GrpcTarget:
         """Steps over the service's Unix socket when it advertises one this host can open (same
         messages, less per call), else over the gRPC stream; a fresh stream either way."""
         self.stream.reset()
-        self.stream = _stream(self.stub.Step, socket_path, "target", target_pb2.TargetStepResponse)
+        self.stream = _stream(self.stub.Step, socket_path, "target", target_pb2.TargetStepResponse,
+                              self.blocking_timeout_s)
         return _transport_name(self.stream)
 
     async def step(self, ops: list[TargetOp], releases: Sequence[int]) -> tuple[list[TargetResult], StepTiming]:
@@ -101,7 +110,10 @@ class GrpcTarget:
 
 
 class GrpcDraft:
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, blocking_timeout_s: float | None = None) -> None:
+        """blocking_timeout_s: step sockets are read blocking, with this timeout (only for a loop
+        on a thread of its own, see BlockingSocketStream); None: asyncio streams."""
+        self.blocking_timeout_s = blocking_timeout_s
         self.channel = grpc.aio.insecure_channel(addr, options=channel_options())
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.stream: StepStream = _BidiStream(self.stub.Step)
@@ -112,7 +124,8 @@ class GrpcDraft:
 
     def use_step_transport(self, socket_path: str) -> str:
         self.stream.reset()
-        self.stream = _stream(self.stub.Step, socket_path, "draft", draft_pb2.DraftStepResponse)
+        self.stream = _stream(self.stub.Step, socket_path, "draft", draft_pb2.DraftStepResponse,
+                              self.blocking_timeout_s)
         return _transport_name(self.stream)
 
     async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:

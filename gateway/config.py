@@ -31,6 +31,7 @@ class GatewayConfig:
     draft_retry_s: float = 2.0  # how often a lost draft or target is tried again
     step_timeout_s: float = 60.0  # a draft or target step slower than this counts as a failure
     step_sockets: bool = True  # Steps over a service's Unix socket when it offers one on this host
+    loop_thread: bool = True  # the speculation loop on a thread of its own (its step sockets read blocking)
     replay_references: str = ""  # benchmarks only: JSON token-id lists whose continuations the draft "proposes"
     replay_accept_rate: float = 0.8  # per-token acceptance the replayed proposals are given
 

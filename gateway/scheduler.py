@@ -7,15 +7,23 @@ Faults: a failed draft call suspends speculation (sequences go on target-only, t
 unchanged) until the draft is attached again; then each sequence's features are
 recomputed by the target (Recapture) and the draft resumes from position 0. A failed
 target call ends every stream with UNAVAILABLE and marks the target down until it is
-reachable again."""
+reachable again.
+
+Threads: the loop may run on an event loop of its own thread (the gateway's default, so
+that a step's round trip meets no client work), while the servicers call `submit` and
+`cancel` from the server's loop. `submit` only appends to the waiting queue; `cancel` and
+every other change of state run on the loop's own thread; a sequence's events go to the
+loop its submitter runs on."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -122,6 +130,10 @@ class Sequence:
         self.submitted_at = time.perf_counter()
         self.done = False
         self.cancelled = False
+        try:  # where the submitter reads `events`
+            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
 
 
 class QueueFull(Exception):
@@ -148,6 +160,10 @@ class Scheduler:
         self.draft_orphans: list[int] = []  # finished while the draft was down
         self.free_generations: list[int] = []  # ring allocations to reclaim on the next target call
         self.task: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop (and thread) the cycles run on
+        self.thread_id = 0
+        # spans and trace context cost ~10% of the loop's CPU even with a no-op tracer: skip them then
+        self.tracing = not isinstance(tracer, trace.NoOpTracer)
         self.cycles = 0
         self.totals = LoopTotals()
         self.in_cycle = False
@@ -160,7 +176,24 @@ class Scheduler:
         return self.draft is not None and not self.draft_down
 
     def start(self) -> None:
+        self.loop, self.thread_id = asyncio.get_running_loop(), threading.get_ident()
         self.task = asyncio.create_task(self._run(), name="speculation-loop")
+
+    def _on_loop(self, fn: Callable[..., None], *args: object) -> None:
+        """Run fn on the loop's thread: now when called there (or before start), else soon."""
+        if self.loop is None or self.thread_id == threading.get_ident():
+            fn(*args)
+        else:
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    @staticmethod
+    def _post(seq: Sequence, event: list[int] | Finished | Failed) -> None:
+        """Hand an event to the sequence's reader, on the reader's loop."""
+        loop = seq.loop
+        if loop is None or loop is asyncio._get_running_loop():
+            seq.events.put_nowait(event)
+        else:
+            loop.call_soon_threadsafe(seq.events.put_nowait, event)
 
     async def stop(self) -> None:
         if self.task is not None:
@@ -174,18 +207,22 @@ class Scheduler:
             raise QueueFull(f"{len(self.waiting)} requests already waiting")
         seq = Sequence(next(self.ids), req, span)
         seq.span.add_event("queued", {"spec.seq_id": seq.seq_id, "spec.queue_depth": len(self.waiting)})
-        self.waiting.append(seq)
-        self.wake.set()
+        self.waiting.append(seq)  # a deque: safe beside the loop thread's popleft; cancel runs on that thread
+        self._on_loop(self.wake.set)
         return seq
 
     def cancel(self, seq: Sequence) -> None:
         """Ends a sequence: at once if it is still waiting, else at the next cycle boundary."""
+        if not seq.done:
+            self._on_loop(self._cancel, seq)
+
+    def _cancel(self, seq: Sequence) -> None:
         if seq.done:
             return
         if seq in self.waiting:  # never admitted: nothing to release anywhere
             self.waiting.remove(seq)
             seq.done = True
-            seq.events.put_nowait(Finished("abort"))
+            self._post(seq, Finished("abort"))
             return
         seq.cancelled = True
         self.wake.set()
@@ -266,12 +303,12 @@ class Scheduler:
             newcomers.append(seq)
             seq.span.add_event("admitted", {"spec.seq_id": seq.seq_id,
                                             "spec.wait_ms": (time.perf_counter() - seq.submitted_at) * 1e3})
-        t0 = time.perf_counter()
-        traced = list(self.running)
+        t0, batch = time.perf_counter(), len(self.running)
+        traced = list(self.running) if self.tracing else []
         for s in traced:
             s.cycle_span = self.tracer.start_span(
                 "prefill" if s in newcomers else "cycle", context=trace.set_span_in_context(s.span),
-                attributes={"spec.cycle": 0 if s in newcomers else s.stats.cycles + 1, "spec.batch_size": len(traced),
+                attributes={"spec.cycle": 0 if s in newcomers else s.stats.cycles + 1, "spec.batch_size": batch,
                             "spec.num_steps": s.req.num_steps if s.spec else 0, "spec.seq_id": s.seq_id,
                             "spec.topk": s.req.topk})
             s.trace = inject(s.cycle_span)
@@ -283,7 +320,7 @@ class Scheduler:
             for s in traced:
                 s.cycle_span.end()
                 s.cycle_span, s.trace = trace.INVALID_SPAN, ""
-        if len(traced) > len(newcomers):
+        if batch > len(newcomers):
             self.metrics.cycle_duration.record((time.perf_counter() - t0) * 1e3)
         self.cycles += 1
 
@@ -428,7 +465,7 @@ class Scheduler:
         s.generated += out
         self.totals.output_tokens += len(out)
         if out:
-            s.events.put_nowait(out)
+            self._post(s, out)
         if end is not None:
             self._finish(s, end)
 
@@ -455,8 +492,8 @@ class Scheduler:
         if n:
             self.metrics.tokens_per_second.record(n / max(now - s.submitted_at, 1e-9))
         s.span.add_event("finished", {"gen_ai.response.finish_reason": end.reason, "spec.cycles": s.stats.cycles})
-        s.events.put_nowait(end)
+        self._post(s, end)
 
     def _fail(self, s: Sequence, code: grpc.StatusCode, message: str) -> None:
         self._retire(s)
-        s.events.put_nowait(Failed(code, message))
+        self._post(s, Failed(code, message))

@@ -139,13 +139,15 @@ class SglangSchedulerServicer(sgl_grpc.SglangSchedulerServicer):
             except Unavailable as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             self.active[rid] = seq
-            prompt_tokens = len(req.prompt_ids)
+            prompt_tokens, completion_tokens = len(req.prompt_ids), 0
             while True:
                 event = await seq.events.get()
                 if isinstance(event, list):
+                    # counted here: seq.generated belongs to the speculation loop, which may be a cycle ahead
+                    completion_tokens += len(event)
                     if request.stream:
                         yield sgl.GenerateResponse(request_id=rid, chunk=sgl.GenerateStreamChunk(
-                            token_ids=event, prompt_tokens=prompt_tokens, completion_tokens=len(seq.generated)))
+                            token_ids=event, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens))
                 elif isinstance(event, Failed):
                     span.set_status(trace.Status(trace.StatusCode.ERROR, event.message))
                     await context.abort(event.code, event.message)

@@ -13,7 +13,8 @@ file is created owner-only (0600).
 
 The server side is plain threads (one per open stream, at most MAX_CONNECTIONS): the thread
 that reads a request runs the engine step and writes the reply, so a step crosses no event
-loop and no thread hand-off. The gateway's side is an asyncio stream on its event loop."""
+loop and no thread hand-off. The gateway's side is an asyncio stream on its event loop, or,
+when the speculation loop has a thread of its own, a blocking socket (BlockingSocketStream)."""
 
 from __future__ import annotations
 
@@ -194,9 +195,28 @@ def _send_error(conn: socket.socket, code: grpc.StatusCode, message: str) -> Non
         conn.sendall(_HEAD.pack(_ERROR, len(msg)) + msg)
 
 
+def _decode_reply(kind: int, payload: bytes, request: Any, reply_type: type) -> Any:
+    """A reply frame to its message; an error frame or a mismatched reply raises (then reset)."""
+    if kind == _ERROR:
+        code, _, message = payload.decode(errors="replace").partition("\t")
+        raise StepSocketError(code, message)
+    reply = reply_type.FromString(payload)
+    if reply.step_id != request.step_id:
+        raise ConnectionError(f"reply for step {reply.step_id}, expected {request.step_id}")
+    return reply
+
+
+def _frame(request: Any, hello: bytes) -> bytes:
+    # the hello and the first request in one write: a service that refuses the stream reads the
+    # hello, answers with an error frame and closes; a request written after that close would
+    # fail with a broken pipe and hide the service's reason
+    data = request.SerializeToString()
+    return hello + _LEN.pack(len(data)) + data
+
+
 class SocketStream:
-    """One open Step stream over the socket; requests and replies strictly alternate.
-    Same `exchange`/`reset` as gateway.clients' gRPC stream."""
+    """One open Step stream over the socket, on the caller's event loop; requests and replies
+    strictly alternate. Same `exchange`/`reset` as gateway.clients' gRPC stream."""
 
     def __init__(self, path: str, service: str, reply_type: type) -> None:
         self.path, self.service, self.reply_type = path, service, reply_type
@@ -210,32 +230,71 @@ class SocketStream:
                 self.reader, self.writer = await asyncio.open_unix_connection(self.path)
                 hello = _hello(self.service)
             assert self.reader is not None
-            data = request.SerializeToString()
-            # the hello and the first request in one write: a service that refuses the stream reads the
-            # hello, answers with an error frame and closes; a request written after that close would
-            # fail with a broken pipe and hide the service's reason
-            self.writer.write(hello + _LEN.pack(len(data)) + data)
+            self.writer.write(_frame(request, hello))
             kind, n = _HEAD.unpack(await self.reader.readexactly(_HEAD.size))
             if n > MAX_MESSAGE_BYTES:
                 raise ConnectionError(f"{self.service} step socket: reply of {n} bytes")
-            payload = await self.reader.readexactly(n)
+            return _decode_reply(kind, await self.reader.readexactly(n), request, self.reply_type)
         except asyncio.IncompleteReadError:
             self.reset()
             raise ConnectionError(f"{self.service} step socket closed by the service") from None
         except BaseException:
             self.reset()
             raise
-        if kind == _ERROR:
-            self.reset()
-            code, _, message = payload.decode(errors="replace").partition("\t")
-            raise StepSocketError(code, message)
-        reply = self.reply_type.FromString(payload)
-        if reply.step_id != request.step_id:
-            self.reset()
-            raise ConnectionError(f"reply for step {reply.step_id}, expected {request.step_id}")
-        return reply
 
     def reset(self) -> None:
         if self.writer is not None:
             self.writer.close()
         self.reader = self.writer = None
+
+
+class BlockingSocketStream:
+    """The same stream on a plain blocking socket: `exchange` never suspends, so the calling
+    event loop stands still for the whole step. Only for a loop that has nothing else to do
+    meanwhile: the gateway's speculation loop on its own thread, where this saves the event
+    loop's wake-ups around every step (the GIL is released while the service computes).
+    A read that waits longer than `timeout_s` fails the step (TimeoutError)."""
+
+    def __init__(self, path: str, service: str, reply_type: type, timeout_s: float) -> None:
+        self.path, self.service, self.reply_type, self.timeout_s = path, service, reply_type, timeout_s
+        self.sock: socket.socket | None = None
+        self.head = bytearray(_HEAD.size)
+
+    async def exchange(self, request: Any) -> Any:
+        return self.exchange_now(request)
+
+    def exchange_now(self, request: Any) -> Any:
+        try:
+            hello = b""
+            if self.sock is None:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.settimeout(self.timeout_s)
+                self.sock.connect(self.path)
+                hello = _hello(self.service)
+            self.sock.sendall(_frame(request, hello))
+            kind, n = _HEAD.unpack(self._read_into(self.head))
+            if n > MAX_MESSAGE_BYTES:
+                raise ConnectionError(f"{self.service} step socket: reply of {n} bytes")
+            return _decode_reply(kind, self._read_into(bytearray(n)), request, self.reply_type)
+        except TimeoutError:
+            self.reset()
+            raise TimeoutError(f"{self.service} step took longer than {self.timeout_s:g} s") from None
+        except BaseException:
+            self.reset()
+            raise
+
+    def _read_into(self, buf: bytearray) -> bytes:
+        assert self.sock is not None
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            n = self.sock.recv_into(view[got:])
+            if n == 0:
+                raise ConnectionError(f"{self.service} step socket closed by the service")
+            got += n
+        return bytes(buf)
+
+    def reset(self) -> None:
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+        self.sock = None

@@ -96,3 +96,39 @@ def test_the_loop_lets_others_run_between_cycles_when_clients_never_suspend() ->
 
     turns, cycles = asyncio.run(main())
     assert cycles > 900 and turns >= cycles - 1
+
+
+def test_a_loop_on_its_own_thread_serves_submitters_on_another_loop() -> None:
+    """The gateway's default: the loop on a LoopThread, the servicers on the main loop. Every
+    stream gets all its tokens in order on its own loop; cancels from the main loop end
+    waiting and running sequences; stop() from the main loop ends it."""
+    from gateway.loop_thread import LoopThread
+
+    async def main() -> None:
+        loop_thread = LoopThread("spec-loop").start()
+        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, max_queue=64)
+
+        async def start() -> None:
+            s.draft_restored()
+            s.start()
+
+        await loop_thread.run(start())
+        assert s.loop is loop_thread.loop
+        seqs = [s.submit(request(50 + i)) for i in range(6)]  # 2 run, 4 wait
+        doomed = s.submit(request(10_000))
+        s.cancel(doomed)  # still waiting, or admitted meanwhile: either way it ends, aborted
+        results = await asyncio.wait_for(asyncio.gather(*(drain(q) for q in seqs), drain(doomed)), 30.0)
+        for i, (tokens, end) in enumerate(results[:-1]):
+            # a prefill token, then cycles of drafts 1..3 and the bonus 9, cut at the length
+            expected = [9, *([1, 2, 3, 9] * 20)][: 50 + i]
+            assert tokens == expected and end == Finished("length")
+        assert results[-1][1] == Finished("abort")
+        running = s.submit(request(10_000))
+        await running.events.get()
+        s.cancel(running)
+        assert (await asyncio.wait_for(drain(running), 10.0))[1] == Finished("abort")
+        await asyncio.wait_for(loop_thread.run(s.stop()), 5.0)
+        loop_thread.stop()
+        assert not loop_thread.thread.is_alive()
+
+    asyncio.run(main())

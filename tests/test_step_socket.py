@@ -18,7 +18,14 @@ from specsplit import step_socket, wire
 from specsplit.client import GatewayClient, make_request
 from specsplit.launcher import ServiceStack, StackConfig
 from specsplit.ops import StepTiming, TargetResult, Verify
-from specsplit.step_socket import MAGIC, SocketStream, StepSocketError, StepSocketServer, check_step_socket
+from specsplit.step_socket import (
+    MAGIC,
+    BlockingSocketStream,
+    SocketStream,
+    StepSocketError,
+    StepSocketServer,
+    check_step_socket,
+)
 from specsplit.step_stream import MAX_OPS_PER_STEP, StepCodec, answer_step
 from specsplit.v1 import target_pb2
 
@@ -43,6 +50,16 @@ class EchoServicer:
         return answer_step(req, "target", self._run, _CODEC)
 
 
+# the gateway's two clients of a step socket: on its event loop, or blocking on the loop thread
+STREAMS = {"asyncio": lambda path: SocketStream(path, "target", target_pb2.TargetStepResponse),
+           "blocking": lambda path: BlockingSocketStream(path, "target", target_pb2.TargetStepResponse, 10.0)}
+
+
+@pytest.fixture(params=list(STREAMS))
+def open_stream(request: pytest.FixtureRequest) -> Any:
+    return STREAMS[request.param]
+
+
 def request(step_id: int, drafts: list[int], ops: int = 1) -> target_pb2.TargetStepRequest:
     return target_pb2.TargetStepRequest(step_id=step_id, ops=[wire.target_op_to_proto(Verify(i + 1, drafts))
                                                               for i in range(ops)])
@@ -56,12 +73,12 @@ async def _with_server(path: Path, servicer: EchoServicer, body: Any) -> Any:
         server.close()
 
 
-def test_exchange_carries_the_same_messages(tmp_path: Path) -> None:
+def test_exchange_carries_the_same_messages(open_stream: Any, tmp_path: Path) -> None:
     path = tmp_path / "t.sock"
 
     async def body() -> None:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        stream = SocketStream(str(path), "target", target_pb2.TargetStepResponse)
+        stream = open_stream(str(path))
         for i in range(1, 4):
             reply = await stream.exchange(request(i, [10, 11, i]))
             assert reply.step_id == i
@@ -76,12 +93,12 @@ def test_exchange_carries_the_same_messages(tmp_path: Path) -> None:
     assert servicer.threads == {"target-step-stream"}  # the connection's own thread ran the steps
 
 
-def test_close_ends_open_streams(tmp_path: Path) -> None:
+def test_close_ends_open_streams(open_stream: Any, tmp_path: Path) -> None:
     path = tmp_path / "t.sock"
     server = StepSocketServer(path, "target", target_pb2.TargetStepRequest, EchoServicer().answer).start()
 
     async def body() -> None:
-        stream = SocketStream(str(path), "target", target_pb2.TargetStepResponse)
+        stream = open_stream(str(path))
         assert (await stream.exchange(request(1, [5]))).step_id == 1
         server.close()
         with pytest.raises(ConnectionError):
@@ -93,14 +110,14 @@ def test_close_ends_open_streams(tmp_path: Path) -> None:
     assert not path.exists()
 
 
-def test_streams_over_the_limit_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_streams_over_the_limit_are_refused(open_stream: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step_socket, "MAX_CONNECTIONS", 1)
     path = tmp_path / "t.sock"
 
     async def body() -> None:
-        first = SocketStream(str(path), "target", target_pb2.TargetStepResponse)
+        first = open_stream(str(path))
         assert (await first.exchange(request(1, [5]))).step_id == 1
-        second = SocketStream(str(path), "target", target_pb2.TargetStepResponse)
+        second = open_stream(str(path))
         with pytest.raises(StepSocketError) as e:
             await second.exchange(request(1, [5]))
         assert e.value.code == "RESOURCE_EXHAUSTED"
@@ -118,11 +135,11 @@ def test_streams_over_the_limit_are_refused(tmp_path: Path, monkeypatch: pytest.
     asyncio.run(_with_server(path, EchoServicer(), body))
 
 
-def test_aborts_become_errors_and_the_stream_reopens(tmp_path: Path) -> None:
+def test_aborts_become_errors_and_the_stream_reopens(open_stream: Any, tmp_path: Path) -> None:
     path = tmp_path / "t.sock"
 
     async def body() -> None:
-        stream = SocketStream(str(path), "target", target_pb2.TargetStepResponse)
+        stream = open_stream(str(path))
         with pytest.raises(StepSocketError) as e:
             await stream.exchange(request(1, [], ops=MAX_OPS_PER_STEP + 1))
         assert e.value.code == "INVALID_ARGUMENT" and "more than" in e.value.message
@@ -131,11 +148,11 @@ def test_aborts_become_errors_and_the_stream_reopens(tmp_path: Path) -> None:
     asyncio.run(_with_server(path, EchoServicer(), body))
 
 
-def test_engine_failure_is_internal_without_traceback(tmp_path: Path) -> None:
+def test_engine_failure_is_internal_without_traceback(open_stream: Any, tmp_path: Path) -> None:
     path = tmp_path / "t.sock"
 
     async def body() -> None:
-        stream = SocketStream(str(path), "target", target_pb2.TargetStepResponse)
+        stream = open_stream(str(path))
         with pytest.raises(StepSocketError) as e:
             await stream.exchange(request(1, [1]))
         assert e.value.code == grpc.StatusCode.INTERNAL.name
@@ -144,7 +161,7 @@ def test_engine_failure_is_internal_without_traceback(tmp_path: Path) -> None:
     asyncio.run(_with_server(path, EchoServicer(fail=True), body))
 
 
-def test_a_server_bug_ends_the_stream_with_internal(tmp_path: Path) -> None:
+def test_a_server_bug_ends_the_stream_with_internal(open_stream: Any, tmp_path: Path) -> None:
     path = tmp_path / "t.sock"
 
     def broken_answer(_req: Any) -> Any:
@@ -153,13 +170,36 @@ def test_a_server_bug_ends_the_stream_with_internal(tmp_path: Path) -> None:
     server = StepSocketServer(path, "target", target_pb2.TargetStepRequest, broken_answer).start()
 
     async def body() -> None:
-        stream = SocketStream(str(path), "target", target_pb2.TargetStepResponse)
+        stream = open_stream(str(path))
         with pytest.raises(StepSocketError) as e:
             await stream.exchange(request(1, [5]))
         assert e.value.code == "INTERNAL" and e.value.message == "target step socket failed: KeyError"
 
     try:
         asyncio.run(body())
+    finally:
+        server.close()
+
+
+def test_a_blocking_stream_times_out_and_reconnects(tmp_path: Path) -> None:
+    path = tmp_path / "t.sock"
+    slow = threading.Event()
+
+    def answer(req: Any) -> Any:
+        if slow.is_set():
+            threading.Event().wait(1.0)  # longer than the client's timeout
+        return EchoServicer().answer(req)
+
+    server = StepSocketServer(path, "target", target_pb2.TargetStepRequest, answer).start()
+    try:
+        stream = BlockingSocketStream(str(path), "target", target_pb2.TargetStepResponse, 0.2)
+        assert stream.exchange_now(request(1, [5])).step_id == 1
+        slow.set()
+        with pytest.raises(TimeoutError, match="target step took longer than 0.2 s"):
+            stream.exchange_now(request(2, [5]))
+        assert stream.sock is None  # the stream is dropped: a late reply cannot be taken for the next step's
+        slow.clear()
+        assert stream.exchange_now(request(3, [5])).step_id == 3  # on a new connection
     finally:
         server.close()
 
