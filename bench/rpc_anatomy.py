@@ -10,7 +10,9 @@ process, all with nothing to compute:
   - socket_loop: the step socket's first design, kept here for the comparison: the socket
     read on the event loop, the step handed to an engine thread and back.
 The client is the gateway's own GrpcTarget (op encoding, the stream exchange, result
-decoding). One JSON line: µs per call for each server, and the differences.
+decoding), on its event loop; against the socket server also as the gateway's loop thread
+runs it (`socket_blocking`: a blocking socket, no event-loop wake-up). One JSON line: µs
+per call for each server, and the differences.
 
   python -m bench.rpc_anatomy --calls 2000
 """
@@ -105,10 +107,10 @@ async def _loop_socket_server(path: str, servicer: _Servicer) -> asyncio.Abstrac
     return await asyncio.start_unix_server(on_connection, path=path)
 
 
-async def _client(port: int, calls: int, drafts: int, socket: bool) -> float:
+async def _client(port: int, calls: int, drafts: int, socket: bool, blocking: bool = False) -> float:
     from gateway.clients import GrpcTarget
 
-    target = GrpcTarget(f"127.0.0.1:{port}")
+    target = GrpcTarget(f"127.0.0.1:{port}", 60.0 if blocking else None)
     if socket:
         assert target.use_step_transport(_socket_path(port)).startswith("unix:")
     ops = [Verify(1, list(range(100, 100 + drafts)))]
@@ -142,6 +144,9 @@ def main() -> None:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
             us = asyncio.run(_client(port, a.calls, a.drafts, mode.startswith("socket")))
             out[f"{mode}_us_per_call"] = round(us, 1)
+            if mode == "socket":
+                us = asyncio.run(_client(port, a.calls, a.drafts, True, blocking=True))
+                out["socket_blocking_us_per_call"] = round(us, 1)
         finally:
             proc.kill()
             proc.wait()
@@ -149,6 +154,7 @@ def main() -> None:
     out["engine_thread_hop_us"] = round(out["framework_us_per_call"] - out["framework_inline_us_per_call"], 1)
     out["socket_over_grpc"] = round(out["socket_us_per_call"] / out["framework_us_per_call"], 3)
     out["socket_over_socket_loop"] = round(out["socket_us_per_call"] / out["socket_loop_us_per_call"], 3)
+    out["socket_blocking_over_socket"] = round(out["socket_blocking_us_per_call"] / out["socket_us_per_call"], 3)
     from bench.spec_vs_baseline import git_commit
 
     out.update(commit=git_commit(), machine=platform.machine(), python=platform.python_version())

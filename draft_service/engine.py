@@ -203,46 +203,107 @@ class DraftEngine:
 
     def _propose_static(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]]
                         ) -> list[tuple[list[int], list[SparseDist], list[int]]]:
-        """The same extend and proposal as a padded static batch: one extend forward, then the
-        greedy chains (trees of topk 1) and the trees grown on the device, all steps of a width
-        in one function (one CUDA graph, grow_trees_static) and one host synchronisation.
-        Sampled chains choose each token on the host, one forward per step for the whole batch.
-        Every row runs its group's deepest proposal and keeps its own; the extra steps write KV
-        entries that the next extend overwrites."""
+        """The same extend and proposal as a padded static batch. When every proposing row is
+        greedy with one topk (the usual cycle), the extend and all steps of the greedy chains
+        (trees of topk 1) or trees run as ONE function (one CUDA graph: _extend_and_grow) fed by
+        one host copy of the batch's integers and read back once. Otherwise one extend forward,
+        then each topk's trees in one function (grow_trees_static), and sampled chains choosing
+        each token on the host, one forward per step for the whole batch. Every row runs its
+        group's deepest proposal and keeps its own; the extra steps write KV entries that the
+        next extend overwrites."""
         n = len(work)
         b = bucket_up(n, self.batch_buckets)
         t = max(len(op.tokens) for _, op, _, _ in work)
         assert b is not None
         pad = b - n
-        tokens = torch.tensor([[*op.tokens, *[0] * (t - len(op.tokens))] for _, op, _, _ in work] + [[0] * t] * pad)
-        positions = torch.tensor([list(range(seq.length, seq.length + t)) for _, _, seq, _ in work]
-                                 + [list(range(t))] * pad)  # [B, T]
-        slots = torch.tensor([seq.slot for _, _, seq, _ in work] + [self.pad_slot] * pad, device=self.device)
-        last = torch.tensor([len(op.tokens) - 1 for _, op, _, _ in work] + [0] * pad, device=self.device)
-        ends = torch.tensor([seq.length + len(op.tokens) for _, op, seq, _ in work] + [t] * pad)  # after the extend
-        width = work[0][3].shape[-1]
-        feats = torch.zeros(b, t, width, dtype=self.head.fc.weight.dtype, device=self.device)  # [B, T, 3H]
-        for i, (_, op, _, f) in enumerate(work):
-            feats[i, : len(op.tokens)] = f
-        rows = torch.arange(b, device=self.device)
-        logits, prenorm = self._static_forward(tokens, feats, positions, slots, int(positions.max()) + 1)
-        last_logits, hidden = logits[rows, last], prenorm[rows, last]  # [B, Vd], [B, H]
+        tokens = [[*op.tokens, *[0] * (t - len(op.tokens))] for _, op, _, _ in work] + [[0] * t] * pad  # [B, T]
+        positions = [list(range(seq.length, seq.length + t)) for _, _, seq, _ in work] + [list(range(t))] * pad
+        slots = [seq.slot for _, _, seq, _ in work] + [self.pad_slot] * pad
+        last = [len(op.tokens) - 1 for _, op, _, _ in work] + [0] * pad
+        ends = [seq.length + len(op.tokens) for _, op, seq, _ in work] + [t] * pad  # committed entries after the extend
+        feats = self._static_features(work, b, t)  # [B, T, 3H]
         for _, op, seq, _ in work:
             seq.length += len(op.tokens)
         out: list[tuple[list[int], list[SparseDist], list[int]]] = [([], [], []) for _ in work]
         shapes = {i: (op.topk, op.num_steps, op.num_draft_tokens - 1 if op.topk > 1 else op.num_steps)
                   for i, (_, op, seq, _) in enumerate(work) if op.num_steps > 0 and seq.sampling.greedy}
         sampled = [i for i, (_, op, seq, _) in enumerate(work) if op.num_steps > 0 and not seq.sampling.greedy]
-        if sampled:
-            grow_from = (last_logits.clone(), hidden.clone()) if shapes else None  # the steps replay graphs
-            self._sampled_chains(work, sampled, out, last_logits, hidden, ends, slots)
-            if grow_from is not None:
-                last_logits, hidden = grow_from
-        for i, (ids, parents) in self._grow_static(shapes, last_logits, hidden, ends, slots).items():
+        if shapes and not sampled and len({shape[0] for shape in shapes.values()}) == 1:
+            grown = self._extend_and_grow(shapes, tokens, positions, slots, last, ends, feats)
+        else:
+            dev = self.device
+            slots_t, ends_t = torch.tensor(slots, device=dev), torch.tensor(ends)
+            logits, prenorm = self._static_forward(torch.tensor(tokens), feats, torch.tensor(positions), slots_t,
+                                                   max(p[-1] for p in positions) + 1)
+            rows, last_t = torch.arange(b, device=dev), torch.tensor(last, device=dev)
+            last_logits, hidden = logits[rows, last_t], prenorm[rows, last_t]  # [B, Vd], [B, H]
+            if sampled:
+                grow_from = (last_logits.clone(), hidden.clone()) if shapes else None  # the steps replay graphs
+                self._sampled_chains(work, sampled, out, last_logits, hidden, ends_t, slots_t)
+                if grow_from is not None:
+                    last_logits, hidden = grow_from
+            grown = self._grow_static(shapes, last_logits, hidden, ends_t, slots_t)
+        for i, (ids, parents) in grown.items():
             out[i][0].extend(ids)
             if shapes[i][0] > 1:  # a chain is sent without its parents
                 out[i][2].extend(parents)
         return out
+
+    def _static_features(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]], b: int, t: int
+                         ) -> torch.Tensor:
+        """The extend's target features as [B, T, 3H]: a view when one sequence fills the batch."""
+        if b == 1 and len(work[0][1].tokens) == t:
+            return work[0][3][None].to(self.head.fc.weight.dtype)
+        width = work[0][3].shape[-1]
+        feats = torch.zeros(b, t, width, dtype=self.head.fc.weight.dtype, device=self.device)
+        for i, (_, op, _, f) in enumerate(work):
+            feats[i, : len(op.tokens)] = f
+        return feats
+
+    def _extend_and_grow(self, shapes: dict[int, tuple[int, int, int]], tokens: list[list[int]],
+                         positions: list[list[int]], slots: list[int], last: list[int], ends: list[int],
+                         feats: torch.Tensor) -> dict[int, tuple[list[int], list[int]]]:
+        """Extend and grow in one function of one graph key: the batch's integers go to the
+        device in one copy ([B, 2T + 3]: tokens, positions, slot, last row, length) and the
+        proposals come back in one read."""
+        b, t = len(tokens), len(tokens[0])
+        topk = next(iter(shapes.values()))[0]
+        steps = max(shape[1] for shape in shapes.values())
+        # the extend's entries (padding tokens included) and every level's
+        ctx = bucket_up(max(max(p[-1] for p in positions) + 1, max(ends) + (steps - 1) * topk), self.ctx_buckets)
+        assert ctx is not None
+        ints = torch.tensor([[*tokens[i], *positions[i], slots[i], last[i], ends[i]] for i in range(b)])
+
+        def fn(ints: torch.Tensor, feats: torch.Tensor) -> tuple:
+            slots, last, lengths = ints[:, 2 * t], ints[:, 2 * t + 1], ints[:, 2 * t + 2]
+            logits, prenorm = self.static_fn(ints[:, :t], feats, ints[:, t : 2 * t], slots, ctx, self.cache)
+            rows = torch.arange(b, device=feats.device)
+            return self._grow_fn(logits[rows, last], prenorm[rows, last], lengths, slots, topk, steps, ctx)
+
+        with torch.no_grad() if self.compiled else torch.inference_mode():
+            (packed,) = self.graphs.run(("extend+grow", b, t, feats.shape[-1], topk, steps, ctx), fn, ints=ints,
+                                        feats=feats)
+        assert packed is not None
+        return self._unpack(packed, shapes, topk)
+
+    def _grow_fn(self, logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                 topk: int, steps: int, ctx: int) -> tuple[torch.Tensor]:
+        def forward(*args: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.static_fn(*args[:5], self.cache, *args[5:])
+
+        return (torch.cat(grow_trees_static(forward, self.head.to_target_ids, logits, hidden, lengths, slots, topk,
+                                            steps, ctx), dim=1),)  # one copy to the host
+
+    @staticmethod
+    def _unpack(packed: torch.Tensor, shapes: dict[int, tuple[int, int, int]], topk: int
+                ) -> dict[int, tuple[list[int], list[int]]]:
+        """The rows of `shapes` with this topk, from grow_trees_static's [B, 3N] (target ids,
+        parents, best-first order), each cut to its own steps and size."""
+        host = packed.tolist()
+        per = packed.shape[1] // 3
+        return {i: static_tree_result(host[i][:per], host[i][per : 2 * per], host[i][2 * per :], topk, shape[1],
+                                      shape[2])
+                for i, shape in shapes.items() if shape[0] == topk}
 
     def _sampled_chains(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]], sampled: list[int],
                         out: list[tuple[list[int], list[SparseDist], list[int]]], last_logits: torch.Tensor,
@@ -270,29 +331,19 @@ class DraftEngine:
         b = logits.shape[0]
         lengths = ends.to(self.device)
         for topk in sorted({shape[0] for shape in shapes.values()}):
-            rows = [i for i, shape in shapes.items() if shape[0] == topk]
-            steps = max(shapes[i][1] for i in rows)
+            steps = max(shape[1] for shape in shapes.values() if shape[0] == topk)
             ctx = bucket_up(int(ends.max()) + (steps - 1) * topk, self.ctx_buckets)
             assert ctx is not None
 
             def fn(logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                    topk: int = topk, steps: int = steps, ctx: int = ctx) -> tuple:
-                def forward(*args: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
-                    return self.static_fn(*args[:5], self.cache, *args[5:])
-
-                return (torch.cat(grow_trees_static(forward, self.head.to_target_ids, logits, hidden, lengths, slots,
-                                                    topk, steps, ctx), dim=1),)  # one copy to the host
+                return self._grow_fn(logits, hidden, lengths, slots, topk, steps, ctx)
 
             with torch.no_grad() if self.compiled else torch.inference_mode():
                 (packed,) = self.graphs.run(("grow", b, topk, steps, ctx), fn, logits=logits, hidden=hidden,
                                             lengths=lengths, slots=slots)
             assert packed is not None
-            host = packed.tolist()  # [B, 3N]: target ids, parents, best-first order
-            per = packed.shape[1] // 3
-            for i in rows:
-                row = host[i]
-                grown[i] = static_tree_result(row[:per], row[per : 2 * per], row[2 * per :], topk, shapes[i][1],
-                                              shapes[i][2])
+            grown.update(self._unpack(packed, shapes, topk))
         return grown
 
     def _static_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -306,8 +357,8 @@ class DraftEngine:
             return self.static_fn(tokens, hidden, positions, slots, ctx, self.cache)
 
         with torch.no_grad() if self.compiled else torch.inference_mode():
-            logits, prenorm = self.graphs.run((b, t, hidden.shape[-1], ctx), fn, tokens=tokens.to(self.device),
-                                              hidden=hidden, positions=positions.to(self.device), slots=slots)
+            logits, prenorm = self.graphs.run((b, t, hidden.shape[-1], ctx), fn, tokens=tokens, hidden=hidden,
+                                              positions=positions, slots=slots)  # host tensors: one copy each
         assert logits is not None and prenorm is not None
         return logits, prenorm
 

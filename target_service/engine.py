@@ -227,8 +227,8 @@ class TargetEngine:
             return self.static_fn(tokens, positions, slots, ctx, self.cache, capture)
 
         with torch.no_grad() if self.cfg.compile else torch.inference_mode():
-            logits, aux = self.graphs.run((b, t, ctx, capture), fn, tokens=tokens.to(self.device),
-                                          positions=positions.to(self.device), slots=slots.to(self.device))
+            logits, aux = self.graphs.run((b, t, ctx, capture), fn, tokens=tokens, positions=positions,
+                                          slots=slots)  # host tensors: one copy each into the graph's inputs
         assert logits is not None
         return [(logits[i, : len(w.tokens)], None if aux is None else aux[i, : len(w.tokens)])
                 for i, w in enumerate(work)]
@@ -254,11 +254,9 @@ class TargetEngine:
                visible: torch.Tensor) -> tuple:
             return self.static_fn(tokens, positions, slots, ctx, self.cache, capture, entries, visible)
 
-        dev = self.device
         with torch.no_grad() if self.cfg.compile else torch.inference_mode():
-            logits, aux = self.graphs.run((b, t, ctx, capture, "tree"), fn, tokens=tokens.to(dev),
-                                          positions=positions.to(dev), slots=slots.to(dev), entries=entries.to(dev),
-                                          visible=visible.to(dev))
+            logits, aux = self.graphs.run((b, t, ctx, capture, "tree"), fn, tokens=tokens, positions=positions,
+                                          slots=slots, entries=entries, visible=visible)  # host tensors
         assert logits is not None
         return [(logits[i, : len(w.tokens)], None if aux is None else aux[i, : len(w.tokens)])
                 for i, w in enumerate(work)]

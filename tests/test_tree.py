@@ -240,10 +240,22 @@ def test_static_and_eager_drafts_grow_the_same_trees(tiny_engines: LocalEngines)
     finally:
         draft.engine.use_static = False
         draft.step([Release(91 + i) for i in range(len(ops))])
+    # batches of one topk take the fused path (extend and growth in one function): the same proposals
+    fused = []
+    for group in ([shapes[0]], [shapes[2]], [shapes[0], shapes[3]]):
+        draft.engine.use_static = True
+        try:
+            ops = [ExtendPropose(101 + i, tokens, HiddenRef(ref.offset, ref.rows, ref.generation), **kw)
+                   for i, kw in enumerate(group)]
+            fused.append([(r.draft_ids, r.draft_parents) for r in draft.step(ops)[0]])
+        finally:
+            draft.engine.use_static = False
+            draft.step([Release(101 + i) for i in range(len(group))])
     target.step([Release(70)], [ref.generation])
     assert proposals[0] == proposals[1] == [(r.draft_ids, r.draft_parents) for r in results[:-1]]
     assert [len(ids) for ids, _ in proposals[1]] == [15, 5, 4, 8]
     assert len(results[-1].draft_ids) == len(results[-1].draft_dists) == 3 and not results[-1].draft_parents
+    assert fused == [[proposals[0][0]], [proposals[0][2]], [proposals[0][0], proposals[0][3]]]
 
 
 def test_draft_rejects_bad_tree_requests(tiny_engines: LocalEngines) -> None:
@@ -373,6 +385,9 @@ def test_static_engines_trees_are_lossless(tiny_target: Path, tiny_head: Path) -
         mixed = engines.generate([GenerationRequest(p, 30, Sampling(), {511}, s, k, n) for p, s, k, n in
                                   zip(TINY_PROMPTS, [3, 5, 2, 4], [4, 1, 2, 8], [16, 0, 5, 32], strict=True)])
         assert [r.tokens for r in mixed] == [r.tokens for r in base]
+        one_topk = engines.generate([GenerationRequest(p, 30, Sampling(), {511}, s, 4, 16) for p, s in
+                                     zip(TINY_PROMPTS, [3, 5, 2, 4], strict=True)])  # the fused extend + growth
+        assert [r.tokens for r in one_topk] == [r.tokens for r in base]
     finally:
         engines.close()
 

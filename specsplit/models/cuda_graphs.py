@@ -42,7 +42,9 @@ class _Captured:
 
 class GraphCache:
     """Captured graphs by key. `run(key, fn, **inputs)` returns fn's outputs: the graph's
-    static output tensors, valid until the next run of the same key."""
+    static output tensors, valid until the next run of the same key. Inputs may be host
+    tensors: each is placed on the cache's device by one copy (into the graph's input
+    buffer when replaying), so callers need not move them first."""
 
     def __init__(self, device: torch.device, enabled: bool = True, max_graphs: int = 256) -> None:
         self.enabled = enabled and device.type == "cuda"
@@ -56,7 +58,7 @@ class GraphCache:
 
     def run(self, key: tuple[object, ...], fn: StaticFn, **inputs: torch.Tensor) -> Outputs:
         if not self.enabled:
-            return fn(**inputs)
+            return fn(**{name: x.to(self.device) for name, x in inputs.items()})
         # capture and replay on this cache's GPU, whatever the caller's current device (graphs are per device)
         with torch.cuda.device(self.device):
             return self._run(key, fn, inputs)
@@ -64,8 +66,8 @@ class GraphCache:
     def _run(self, key: tuple[object, ...], fn: StaticFn, inputs: dict[str, torch.Tensor]) -> Outputs:
         captured = self.graphs.get(key)
         if captured is None:
-            if len(self.graphs) >= self.max_graphs:
-                return fn(**inputs)  # shapes beyond the budget run eagerly
+            if len(self.graphs) >= self.max_graphs:  # shapes beyond the budget run eagerly
+                return fn(**{name: x.to(self.device) for name, x in inputs.items()})
             captured = self.graphs[key] = self._capture(fn, inputs)
         else:
             for name, x in inputs.items():
@@ -75,7 +77,7 @@ class GraphCache:
         return captured.outputs
 
     def _capture(self, fn: StaticFn, inputs: dict[str, torch.Tensor]) -> _Captured:
-        static = {name: x.clone() for name, x in inputs.items()}
+        static = {name: x.to(self.device, copy=True) for name, x in inputs.items()}
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: lazy initialisation (cuBLAS handles, workspaces) off the graph
