@@ -97,8 +97,25 @@ def shape(a: argparse.Namespace, steps: int) -> dict[str, int]:
     return {"topk": tree_topk(a), "num_draft_tokens": tree_size(a)} if steps and tree_topk(a) > 1 else {}
 
 
+VARIANTS = ("thread", "one-loop", "spin")  # the stack's control path: see --variants
+
+
+def variant_args(variant: str, spin_us: float) -> tuple[list[str], list[str]]:
+    """(gateway args, target and draft args) of a stack variant: `thread` the defaults (the
+    gateway's speculation loop on its own thread, blocking step sockets), `one-loop` the
+    gateway on one event loop (--no-loop-thread), `spin` the defaults with every step socket
+    polled for spin_us before a blocking read (gateway and both services)."""
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
+    if variant == "one-loop":
+        return ["--no-loop-thread"], []
+    if variant == "spin":
+        return ["--step-spin-us", str(spin_us)], ["--step-socket-spin-us", str(spin_us)]
+    return [], []
+
+
 def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[int]], steps_list: list[int],
-             log_dir: Path, loop_thread: bool = True) -> dict[int, dict[str, Any]]:
+             log_dir: Path, variant: str = "thread") -> dict[int, dict[str, Any]]:
     replay: list[str] = []
     if a.accept_rate is not None:
         ref_file = log_dir / "references.json"
@@ -106,11 +123,13 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
         replay = ["--replay-references", str(ref_file), "--replay-accept-rate", str(a.accept_rate)]
     engine_flags = (["--inline-steps"] if a.inline_steps else []) + (["--compile"] if a.compile else [])
     trees = ["--max-num-draft-tokens", str(max(16, tree_size(a)))]
+    gateway_extra, service_extra = variant_args(variant, getattr(a, "spin_us", 0.0))
     cfg = StackConfig(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
                       hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
-                      extra_target_args=[*engine_flags, "--max-draft-tokens", str(max(16, tree_size(a)))],
-                      extra_draft_args=[*engine_flags, "--max-topk", str(max(8, tree_topk(a)))],
-                      extra_gateway_args=[*replay, *trees, *([] if loop_thread else ["--no-loop-thread"])],
+                      extra_target_args=[*engine_flags, *service_extra, "--max-draft-tokens",
+                                         str(max(16, tree_size(a)))],
+                      extra_draft_args=[*engine_flags, *service_extra, "--max-topk", str(max(8, tree_topk(a)))],
+                      extra_gateway_args=[*replay, *trees, *gateway_extra],
                       step_sockets=not a.grpc_steps)
     rows = {}
     with ServiceStack(cfg) as stack:
@@ -140,6 +159,13 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
     return rows
 
 
+def add_variant_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--variants", default="thread", help="comma list of (ii)'s control path: thread (the defaults), "
+                   "one-loop (the gateway's --no-loop-thread), spin (every step socket polled --spin-us before "
+                   "blocking)")
+    p.add_argument("--spin-us", type=float, default=20_000.0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="shape:llama-3.1-8b")
@@ -159,8 +185,7 @@ def main() -> None:
                    help="the gateway's Steps over the gRPC streams (default: the services' Unix step sockets)")
     p.add_argument("--compile", action="store_true", help="the target's and the draft's static forwards through "
                    "torch.compile")
-    p.add_argument("--loop-threads", default="on", help="on,off: (ii) with the gateway's speculation loop on its own "
-                   "thread (the default), and/or on the server's event loop (--no-loop-thread); each against (i)")
+    add_variant_args(p)
     a = p.parse_args()
     steps_list = [int(x) for x in a.num_steps.split(",") if x]
     t0 = time.time()
@@ -168,14 +193,14 @@ def main() -> None:
     vocab = load_target_config(resolve_target_dir(a.model)).vocab_size
     prompts = [torch.randint(0, vocab - 1, (a.prompt_tokens,), generator=g).tolist() for _ in range(a.prompts)]
     refs, local = in_process(a, prompts, steps_list)
-    variants = [v == "on" for v in a.loop_threads.split(",")]
+    variants = a.variants.split(",")
     remote = {}
-    for loop_thread in variants:
+    for variant in variants:
         with tempfile.TemporaryDirectory() as tmp:
-            remote[loop_thread] = services(a, prompts, refs, steps_list, Path(tmp), loop_thread)
+            remote[variant] = services(a, prompts, refs, steps_list, Path(tmp), variant)
     for steps in [0, *steps_list]:
-        for loop_thread in variants:
-            i, ii = local[steps], remote[loop_thread][steps]
+        for variant in variants:
+            i, ii = local[steps], remote[variant][steps]
             print(json.dumps({
                 "bench": "cycle_overhead", "label": LABEL if steps else "target-only", "model": a.model,
                 "num_steps": steps, "accept_rate": a.accept_rate if steps else None,
@@ -183,7 +208,7 @@ def main() -> None:
                 "cycle_ratio_in_process_over_services": round(i["cycle_us"] / ii["cycle_us"], 4),
                 "in_process": i, "services": ii, "target_device": a.device, "draft_device": a.draft_device,
                 "inline_steps": a.inline_steps, "step_transport": "grpc stream" if a.grpc_steps else "unix socket",
-                "gateway_loop_thread": loop_thread,
+                "stack_variant": variant, "spin_us": a.spin_us if variant == "spin" else 0,
                 "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             }), flush=True)
     print(json.dumps({"bench": "cycle_overhead", "label": LABEL, "commit": git_commit(),

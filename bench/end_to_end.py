@@ -95,8 +95,7 @@ def main() -> None:
     p.add_argument("--num-draft-tokens", type=int, default=16, help="a tree's size counting the root (trees only)")
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the HF generate reference (0: skip it)")
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--loop-threads", default="on", help="on,off: through the services with the gateway's speculation "
-                   "loop on its own thread (the default), and/or on the server's event loop (--no-loop-thread)")
+    cycle_overhead.add_variant_args(p)
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -114,10 +113,10 @@ def main() -> None:
     prompts = [codec.encode(codec.render_chat(t)) for t in CHAT_PROMPTS[: a.prompts]]
     refs, local = cycle_overhead.in_process(a, prompts, steps_list)
     remote: dict[str, dict[int, dict[str, Any]]] = {}
-    for variant in a.loop_threads.split(","):  # "services", or "services_loop_thread_off"
+    for variant in a.variants.split(","):  # modes "services" (the defaults), "services_one-loop", "services_spin"
         with tempfile.TemporaryDirectory() as tmp:
-            remote["services" if variant == "on" else "services_loop_thread_off"] = cycle_overhead.services(
-                a, prompts, refs, steps_list, Path(tmp), loop_thread=variant == "on")
+            remote["services" if variant == "thread" else f"services_{variant}"] = cycle_overhead.services(
+                a, prompts, refs, steps_list, Path(tmp), variant)
     base = local[0]["decode_tokens_per_s"]
     common = {"bench": "end_to_end", "model": a.model, "head": Path(a.head).name, "dtype": a.dtype,
               "topk": a.topk, "num_draft_tokens": a.num_draft_tokens if a.topk > 1 else None,
@@ -137,7 +136,7 @@ def main() -> None:
                       "in_process_target_only_tokens_per_s": base, "ratios": summary, "best_services": best,
                       "target_device": a.device, "draft_device": a.draft_device, "inline_steps": a.inline_steps,
                       "step_transport": "grpc stream" if a.grpc_steps else "unix socket",
-                      "compile": a.compile,
+                      "compile": a.compile, "variants": a.variants, "spin_us": a.spin_us,
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "commit": git_commit(), "machine": platform.machine(),
                       "wall_s": round(time.time() - t0, 1)}), flush=True)

@@ -110,7 +110,7 @@ async def _loop_socket_server(path: str, servicer: _Servicer) -> asyncio.Abstrac
 async def _client(port: int, calls: int, drafts: int, socket: bool, blocking: bool = False) -> float:
     from gateway.clients import GrpcTarget
 
-    target = GrpcTarget(f"127.0.0.1:{port}", 60.0 if blocking else None)
+    target = GrpcTarget(f"127.0.0.1:{port}", (60.0, 0.0) if blocking else None)
     if socket:
         assert target.use_step_transport(_socket_path(port)).startswith("unix:")
     ops = [Verify(1, list(range(100, 100 + drafts)))]

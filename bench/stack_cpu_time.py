@@ -3,12 +3,12 @@ nothing, so what is left is the serving path): wall µs per cycle and the CPU µ
 process (target, draft, gateway) burns per cycle, with the gateway's Steps over the gRPC
 streams and over the Unix step sockets, in one run, and with the gateway streaming every
 cycle's tokens or gathering them (`--stream-intervals 1,16`), and the gateway's CPU per
-thread (`main` serves the clients; the speculation loop has a thread of its own unless
-`--loop-threads off`). One JSON line per run, then the means.
+thread (`main` serves the clients; the speculation loop has a thread of its own, `spec-loop`,
+except in the `one-loop` variant). One JSON line per run, then the means.
 
   python -m bench.stack_cpu_time --tokens 1000 --requests 2 --rounds 2
   python -m bench.stack_cpu_time --transports socket --stream-intervals 1,16
-  python -m bench.stack_cpu_time --transports socket --loop-threads on,off
+  python -m bench.stack_cpu_time --transports socket --variants thread,one-loop,spin
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.cycle_overhead import add_variant_args, variant_args
 from bench.spec_vs_baseline import git_commit
 from specsplit.checkpoints.eagle_head import random_head, save_head
 from specsplit.checkpoints.target_checkpoint import load_target_config
@@ -54,11 +55,12 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
 
 
 def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, requests: int, interval: int = 1,
-        loop_thread: bool = True) -> dict:
+        variant: str = "thread", spin_us: float = 0.0) -> dict:
+    gateway_extra, service_extra = variant_args(variant, spin_us)
     cfg = StackConfig(model=str(model), head=str(head), num_steps=steps, threads=1, step_sockets=sockets,
                       log_dir=Path(tempfile.mkdtemp(prefix="stack-cpu-")),
-                      extra_gateway_args=["--stream-interval", str(interval),
-                                          *([] if loop_thread else ["--no-loop-thread"])])
+                      extra_gateway_args=["--stream-interval", str(interval), *gateway_extra],
+                      extra_target_args=service_extra, extra_draft_args=service_extra)
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
         client.generate(make_request(token_ids=[1, 2, 3], max_new_tokens=16, num_steps=steps))  # warm-up
@@ -76,7 +78,7 @@ def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, request
     verify_us = sum(g.final.speculation.verify_compute_ms for g in gens) / cycles * 1e3
     draft_us = sum(g.final.speculation.draft_compute_ms for g in gens) / cycles * 1e3
     return {"bench": "stack_cpu_time", "transport": "unix socket" if sockets else "grpc stream", "num_steps": steps,
-            "stream_interval": interval, "loop_thread": loop_thread,
+            "stream_interval": interval, "variant": variant,
             "cycles": cycles, "tokens": sum(len(g.token_ids) for g in gens),
             "wall_us_per_cycle": round(wall / cycles * 1e6), "cpu_us_per_cycle": {
                 n: round((after[n] - before[n]) / cycles * 1e6) for n in pids},
@@ -95,30 +97,29 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="each configuration this many times, alternating")
     p.add_argument("--transports", default="grpc,socket")
     p.add_argument("--stream-intervals", default="1", help="the gateway's --stream-interval values to compare")
-    p.add_argument("--loop-threads", default="on", help="on,off: the speculation loop on its own thread, or not "
-                                                       "(the gateway's --no-loop-thread)")
+    add_variant_args(p)
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="stack-cpu-"))
     model = write_tiny_target(tmp / "target", tiny_config(), seed=1)
     head_cfg, weights = random_head(load_target_config(model), draft_vocab_size=384, seed=2, std=0.2)
     save_head(tmp / "head", head_cfg, weights)
     transports = {"grpc": "grpc stream", "socket": "unix socket"}
-    configs = [(t, int(i), lt == "on") for t in a.transports.split(",") for i in a.stream_intervals.split(",")
-               for lt in a.loop_threads.split(",")]
+    configs = [(t, int(i), v) for t in a.transports.split(",") for i in a.stream_intervals.split(",")
+               for v in a.variants.split(",")]
     rows = []
     for _ in range(a.rounds):  # alternating, so that drifts of a shared machine hit all alike
-        for transport, interval, loop_thread in configs:
+        for transport, interval, variant in configs:
             rows.append(run(model, tmp / "head", transport == "socket", a.num_steps, a.tokens, a.requests, interval,
-                            loop_thread))
+                            variant, a.spin_us))
             print(json.dumps(rows[-1]), flush=True)
 
-    def label(transport: str, interval: int, loop_thread: bool) -> str:
-        return f"{transports[transport]}, interval {interval}, loop thread {'on' if loop_thread else 'off'}"
+    def label(transport: str, interval: int, variant: str) -> str:
+        return f"{transports[transport]}, interval {interval}, {variant}"
 
-    def mean(config: tuple[str, int, bool], value: Callable[[dict], float]) -> int:
-        transport, interval, loop_thread = config
-        vals = [value(r) for r in rows if (r["transport"], r["stream_interval"], r["loop_thread"])
-                == (transports[transport], interval, loop_thread)]
+    def mean(config: tuple[str, int, str], value: Callable[[dict], float]) -> int:
+        transport, interval, variant = config
+        vals = [value(r) for r in rows if (r["transport"], r["stream_interval"], r["variant"])
+                == (transports[transport], interval, variant)]
         return round(sum(vals) / len(vals))
 
     print(json.dumps({"bench": "stack_cpu_time", "summary": True, "rounds": a.rounds,

@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
     p.add_argument("--step-socket", default=os.environ.get("SPECSPLIT_DRAFT_STEP_SOCKET", d.step_socket),
                    help="also serve Step on this Unix socket, for a gateway on the same host "
                         "(env SPECSPLIT_DRAFT_STEP_SOCKET; default: gRPC only)")
+    p.add_argument("--step-socket-spin-us", type=float, default=d.step_socket_spin_us,
+                   help="after each reply, poll the step socket this many µs for the next request before a blocking "
+                        "read (a core kept busy while serving, no wake-up from idle; default 0: block at once)")
     p.add_argument("--compile", action="store_true",
                    help="experimental: fuse the head's static forward with torch.compile (inductor) before the "
                         "CUDA graphs capture it; compiles on first use of each shape")
@@ -55,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
     return DraftConfig(head=a.head, target=a.target, dtype=a.dtype, device=a.device, max_context=a.max_context,
                        max_sequences=a.max_sequences, max_steps=a.max_steps, max_topk=a.max_topk, host=a.host,
                        port=a.port, threads=a.threads, cuda_graphs=a.cuda_graphs, compile=a.compile,
-                       engine_thread=a.engine_thread, step_socket=a.step_socket).validate()
+                       engine_thread=a.engine_thread, step_socket=a.step_socket,
+                        step_socket_spin_us=a.step_socket_spin_us).validate()
 
 
 async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
@@ -66,7 +70,8 @@ async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
     server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
     # the socket exists before health says SERVING: a gateway started on that signal finds it
-    sock = (StepSocketServer(cfg.step_socket, "draft", draft_pb2.DraftStepRequest, servicer.answer).start()
+    sock = (StepSocketServer(cfg.step_socket, "draft", draft_pb2.DraftStepRequest, servicer.answer,
+                             cfg.step_socket_spin_us * 1e-6).start()
             if cfg.step_socket else None)
     await set_serving(health, ["specsplit.v1.DraftService"], True)
     log.info("draft head %s listening on %s:%d", runtime.head.cfg.name, cfg.host, cfg.port)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specsplit.handoff.base import DTYPES
-from specsplit.step_socket import check_step_socket
+from specsplit.step_socket import check_spin_us, check_step_socket
 
 
 @dataclass
@@ -27,6 +27,7 @@ class DraftConfig:
     cuda_graphs: bool = True  # extend and proposal steps in CUDA graphs (on CUDA devices only)
     compile: bool = False  # experimental: fuse the static forward's kernels with torch.compile before capture
     step_socket: str = ""  # also serve Step on this Unix socket (same host gateways); "": gRPC only
+    step_socket_spin_us: float = 0.0  # poll the step socket this long for the next request before blocking
 
     def validate(self) -> DraftConfig:
         if self.dtype not in DTYPES:
@@ -37,4 +38,5 @@ class DraftConfig:
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
         check_step_socket(self.step_socket)
+        check_spin_us(self.step_socket_spin_us)
         return self

@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--no-loop-thread", dest="loop_thread", action="store_false",
                    help="run the speculation loop on the server's event loop instead of a thread of its own "
                         "(whose step sockets are read blocking)")
+    p.add_argument("--step-spin-us", type=float, default=d.step_spin_us,
+                   help="with the loop thread: poll a step socket this many µs for the reply before a blocking read "
+                        "(no wake-up from idle when the reply comes; default 0: block at once)")
     p.add_argument("--auth-token-file", default=None, help="file holding the bearer token (or SPECSPLIT_AUTH_TOKEN)")
     a = p.parse_args(argv)
     return GatewayConfig(target_addr=a.target, draft_addr=a.draft, model=a.model, host=a.host, port=a.port,
@@ -91,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                          max_prompt_tokens=a.max_prompt_tokens,
                          max_prompt_chars=a.max_prompt_chars, tls_cert=a.tls_cert, tls_key=a.tls_key,
                          replay_references=a.replay_references, replay_accept_rate=a.replay_accept_rate,
-                         step_sockets=a.step_sockets, loop_thread=a.loop_thread,
+                         step_sockets=a.step_sockets, loop_thread=a.loop_thread, step_spin_us=a.step_spin_us,
                          auth_token=read_token(a.auth_token_file, os.environ.get("SPECSPLIT_AUTH_TOKEN"))).validate()
 
 
@@ -122,7 +125,8 @@ class Backend:
 
 async def connect(cfg: GatewayConfig, telemetry: Telemetry, on_target_state: Callable[[bool], None]) -> Backend:
     """Reach both services and start the loop, on the event loop that will run it."""
-    blocking = cfg.step_timeout_s if cfg.loop_thread else None  # step sockets read blocking on the loop thread
+    # on the loop thread the step sockets are read blocking: (timeout, spin before blocking)
+    blocking = (cfg.step_timeout_s, cfg.step_spin_us * 1e-6) if cfg.loop_thread else None
     target = GrpcTarget(cfg.target_addr, blocking)
     info = await target.describe(timeout=300.0)
     log.info("target steps over %s", target.use_step_transport(info.step_socket if cfg.step_sockets else ""))

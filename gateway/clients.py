@@ -61,11 +61,14 @@ class _BidiStream:
         self.call = None
 
 
-def _stream(open_call: Any, socket_path: str, service: str, reply_type: type, blocking_timeout_s: float | None
+Blocking = tuple[float, float]  # a blocking step socket's (timeout, spin before each blocking read), seconds
+
+
+def _stream(open_call: Any, socket_path: str, service: str, reply_type: type, blocking: Blocking | None
             ) -> StepStream:
     if socket_path and Path(socket_path).is_socket():
-        if blocking_timeout_s is not None:
-            return BlockingSocketStream(socket_path, service, reply_type, blocking_timeout_s)
+        if blocking is not None:
+            return BlockingSocketStream(socket_path, service, reply_type, *blocking)
         return SocketStream(socket_path, service, reply_type)
     return _BidiStream(open_call)
 
@@ -77,10 +80,10 @@ def _transport_name(stream: StepStream) -> str:
 
 
 class GrpcTarget:
-    def __init__(self, addr: str, blocking_timeout_s: float | None = None) -> None:
-        """blocking_timeout_s: step sockets are read blocking, with this timeout (only for a loop
-        on a thread of its own, see BlockingSocketStream); None: asyncio streams."""
-        self.blocking_timeout_s = blocking_timeout_s
+    def __init__(self, addr: str, blocking: Blocking | None = None) -> None:
+        """blocking: step sockets are read blocking, with this (timeout, spin) (only for a loop on
+        a thread of its own, see BlockingSocketStream); None: asyncio streams."""
+        self.blocking = blocking
         self.channel = grpc.aio.insecure_channel(addr, options=channel_options())
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self.stream: StepStream = _BidiStream(self.stub.Step)
@@ -94,7 +97,7 @@ class GrpcTarget:
         messages, less per call), else over the gRPC stream; a fresh stream either way."""
         self.stream.reset()
         self.stream = _stream(self.stub.Step, socket_path, "target", target_pb2.TargetStepResponse,
-                              self.blocking_timeout_s)
+                              self.blocking)
         return _transport_name(self.stream)
 
     async def step(self, ops: list[TargetOp], releases: Sequence[int]) -> tuple[list[TargetResult], StepTiming]:
@@ -110,10 +113,10 @@ class GrpcTarget:
 
 
 class GrpcDraft:
-    def __init__(self, addr: str, blocking_timeout_s: float | None = None) -> None:
-        """blocking_timeout_s: step sockets are read blocking, with this timeout (only for a loop
-        on a thread of its own, see BlockingSocketStream); None: asyncio streams."""
-        self.blocking_timeout_s = blocking_timeout_s
+    def __init__(self, addr: str, blocking: Blocking | None = None) -> None:
+        """blocking: step sockets are read blocking, with this (timeout, spin) (only for a loop on
+        a thread of its own, see BlockingSocketStream); None: asyncio streams."""
+        self.blocking = blocking
         self.channel = grpc.aio.insecure_channel(addr, options=channel_options())
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.stream: StepStream = _BidiStream(self.stub.Step)
@@ -125,7 +128,7 @@ class GrpcDraft:
     def use_step_transport(self, socket_path: str) -> str:
         self.stream.reset()
         self.stream = _stream(self.stub.Step, socket_path, "draft", draft_pb2.DraftStepResponse,
-                              self.blocking_timeout_s)
+                              self.blocking)
         return _transport_name(self.stream)
 
     async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:

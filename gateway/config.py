@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specsplit.step_socket import check_spin_us
+
 
 @dataclass
 class GatewayConfig:
@@ -32,6 +34,7 @@ class GatewayConfig:
     step_timeout_s: float = 60.0  # a draft or target step slower than this counts as a failure
     step_sockets: bool = True  # Steps over a service's Unix socket when it offers one on this host
     loop_thread: bool = True  # the speculation loop on a thread of its own (its step sockets read blocking)
+    step_spin_us: float = 0.0  # on the loop thread: poll a step socket this long for the reply before blocking
     replay_references: str = ""  # benchmarks only: JSON token-id lists whose continuations the draft "proposes"
     replay_accept_rate: float = 0.8  # per-token acceptance the replayed proposals are given
 
@@ -55,6 +58,7 @@ class GatewayConfig:
             raise ValueError("stream_interval must be within 1..4096")
         if not 0.0 < self.step_timeout_s <= 3600.0:
             raise ValueError("step_timeout_s must be within (0, 3600] seconds")
+        check_spin_us(self.step_spin_us)
         if self.max_queue < 1 or self.max_streams < 1:
             raise ValueError("max_queue and max_streams must be >= 1")
         if self.max_prompt_tokens < 0 or self.max_prompt_chars < 1:

@@ -22,9 +22,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -58,6 +60,33 @@ def check_step_socket(path: str) -> None:
         raise ValueError(f"step socket path {path!r} exists and is not a socket")
 
 
+def _poller(sock: socket.socket, spin_s: float) -> select.poll | None:
+    if spin_s <= 0:
+        return None
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return poller
+
+
+def _spin(poller: select.poll | None, spin_s: float) -> None:
+    """Poll for up to spin_s before the caller's blocking read: a thread that keeps its CPU
+    takes the peer's message without being woken from idle (bench/socket_wakeup.py)."""
+    if poller is None:
+        return
+    deadline = time.perf_counter() + spin_s
+    while not poller.poll(0) and time.perf_counter() < deadline:
+        pass
+
+
+MAX_SPIN_US = 1_000_000.0
+
+
+def check_spin_us(spin_us: float) -> None:
+    """Configuration check of a spin before blocking reads, in µs."""
+    if not 0.0 <= spin_us <= MAX_SPIN_US:
+        raise ValueError(f"spin of {spin_us} µs is outside 0..{MAX_SPIN_US:.0f}")
+
+
 class StepSocketError(ConnectionError):
     """The service ended the socket stream with a status (as a gRPC abort would)."""
 
@@ -84,8 +113,10 @@ class StepSocketServer:
     servicer's other callers) and writes the reply. No event loop and no hand-off between
     threads on the hot path: a blocking read wakes the thread that computes."""
 
-    def __init__(self, path: str | Path, service: str, request_type: type, answer: StepAnswer) -> None:
+    def __init__(self, path: str | Path, service: str, request_type: type, answer: StepAnswer,
+                 spin_s: float = 0.0) -> None:
         self.path, self.service, self.request_type, self.answer = Path(path), service, request_type, answer
+        self.spin_s = spin_s  # poll this long for the next request before blocking (0: block at once)
         self.hello = _hello(service)
         self.listener: socket.socket | None = None
         self.connections: set[socket.socket] = set()  # open, hello pending or streaming
@@ -171,7 +202,9 @@ class StepSocketServer:
         return True
 
     def _steps(self, conn: socket.socket, stream: BinaryIO) -> None:
+        poller = _poller(conn, self.spin_s)
         while True:
+            _spin(poller, self.spin_s)  # requests and replies alternate: nothing is buffered here
             head = stream.read(_LEN.size)
             if len(head) < _LEN.size:
                 return  # the gateway closed the stream
@@ -255,9 +288,11 @@ class BlockingSocketStream:
     loop's wake-ups around every step (the GIL is released while the service computes).
     A read that waits longer than `timeout_s` fails the step (TimeoutError)."""
 
-    def __init__(self, path: str, service: str, reply_type: type, timeout_s: float) -> None:
+    def __init__(self, path: str, service: str, reply_type: type, timeout_s: float, spin_s: float = 0.0) -> None:
         self.path, self.service, self.reply_type, self.timeout_s = path, service, reply_type, timeout_s
+        self.spin_s = spin_s  # poll this long for the reply before blocking (0: block at once)
         self.sock: socket.socket | None = None
+        self.poller: select.poll | None = None
         self.head = bytearray(_HEAD.size)
 
     async def exchange(self, request: Any) -> Any:
@@ -270,8 +305,10 @@ class BlockingSocketStream:
                 self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 self.sock.settimeout(self.timeout_s)
                 self.sock.connect(self.path)
+                self.poller = _poller(self.sock, self.spin_s)
                 hello = _hello(self.service)
             self.sock.sendall(_frame(request, hello))
+            _spin(self.poller, self.spin_s)
             kind, n = _HEAD.unpack(self._read_into(self.head))
             if n > MAX_MESSAGE_BYTES:
                 raise ConnectionError(f"{self.service} step socket: reply of {n} bytes")

@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
     p.add_argument("--step-socket", default=os.environ.get("SPECSPLIT_TARGET_STEP_SOCKET", d.step_socket),
                    help="also serve Step on this Unix socket, for a gateway on the same host "
                         "(env SPECSPLIT_TARGET_STEP_SOCKET; default: gRPC only)")
+    p.add_argument("--step-socket-spin-us", type=float, default=d.step_socket_spin_us,
+                   help="after each reply, poll the step socket this many µs for the next request before a blocking "
+                        "read (a core kept busy while serving, no wake-up from idle; default 0: block at once)")
     p.add_argument("--compile", action="store_true",
                    help="experimental: fuse the kernels of the static verify/decode forward with torch.compile "
                         "(inductor) before the CUDA graphs capture it; compiles on first use of each shape")
@@ -69,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
                         draft_config=a.draft_config, hidden_backend=a.hidden_backend, ring_rows=a.ring_rows,
                         host=a.host, port=a.port, dist_port=a.dist_port, threads=a.threads,
                         cuda_graphs=a.cuda_graphs, compile=a.compile,
-                        engine_thread=a.engine_thread, step_socket=a.step_socket).validate()
+                        engine_thread=a.engine_thread, step_socket=a.step_socket,
+                        step_socket_spin_us=a.step_socket_spin_us).validate()
 
 
 def free_port() -> int:
@@ -86,7 +90,8 @@ async def serve(cfg: TargetConfig, runtime: TargetRuntime) -> None:
     server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
     # the socket exists before health says SERVING: a gateway started on that signal finds it
-    sock = (StepSocketServer(cfg.step_socket, "target", target_pb2.TargetStepRequest, servicer.answer).start()
+    sock = (StepSocketServer(cfg.step_socket, "target", target_pb2.TargetStepRequest, servicer.answer,
+                             cfg.step_socket_spin_us * 1e-6).start()
             if cfg.step_socket else None)
     await set_serving(health, ["specsplit.v1.TargetService"], True)
     log.info("target %s tp=%d listening on %s:%d", runtime.model.cfg.name, cfg.tp_size, cfg.host, cfg.port)

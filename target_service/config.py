@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specsplit.handoff.base import DTYPES
 from specsplit.handoff.factory import BACKENDS
-from specsplit.step_socket import check_step_socket
+from specsplit.step_socket import check_spin_us, check_step_socket
 
 
 @dataclass
@@ -32,6 +32,7 @@ class TargetConfig:
     cuda_graphs: bool = True  # verify/decode steps in CUDA graphs (on CUDA devices only)
     compile: bool = False  # experimental: fuse the static forward's kernels with torch.compile before capture
     step_socket: str = ""  # also serve Step on this Unix socket (same host gateways); "": gRPC only
+    step_socket_spin_us: float = 0.0  # poll the step socket this long for the next request before blocking
 
     def validate(self) -> TargetConfig:
         if self.dtype not in DTYPES:
@@ -48,6 +49,7 @@ class TargetConfig:
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
         check_step_socket(self.step_socket)
+        check_spin_us(self.step_socket_spin_us)
         return self
 
     def resolve_aux_layer_ids(self, default: list[int]) -> list[int]:

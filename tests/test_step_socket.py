@@ -256,3 +256,34 @@ def test_services_step_over_sockets_with_the_same_tokens(tiny_target: Path, tiny
         if sockets:
             assert socket_dir is not None and not Path(socket_dir).exists()  # removed by stop()
     assert outputs[True] == outputs[False] and all(len(o) == 24 for o in outputs[True])
+
+
+def test_spinning_sides_exchange_the_same_messages(tmp_path: Path) -> None:
+    """A server and a client that poll before their blocking reads (--step-socket-spin-us,
+    --step-spin-us) carry the same replies, also across a gap longer than the spin."""
+    path = tmp_path / "t.sock"
+    server = StepSocketServer(path, "target", target_pb2.TargetStepRequest, EchoServicer().answer,
+                              spin_s=0.05).start()
+    try:
+        stream = BlockingSocketStream(str(path), "target", target_pb2.TargetStepResponse, 10.0, spin_s=0.05)
+        for i in range(1, 4):
+            reply = stream.exchange_now(request(i, [10, i]))
+            assert reply.step_id == i and wire.target_result_from_proto(reply.results[0]).tokens == [10, i, 7]
+            if i == 2:
+                threading.Event().wait(0.1)  # past the server's spin: it blocks, and still answers
+    finally:
+        server.close()
+
+
+def test_spin_settings_are_checked() -> None:
+    from draft_service.config import DraftConfig
+    from gateway.config import GatewayConfig
+    from target_service.config import TargetConfig
+
+    for bad in (-1.0, 2e6):
+        with pytest.raises(ValueError, match="spin of"):
+            TargetConfig(step_socket_spin_us=bad).validate()
+        with pytest.raises(ValueError, match="spin of"):
+            DraftConfig(step_socket_spin_us=bad).validate()
+        with pytest.raises(ValueError, match="spin of"):
+            GatewayConfig(step_spin_us=bad).validate()
