@@ -101,17 +101,16 @@ VARIANTS = ("thread", "one-loop", "spin")  # the stack's control path: see --var
 
 
 def variant_args(variant: str, spin_us: float) -> tuple[list[str], list[str]]:
-    """(gateway args, target and draft args) of a stack variant: `thread` the defaults (the
-    gateway's speculation loop on its own thread, blocking step sockets), `one-loop` the
-    gateway on one event loop (--no-loop-thread), `spin` the defaults with every step socket
-    polled for spin_us before a blocking read (gateway and both services)."""
+    """(gateway args, target and draft args) of a stack variant: `thread` the gateway's
+    speculation loop on its own thread with blocking step sockets and no spinning, `one-loop`
+    the gateway on one event loop (--no-loop-thread), `spin` `thread` with every step socket
+    polled for spin_us before a blocking read (gateway and both services; on GPU stacks the
+    default, 20000 µs)."""
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
-    if variant == "one-loop":
-        return ["--no-loop-thread"], []
-    if variant == "spin":
-        return ["--step-spin-us", str(spin_us)], ["--step-socket-spin-us", str(spin_us)]
-    return [], []
+    spin = spin_us if variant == "spin" else 0.0
+    gateway = ["--no-loop-thread"] if variant == "one-loop" else ["--step-spin-us", str(spin)]
+    return gateway, ["--step-socket-spin-us", str(spin)]
 
 
 def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[int]], steps_list: list[int],
@@ -160,9 +159,9 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
 
 
 def add_variant_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--variants", default="thread", help="comma list of (ii)'s control path: thread (the defaults), "
-                   "one-loop (the gateway's --no-loop-thread), spin (every step socket polled --spin-us before "
-                   "blocking)")
+    p.add_argument("--variants", default="spin", help="comma list of (ii)'s control path: spin (every step socket "
+                   "polled --spin-us before blocking: the GPU default), thread (no spinning), one-loop (also the "
+                   "gateway's --no-loop-thread)")
     p.add_argument("--spin-us", type=float, default=20_000.0)
 
 

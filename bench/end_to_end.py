@@ -113,9 +113,9 @@ def main() -> None:
     prompts = [codec.encode(codec.render_chat(t)) for t in CHAT_PROMPTS[: a.prompts]]
     refs, local = cycle_overhead.in_process(a, prompts, steps_list)
     remote: dict[str, dict[int, dict[str, Any]]] = {}
-    for variant in a.variants.split(","):  # modes "services" (the defaults), "services_one-loop", "services_spin"
+    for variant in a.variants.split(","):  # modes "services" (spin: the GPU default), "services_thread", ...
         with tempfile.TemporaryDirectory() as tmp:
-            remote["services" if variant == "thread" else f"services_{variant}"] = cycle_overhead.services(
+            remote["services" if variant == "spin" else f"services_{variant}"] = cycle_overhead.services(
                 a, prompts, refs, steps_list, Path(tmp), variant)
     base = local[0]["decode_tokens_per_s"]
     common = {"bench": "end_to_end", "model": a.model, "head": Path(a.head).name, "dtype": a.dtype,

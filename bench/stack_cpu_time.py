@@ -98,6 +98,7 @@ def main() -> None:
     p.add_argument("--transports", default="grpc,socket")
     p.add_argument("--stream-intervals", default="1", help="the gateway's --stream-interval values to compare")
     add_variant_args(p)
+    p.set_defaults(variants="thread")  # the CPU stack's default: spinning threads would take the engines' cores
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="stack-cpu-"))
     model = write_tiny_target(tmp / "target", tiny_config(), seed=1)

@@ -20,7 +20,7 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
-from specsplit.step_socket import StepSocketServer
+from specsplit.step_socket import StepSocketServer, resolve_spin_s
 from specsplit.telemetry import setup_telemetry
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 
@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
                         "(env SPECSPLIT_DRAFT_STEP_SOCKET; default: gRPC only)")
     p.add_argument("--step-socket-spin-us", type=float, default=d.step_socket_spin_us,
                    help="after each reply, poll the step socket this many µs for the next request before a blocking "
-                        "read (a core kept busy while serving, no wake-up from idle; default 0: block at once)")
+                        "read (a core kept busy while serving, no wake-up from idle; 0: block at once; default: "
+                        "20000 on CUDA, 0 on CPU)")
     p.add_argument("--compile", action="store_true",
                    help="experimental: fuse the head's static forward with torch.compile (inductor) before the "
                         "CUDA graphs capture it; compiles on first use of each shape")
@@ -71,7 +72,7 @@ async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
     await server.start()
     # the socket exists before health says SERVING: a gateway started on that signal finds it
     sock = (StepSocketServer(cfg.step_socket, "draft", draft_pb2.DraftStepRequest, servicer.answer,
-                             cfg.step_socket_spin_us * 1e-6).start()
+                             resolve_spin_s(cfg.step_socket_spin_us, torch.device(cfg.device).type == "cuda")).start()
             if cfg.step_socket else None)
     await set_serving(health, ["specsplit.v1.DraftService"], True)
     log.info("draft head %s listening on %s:%d", runtime.head.cfg.name, cfg.host, cfg.port)

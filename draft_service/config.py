@@ -27,7 +27,7 @@ class DraftConfig:
     cuda_graphs: bool = True  # extend and proposal steps in CUDA graphs (on CUDA devices only)
     compile: bool = False  # experimental: fuse the static forward's kernels with torch.compile before capture
     step_socket: str = ""  # also serve Step on this Unix socket (same host gateways); "": gRPC only
-    step_socket_spin_us: float = 0.0  # poll the step socket this long for the next request before blocking
+    step_socket_spin_us: float = -1.0  # poll the step socket this long for the next request before blocking; -1: auto
 
     def validate(self) -> DraftConfig:
         if self.dtype not in DTYPES:

@@ -33,6 +33,7 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
+from specsplit.step_socket import resolve_spin_s
 from specsplit.telemetry import Telemetry, setup_telemetry
 from specsplit.tokenizer import TextCodec
 from specsplit.v1 import gateway_pb2_grpc, target_pb2
@@ -81,7 +82,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                         "(whose step sockets are read blocking)")
     p.add_argument("--step-spin-us", type=float, default=d.step_spin_us,
                    help="with the loop thread: poll a step socket this many µs for the reply before a blocking read "
-                        "(no wake-up from idle when the reply comes; default 0: block at once)")
+                        "(no wake-up from idle when the reply comes; 0: block at once; default: 20000 when the target "
+                        "hands hidden states over CUDA IPC, else 0)")
     p.add_argument("--auth-token-file", default=None, help="file holding the bearer token (or SPECSPLIT_AUTH_TOKEN)")
     a = p.parse_args(argv)
     return GatewayConfig(target_addr=a.target, draft_addr=a.draft, model=a.model, host=a.host, port=a.port,
@@ -125,10 +127,12 @@ class Backend:
 
 async def connect(cfg: GatewayConfig, telemetry: Telemetry, on_target_state: Callable[[bool], None]) -> Backend:
     """Reach both services and start the loop, on the event loop that will run it."""
-    # on the loop thread the step sockets are read blocking: (timeout, spin before blocking)
-    blocking = (cfg.step_timeout_s, cfg.step_spin_us * 1e-6) if cfg.loop_thread else None
-    target = GrpcTarget(cfg.target_addr, blocking)
+    target = GrpcTarget(cfg.target_addr)
     info = await target.describe(timeout=300.0)
+    # on the loop thread the step sockets are read blocking: (timeout, spin before blocking)
+    on_gpu = info.hidden_store.HasField("device") and info.hidden_store.device >= 0
+    blocking = (cfg.step_timeout_s, resolve_spin_s(cfg.step_spin_us, on_gpu)) if cfg.loop_thread else None
+    target.blocking = blocking
     log.info("target steps over %s", target.use_step_transport(info.step_socket if cfg.step_sockets else ""))
     draft = GrpcDraft(cfg.draft_addr, blocking) if cfg.draft_addr else None
     loop_draft = draft

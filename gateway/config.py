@@ -34,7 +34,7 @@ class GatewayConfig:
     step_timeout_s: float = 60.0  # a draft or target step slower than this counts as a failure
     step_sockets: bool = True  # Steps over a service's Unix socket when it offers one on this host
     loop_thread: bool = True  # the speculation loop on a thread of its own (its step sockets read blocking)
-    step_spin_us: float = 0.0  # on the loop thread: poll a step socket this long for the reply before blocking
+    step_spin_us: float = -1.0  # loop thread: poll a step socket this long for the reply before blocking; -1: auto
     replay_references: str = ""  # benchmarks only: JSON token-id lists whose continuations the draft "proposes"
     replay_accept_rate: float = 0.8  # per-token acceptance the replayed proposals are given
 

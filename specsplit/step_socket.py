@@ -79,12 +79,23 @@ def _spin(poller: select.poll | None, spin_s: float) -> None:
 
 
 MAX_SPIN_US = 1_000_000.0
+AUTO_SPIN = -1.0  # a spin setting's default: AUTO_SPIN_US on GPU stacks, 0 on CPU ones
+AUTO_SPIN_US = 20_000.0  # longer than a cycle's other step, so a serving stack never blocks between cycles
 
 
 def check_spin_us(spin_us: float) -> None:
-    """Configuration check of a spin before blocking reads, in µs."""
-    if not 0.0 <= spin_us <= MAX_SPIN_US:
-        raise ValueError(f"spin of {spin_us} µs is outside 0..{MAX_SPIN_US:.0f}")
+    """Configuration check of a spin before blocking reads, in µs (-1: automatic)."""
+    if spin_us != AUTO_SPIN and not 0.0 <= spin_us <= MAX_SPIN_US:
+        raise ValueError(f"spin of {spin_us} µs is outside 0..{MAX_SPIN_US:.0f} (or -1: automatic)")
+
+
+def resolve_spin_s(spin_us: float, on_gpu: bool) -> float:
+    """A spin setting in seconds: automatic spins on GPU stacks, whose steps take milliseconds
+    and whose hosts pay a wake-up from idle per message (bench/socket_wakeup.py; a core per
+    spinning thread while serving), and not on CPU stacks, whose cores compute."""
+    if spin_us == AUTO_SPIN:
+        spin_us = AUTO_SPIN_US if on_gpu else 0.0
+    return spin_us * 1e-6
 
 
 class StepSocketError(ConnectionError):

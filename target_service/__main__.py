@@ -23,7 +23,7 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
-from specsplit.step_socket import StepSocketServer
+from specsplit.step_socket import StepSocketServer, resolve_spin_s
 from specsplit.telemetry import setup_telemetry
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
                         "(env SPECSPLIT_TARGET_STEP_SOCKET; default: gRPC only)")
     p.add_argument("--step-socket-spin-us", type=float, default=d.step_socket_spin_us,
                    help="after each reply, poll the step socket this many µs for the next request before a blocking "
-                        "read (a core kept busy while serving, no wake-up from idle; default 0: block at once)")
+                        "read (a core kept busy while serving, no wake-up from idle; 0: block at once; default: "
+                        "20000 on CUDA, 0 on CPU)")
     p.add_argument("--compile", action="store_true",
                    help="experimental: fuse the kernels of the static verify/decode forward with torch.compile "
                         "(inductor) before the CUDA graphs capture it; compiles on first use of each shape")
@@ -91,7 +92,7 @@ async def serve(cfg: TargetConfig, runtime: TargetRuntime) -> None:
     await server.start()
     # the socket exists before health says SERVING: a gateway started on that signal finds it
     sock = (StepSocketServer(cfg.step_socket, "target", target_pb2.TargetStepRequest, servicer.answer,
-                             cfg.step_socket_spin_us * 1e-6).start()
+                             resolve_spin_s(cfg.step_socket_spin_us, torch.device(cfg.device).type == "cuda")).start()
             if cfg.step_socket else None)
     await set_serving(health, ["specsplit.v1.TargetService"], True)
     log.info("target %s tp=%d listening on %s:%d", runtime.model.cfg.name, cfg.tp_size, cfg.host, cfg.port)

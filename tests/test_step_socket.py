@@ -280,7 +280,10 @@ def test_spin_settings_are_checked() -> None:
     from gateway.config import GatewayConfig
     from target_service.config import TargetConfig
 
-    for bad in (-1.0, 2e6):
+    assert step_socket.resolve_spin_s(-1.0, on_gpu=True) == 0.02  # automatic: spin on GPU stacks
+    assert step_socket.resolve_spin_s(-1.0, on_gpu=False) == 0.0  # and not where the CPU computes
+    assert step_socket.resolve_spin_s(500.0, on_gpu=False) == 0.0005
+    for bad in (-2.0, 2e6):
         with pytest.raises(ValueError, match="spin of"):
             TargetConfig(step_socket_spin_us=bad).validate()
         with pytest.raises(ValueError, match="spin of"):
