@@ -205,6 +205,8 @@ def main() -> None:
                 "num_steps": steps, "accept_rate": a.accept_rate if steps else None,
                 "ratio_services_over_in_process": round(ii["decode_tokens_per_s"] / i["decode_tokens_per_s"], 4),
                 "cycle_ratio_in_process_over_services": round(i["cycle_us"] / ii["cycle_us"], 4),
+                # the control path alone: (ii)'s own engine times with (i)'s overhead, over (ii)'s cycle
+                "control_path_ratio": round((ii["draft_us"] + ii["verify_us"] + i["overhead_us"]) / ii["cycle_us"], 4),
                 "in_process": i, "services": ii, "target_device": a.device, "draft_device": a.draft_device,
                 "inline_steps": a.inline_steps, "step_transport": "grpc stream" if a.grpc_steps else "unix socket",
                 "stack_variant": variant, "spin_us": a.spin_us if variant == "spin" else 0,
