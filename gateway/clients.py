@@ -75,7 +75,7 @@ def _stream(open_call: Any, socket_path: str, service: str, reply_type: type, bl
 
 def _transport_name(stream: StepStream) -> str:
     if isinstance(stream, BlockingSocketStream):
-        return f"unix:{stream.path} (blocking, on the speculation loop's thread)"
+        return f"unix:{stream.path} (blocking on the loop thread, spinning {stream.spin_s * 1e6:.0f} µs first)"
     return f"unix:{stream.path}" if isinstance(stream, SocketStream) else "grpc stream"
 
 
