@@ -23,7 +23,7 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
-from specsplit.step_socket import StepSocketServer, resolve_spin_s
+from specsplit.step_socket import SERVICE_SPIN_HELP, StepSocketServer, resolve_spin_s
 from specsplit.telemetry import setup_telemetry
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
@@ -59,10 +59,7 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
     p.add_argument("--step-socket", default=os.environ.get("SPECSPLIT_TARGET_STEP_SOCKET", d.step_socket),
                    help="also serve Step on this Unix socket, for a gateway on the same host "
                         "(env SPECSPLIT_TARGET_STEP_SOCKET; default: gRPC only)")
-    p.add_argument("--step-socket-spin-us", type=float, default=d.step_socket_spin_us,
-                   help="after each reply, poll the step socket this many µs for the next request before a blocking "
-                        "read (a core kept busy while serving, no wake-up from idle; 0: block at once; default: "
-                        "20000 on CUDA, 0 on CPU)")
+    p.add_argument("--step-socket-spin-us", type=float, default=d.step_socket_spin_us, help=SERVICE_SPIN_HELP)
     p.add_argument("--compile", action="store_true",
                    help="experimental: fuse the kernels of the static verify/decode forward with torch.compile "
                         "(inductor) before the CUDA graphs capture it; compiles on first use of each shape")
