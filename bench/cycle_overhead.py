@@ -27,7 +27,7 @@ from bench.spec_vs_baseline import git_commit
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
 from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
-from specsplit.client import GatewayClient, make_request
+from specsplit.client import GatewayClient, Generation, make_request
 from specsplit.launcher import ServiceStack, StackConfig
 from specsplit.models.parallel import TensorParallel
 from specsplit.replay import LABEL, Replayer
@@ -100,6 +100,20 @@ def shape(a: argparse.Namespace, steps: int) -> dict[str, int]:
 VARIANTS = ("thread", "one-loop", "spin")  # the stack's control path: see --variants
 
 
+def client_side(gens: list[Generation]) -> dict[str, Any]:
+    """What the client saw: decode tokens/s from the chunks' arrival times (after the first,
+    the prefill's), and the gaps between chunks (a gap far above a cycle is a late delivery)."""
+    tokens = sum(len(g.token_ids) - 1 for g in gens)
+    seconds = sum(g.chunk_times[-1] - g.chunk_times[0] for g in gens if len(g.chunk_times) > 1)
+    gaps = sorted((b - a) * 1e6 for g in gens for a, b in zip(g.chunk_times[1:], g.chunk_times[2:], strict=False))
+
+    def pct(q: float) -> float:
+        return round(gaps[min(len(gaps) - 1, int(q * len(gaps)))], 1) if gaps else 0.0
+
+    return {"client_decode_tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else 0.0,
+            "client_chunk_gap_us": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": pct(1.0)}}
+
+
 def variant_args(variant: str, spin_us: float) -> tuple[list[str], list[str]]:
     """(gateway args, target and draft args) of a stack variant: `thread` the gateway's
     speculation loop on its own thread with blocking step sockets and no spinning, `one-loop`
@@ -151,6 +165,7 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                                         cycles, sum(x.draft_compute_ms for x in s),
                                         sum(x.verify_compute_ms for x in s))
                 rows[steps]["same_tokens_as_in_process_target_only"] = same
+                rows[steps].update(client_side(gens))
                 rows[steps]["draft_rpc_us"] = round(sum(x.draft_ms for x in s) * 1e3 / cycles, 1)
                 rows[steps]["verify_rpc_us"] = round(sum(x.verify_ms for x in s) * 1e3 / cycles, 1)
         finally:

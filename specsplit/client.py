@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ class Generation:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     final: Any = None
+    chunk_times: list[float] = field(default_factory=list)  # time.perf_counter() as each token chunk arrived
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,6 +94,8 @@ class GatewayClient:
                  on_chunk: Callable[[gateway_pb2.GenerateResponse], None] | None = None) -> Generation:
         out = Generation()
         for msg in self.stream(req, timeout):
+            if msg.token_ids:
+                out.chunk_times.append(time.perf_counter())
             out.token_ids.extend(msg.token_ids)
             out.text += msg.text
             if on_chunk is not None:
