@@ -136,7 +136,7 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
         replay = ["--replay-references", str(ref_file), "--replay-accept-rate", str(a.accept_rate)]
     engine_flags = (["--inline-steps"] if a.inline_steps else []) + (["--compile"] if a.compile else [])
     trees = ["--max-num-draft-tokens", str(max(16, tree_size(a)))]
-    gateway_extra, service_extra = variant_args(variant, getattr(a, "spin_us", 0.0))
+    gateway_extra, service_extra = variant_args(variant, a.spin_us)
     cfg = StackConfig(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
                       hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
                       extra_target_args=[*engine_flags, *service_extra, "--max-draft-tokens",

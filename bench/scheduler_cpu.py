@@ -70,8 +70,9 @@ class InstantDraft:
                 for op in ops if isinstance(op, ExtendPropose)], StepTiming()
 
 
-async def measure(batch: int, cycles: int, num_steps: int) -> dict:
+async def measure(batch: int, cycles: int, num_steps: int, noop_spans: bool = False) -> dict:
     s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=batch, max_queue=batch)
+    s.tracing = noop_spans  # True: build every cycle's span and trace context with the no-op tracer (as before a539efe)
     s.draft_restored()
     s.start()
     tokens = cycles * (num_steps + 1)
@@ -83,7 +84,7 @@ async def measure(batch: int, cycles: int, num_steps: int) -> dict:
             pass
     cpu, wall, n = time.thread_time() - cpu0, time.perf_counter() - wall0, s.cycles - cycles0
     await s.stop()
-    return {"bench": "scheduler_cpu", "batch": batch, "num_steps": num_steps, "cycles": n,
+    return {"bench": "scheduler_cpu", "batch": batch, "num_steps": num_steps, "noop_spans": noop_spans, "cycles": n,
             "cpu_us_per_cycle": round(cpu / n * 1e6, 1), "wall_us_per_cycle": round(wall / n * 1e6, 1),
             "cpu_us_per_sequence_cycle": round(cpu / n / batch * 1e6, 1)}
 
@@ -94,10 +95,12 @@ def main() -> None:
     p.add_argument("--batch", default="1,8", help="concurrent sequences, comma-separated")
     p.add_argument("--num-steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="each batch size this many times; the best is reported")
+    p.add_argument("--noop-spans", default="off", help="off,on: also (on) build cycle spans with the no-op tracer, "
+                   "as the loop did before it skipped them without an exporter")
     a = p.parse_args()
     install_uvloop()
-    for b in (int(x) for x in a.batch.split(",")):
-        rows = [asyncio.run(measure(b, a.cycles, a.num_steps)) for _ in range(a.rounds)]
+    for b, spans in ((int(x), s == "on") for x in a.batch.split(",") for s in a.noop_spans.split(",")):
+        rows = [asyncio.run(measure(b, a.cycles, a.num_steps, spans)) for _ in range(a.rounds)]
         best = min(rows, key=lambda r: r["cpu_us_per_cycle"])
         best.update({"rounds": a.rounds, "all_cpu_us_per_cycle": [r["cpu_us_per_cycle"] for r in rows],
                      "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),

@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
                        max_sequences=a.max_sequences, max_steps=a.max_steps, max_topk=a.max_topk, host=a.host,
                        port=a.port, threads=a.threads, cuda_graphs=a.cuda_graphs, compile=a.compile,
                        engine_thread=a.engine_thread, step_socket=a.step_socket,
-                        step_socket_spin_us=a.step_socket_spin_us).validate()
+                       step_socket_spin_us=a.step_socket_spin_us).validate()
 
 
 async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
