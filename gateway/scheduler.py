@@ -203,8 +203,11 @@ class Scheduler:
     def submit(self, req: GenerationRequest, span: trace.Span | None = None) -> Sequence:
         if self.target_down:
             raise Unavailable("target service unavailable")
-        if len(self.waiting) >= self.max_queue:
-            raise QueueFull(f"{len(self.waiting)} requests already waiting")
+        # a request that will take a free KV slot at the next cycle does not wait for one: with the loop on
+        # its own thread, several can be submitted before it admits the first
+        free = max(self.max_sequences - len(self.running), 0)
+        if len(self.waiting) >= self.max_queue + free:
+            raise QueueFull(f"{len(self.waiting) - free} requests already waiting")
         seq = Sequence(next(self.ids), req, span)
         seq.span.add_event("queued", {"spec.seq_id": seq.seq_id, "spec.queue_depth": len(self.waiting)})
         self.waiting.append(seq)  # a deque: safe beside the loop thread's popleft; cancel runs on that thread
@@ -298,8 +301,9 @@ class Scheduler:
             self._finish(seq, Finished("abort"))
         newcomers = []
         while self.waiting and len(self.running) < self.max_sequences:  # cancel() takes waiting ones out itself
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]  # counted as running before it leaves the queue: submit() reads both meanwhile
             self.running.append(seq)
+            self.waiting.popleft()
             newcomers.append(seq)
             seq.span.add_event("admitted", {"spec.seq_id": seq.seq_id,
                                             "spec.wait_ms": (time.perf_counter() - seq.submitted_at) * 1e3})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from bench.scheduler_cpu import InstantDraft, InstantTarget
 from gateway.scheduler import Failed, Finished, GenerationRequest, Scheduler
@@ -132,3 +133,23 @@ def test_a_loop_on_its_own_thread_serves_submitters_on_another_loop() -> None:
         assert not loop_thread.thread.is_alive()
 
     asyncio.run(main())
+
+
+def test_requests_submitted_before_the_loop_admits_them_count_free_slots() -> None:
+    """max_queue bounds the requests waiting for a KV slot: with the loop on its own thread,
+    several requests can be submitted before it admits any, and those that free slots will
+    take at the next cycle are not refused (tests/test_load.py saw that race)."""
+    from gateway.scheduler import QueueFull
+
+    async def main() -> list[object]:
+        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, max_queue=1)
+        s.draft_restored()
+        seqs = [s.submit(request(5)) for _ in range(3)]  # not started yet: 2 free slots + 1 queued
+        with pytest.raises(QueueFull):
+            s.submit(request(5))
+        s.start()
+        ends = await asyncio.wait_for(asyncio.gather(*(drain(q) for q in seqs)), 30.0)
+        await s.stop()
+        return [end for _, end in ends]
+
+    assert asyncio.run(main()) == [Finished("length")] * 3
