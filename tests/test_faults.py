@@ -39,7 +39,9 @@ def target_stats(stack: ServiceStack) -> target_pb2.TargetStats:
 def test_draft_dies_mid_stream_then_comes_back(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
     with ServiceStack(stack_cfg(tiny_target, tiny_head, tmp_path)) as stack:
         client = GatewayClient(stack.addr("gateway"))
-        n = 1200
+        # long enough that the stream outlasts the draft's restart and a retry period (2 s) on a loaded CI
+        # machine: with 1200 tokens the stream once ended there before speculation resumed
+        n = 3000
         base = client.generate(make_request(token_ids=PROMPT, max_new_tokens=n, ignore_eos=True, speculation=False))
         call = client.stub.Generate(make_request(token_ids=PROMPT, max_new_tokens=n, ignore_eos=True, num_steps=3))
         tokens = list(next(call).token_ids)
