@@ -7,6 +7,8 @@ short prefill, then greedy decoding three ways in one run, and prints one JSON l
   graphs    the static batch replayed from CUDA graphs (what CUDA serving runs),
   compiled  the same with the static forward fused by torch.compile first,
   gemv      graphs, with one-row projections through the Triton GEMV (specsplit.ops_triton),
+  fused     graphs of the fused decode step, five Triton kernels a layer (specsplit.models.fused_decode),
+  fused-pdl the same launched with programmatic dependent launch (what `--fused-decode pdl` serves),
 with tokens/s, the fraction of the bound weight_bytes / HBM bandwidth and the speed-up over
 `segments`. The three greedy token streams must agree (checked, reported).
 
@@ -24,10 +26,9 @@ import torch
 
 from specsplit.checkpoints.shapes import SHAPES
 from specsplit.models.cuda_graphs import GraphCache, bucket_up, compile_static, pow2_buckets
+from specsplit.models.fused_decode import FusedDecode
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel, use_one_row_gemv
-
-LLAMA_31_8B = SHAPES["llama-3.1-8b"]
 
 
 def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, ctx_buckets: tuple[int, ...],
@@ -35,8 +36,11 @@ def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, ctx_b
     """Prefill then `steps` greedy decode steps timed after 8 warm-up steps: (seconds, tokens)."""
     cache = model.new_cache(1, ctx_buckets[-1])
     use_one_row_gemv(mode == "gemv")
-    graphs = GraphCache(torch.device("cuda"), enabled=mode in ("graphs", "compiled", "gemv"))
-    static_fn = compile_static(model.static_forward) if mode == "compiled" else model.static_forward
+    graphs = GraphCache(torch.device("cuda"), enabled=mode != "segments" and mode != "static")
+    if mode.startswith("fused"):
+        static_fn = FusedDecode(model, pdl=mode == "fused-pdl")
+    else:
+        static_fn = compile_static(model.static_forward) if mode == "compiled" else model.static_forward
     logits, _ = model(prompt, 0, cache, 0)
     nxt = logits[-1].argmax().view(1, 1)  # [1, 1]
     slots = torch.zeros(1, dtype=torch.long, device="cuda")
@@ -96,10 +100,11 @@ def main() -> None:
     p.add_argument("--hbm-tb-s", type=float, default=4.8, help="H200 HBM3e bandwidth")
     p.add_argument("--modes", default="segments,static,graphs",
                    help="comma-separated: segments, static, graphs, compiled (graphs of the torch.compile'd forward), "
-                        "gemv (graphs, one-row projections through the Triton GEMV)")
+                        "gemv (graphs, one-row projections through the Triton GEMV), fused, fused-pdl")
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES), help="model shape (random weights)")
     p.add_argument("--profile", action="store_true", help="also print a torch.profiler table per mode (stderr)")
     a = p.parse_args()
-    cfg = LLAMA_31_8B
+    cfg = SHAPES[a.shape]
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = LlamaModel(cfg, TensorParallel(), cfg.default_aux_layer_ids()).eval()

@@ -26,7 +26,7 @@ from specsplit.serving import (
 from specsplit.step_socket import SERVICE_SPIN_HELP, StepSocketServer, resolve_spin_s
 from specsplit.telemetry import setup_telemetry
 from specsplit.v1 import target_pb2, target_pb2_grpc
-from target_service.config import TargetConfig
+from target_service.config import FUSED_DECODE, TargetConfig
 from target_service.runtime import TargetRuntime, init_distributed, worker_loop
 from target_service.server import TargetServicer
 
@@ -63,13 +63,16 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
     p.add_argument("--compile", action="store_true",
                    help="experimental: fuse the kernels of the static verify/decode forward with torch.compile "
                         "(inductor) before the CUDA graphs capture it; compiles on first use of each shape")
+    p.add_argument("--fused-decode", choices=FUSED_DECODE, default=d.fused_decode,
+                   help="run one-token steps of a single sequence (batch-1 decode) as the fused Triton step, five "
+                        "kernels a layer (CUDA, tp 1); pdl: also with programmatic dependent launch (Hopper+)")
     a = p.parse_args(argv)
     aux = [int(x) for x in a.aux_layer_ids.split(",")] if a.aux_layer_ids else None
     return TargetConfig(model=a.model, dtype=a.dtype, device=a.device, tp_size=a.tp_size, max_context=a.max_context,
                         max_sequences=a.max_sequences, max_draft_tokens=a.max_draft_tokens, aux_layer_ids=aux,
                         draft_config=a.draft_config, hidden_backend=a.hidden_backend, ring_rows=a.ring_rows,
                         host=a.host, port=a.port, dist_port=a.dist_port, threads=a.threads,
-                        cuda_graphs=a.cuda_graphs, compile=a.compile,
+                        cuda_graphs=a.cuda_graphs, compile=a.compile, fused_decode=a.fused_decode,
                         engine_thread=a.engine_thread, step_socket=a.step_socket,
                         step_socket_spin_us=a.step_socket_spin_us).validate()
 

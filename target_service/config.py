@@ -10,6 +10,8 @@ from specsplit.handoff.base import DTYPES
 from specsplit.handoff.factory import BACKENDS
 from specsplit.step_socket import check_spin_us, check_step_socket
 
+FUSED_DECODE = ("off", "on", "pdl")
+
 
 @dataclass
 class TargetConfig:
@@ -31,6 +33,7 @@ class TargetConfig:
     engine_thread: bool = True  # gRPC steps on a dedicated thread; False: on the event loop (the socket: its own)
     cuda_graphs: bool = True  # verify/decode steps in CUDA graphs (on CUDA devices only)
     compile: bool = False  # experimental: fuse the static forward's kernels with torch.compile before capture
+    fused_decode: str = "off"  # one-token steps of one sequence in Triton kernels: off | on | pdl (+ dependent launch)
     step_socket: str = ""  # also serve Step on this Unix socket (same host gateways); "": gRPC only
     step_socket_spin_us: float = -1.0  # poll the step socket this long for the next request before blocking; -1: auto
 
@@ -48,6 +51,10 @@ class TargetConfig:
             raise ValueError(f"ring_rows {self.ring_rows} must hold one full context ({self.max_context})")
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        if self.fused_decode not in FUSED_DECODE:
+            raise ValueError(f"fused_decode {self.fused_decode!r} not in {FUSED_DECODE}")
+        if self.fused_decode != "off" and (not self.device.startswith("cuda") or self.tp_size != 1):
+            raise ValueError("fused_decode needs a CUDA device and tp_size 1")
         check_step_socket(self.step_socket)
         check_spin_us(self.step_socket_spin_us)
         return self

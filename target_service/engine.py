@@ -14,6 +14,7 @@ from typing import TypeGuard
 import torch
 
 from specsplit.models.cuda_graphs import GraphCache, bucket_up, compile_static, pow2_buckets
+from specsplit.models.fused_decode import FusedDecode
 from specsplit.models.layers import Segment, tree_layout, tree_segment
 from specsplit.models.llama import LlamaModel
 from specsplit.ops import (
@@ -82,6 +83,8 @@ class TargetEngine:
         # padded static batches on CUDA, with or without graphs (the same kernels either way); tests turn them on on CPU
         self.use_static = self.device.type == "cuda"
         self.static_fn = compile_static(model.static_forward) if cfg.compile else model.static_forward
+        # one-token steps of one sequence: the fused Triton step (specsplit.models.fused_decode), if asked for
+        self.fused = FusedDecode(model, pdl=cfg.fused_decode == "pdl") if cfg.fused_decode != "off" else None
         self.batch_buckets = pow2_buckets(1, cfg.max_sequences)
         self.ctx_buckets = pow2_buckets(min(128, self.cache.max_len), self.cache.max_len)
 
@@ -222,12 +225,15 @@ class TargetEngine:
         slots = torch.tensor([w.slot for w in work] + [self.pad_slot] * pad)
         if any(_is_tree(w.op) for w in work):
             return self._run_static_tree(work, tokens, positions, slots, ctx, capture)
+        fused = self.fused is not None and b == 1 and t == 1
+        static_fn = self.fused if fused else self.static_fn
+        assert static_fn is not None
 
         def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
-            return self.static_fn(tokens, positions, slots, ctx, self.cache, capture)
+            return static_fn(tokens, positions, slots, ctx, self.cache, capture)
 
         with torch.no_grad() if self.cfg.compile else torch.inference_mode():
-            logits, aux = self.graphs.run((b, t, ctx, capture), fn, tokens=tokens, positions=positions,
+            logits, aux = self.graphs.run((b, t, ctx, capture, fused), fn, tokens=tokens, positions=positions,
                                           slots=slots)  # host tensors: one copy each into the graph's inputs
         assert logits is not None
         return [(logits[i, : len(w.tokens)], None if aux is None else aux[i, : len(w.tokens)])

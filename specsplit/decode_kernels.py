@@ -1,0 +1,237 @@
+"""Triton kernels of the fused one-token decode step (specsplit.models.fused_decode): a decoder
+layer in five kernels instead of ~20, which is what keeps a batch-1 decode near the HBM bound.
+
+  norm_gemv      y = W · rms_norm(x)          the q|k|v projection, and the final norm + lm_head
+  gate_up_silu   a = silu(G·n) * (U·n), n = rms_norm(x)   the MLP's first half
+  gemv_residual  h' = h + W · a               the o and down projections with the residual add
+  rope_attention rotary on q and k, the new k and v written to the KV cache, attention over
+                 the slot's keys [0, pos]: one program per query head
+
+Every GEMV streams whole weight rows (coalesced along K, evicted first: a weight is read once a
+step) into an fp32 accumulator. The RMS norm is folded in: rms_norm(x)·w = rstd · Σ W[n,k] x[k]
+nw[k], with rstd a scalar, so the sum of squares accumulates in the same pass. Intermediate
+results are rounded to the activations' dtype where the unfused model rounds them (GEMM
+outputs, SiLU, the rotary products), so bf16 decoding stays close to it and fp32 decoding equal
+to it within fp32 rounding.
+
+With `pdl` the kernels are launched with programmatic dependent launch (Hopper and later): a
+kernel's programs start while the previous kernel's last wave runs, load their first weight
+tile (which depends on nothing computed), then wait (griddepcontrol.wait) for the previous
+kernel before reading its output or writing anything. Triton is imported lazily: CPU builds
+of torch come without it, so only
+specsplit.models.fused_decode imports this module, when a fused step is made (TRITON_INTERPRET=1
+runs these kernels on the CPU, for tests).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _configs() -> list[Any]:
+    """Block shapes tried once per (N, K) by the autotuner: few, so a cold start stays short."""
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter cannot time configs
+        return [triton.Config({"BLOCK_N": 4, "BLOCK_K": 256})]
+    shapes = ((1, 1024), (2, 512), (2, 1024), (4, 256), (4, 512), (8, 256), (8, 512), (16, 256))
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k in shapes for w in (4, 8)]
+
+
+@triton.jit
+def _wait(use_pdl: tl.constexpr) -> None:
+    if use_pdl:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+@triton.jit
+def _tile(rows_ptr, row_ok, k0, K, BLOCK_K: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at columns k0..: fully masked (no traffic) past K."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(rows_ptr + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+@triton.jit
+def _input(x_ptr, nw_ptr, k0, K, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(x·nw, x²) at columns k0.. in fp32 (x, 0 without a norm)."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        return x * tl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(tl.float32), x * x
+    return x, x * 0.0
+
+# Each GEMV loads its first weight tile before waiting for the previous kernel (weights depend
+# on nothing computed), then prefetches tile i+1 while it multiplies tile i.
+@triton.autotune(configs=_configs(), key=["N", "K"])
+@triton.jit
+def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
+              USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + rows[:, None] * stride_wn
+    w = _tile(w_rows, row_ok, 0, K, BLOCK_K)
+    _wait(USE_PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x, x2 = _input(x_ptr, nw_ptr, k0, K, HAS_NORM, BLOCK_K)
+        acc += w.to(tl.float32) * x[None, :]
+        sq += x2
+        w = _tile(w_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
+    y = tl.sum(acc, axis=1)
+    if HAS_NORM:
+        y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+@triton.autotune(configs=_configs(), key=["N", "K"])
+@triton.jit
+def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w [2N, K]: gate rows, then up rows (MergedColumnParallelLinear's layout)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    g_rows = w_ptr + rows[:, None] * stride_wn
+    u_rows = w_ptr + (rows + N)[:, None] * stride_wn
+    wg = _tile(g_rows, row_ok, 0, K, BLOCK_K)
+    wu = _tile(u_rows, row_ok, 0, K, BLOCK_K)
+    _wait(USE_PDL)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x, x2 = _input(x_ptr, nw_ptr, k0, K, True, BLOCK_K)
+        acc_g += wg.to(tl.float32) * x[None, :]
+        acc_u += wu.to(tl.float32) * x[None, :]
+        sq += x2
+        wg = _tile(g_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
+        wu = _tile(u_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
+    rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    dt = y_ptr.dtype.element_ty
+    g = (tl.sum(acc_g, axis=1) * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
+    u = (tl.sum(acc_u, axis=1) * rstd).to(dt).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(y_ptr + rows, (silu * u).to(dt), mask=row_ok)
+
+@triton.autotune(configs=_configs(), key=["N", "K"])
+@triton.jit
+def _gemv_residual(x_ptr, w_ptr, r_ptr, y_ptr, N, K, stride_wn, USE_PDL: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + rows[:, None] * stride_wn
+    w = _tile(w_rows, row_ok, 0, K, BLOCK_K)
+    _wait(USE_PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x, _ = _input(x_ptr, x_ptr, k0, K, False, BLOCK_K)
+        acc += w.to(tl.float32) * x[None, :]
+        w = _tile(w_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
+    dt = y_ptr.dtype.element_ty
+    y = tl.sum(acc, axis=1).to(dt).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(dt), mask=row_ok)
+
+@triton.jit
+def _rotate(ptr, d, half: tl.constexpr, D: tl.constexpr, cos, sin):
+    """x·cos + rotate_half(x)·sin (sin signed), rounded as the unfused model rounds it."""
+    dt = ptr.dtype.element_ty
+    x = tl.load(ptr + d).to(tl.float32)
+    xr = tl.load(ptr + (d + half) % D).to(tl.float32)
+    return ((x * cos).to(dt).to(tl.float32) + xr * sin).to(dt)
+
+@triton.jit
+def _rope_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr,
+                   stride_slot, stride_pos, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                   scale, USE_PDL: tl.constexpr, BLOCK_S: tl.constexpr):
+    h = tl.program_id(0)
+    kvh = h // (HQ // HKV)
+    d = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    _wait(USE_PDL)
+    pos = tl.load(pos_ptr)
+    slot = tl.load(slot_ptr)
+    dt = qkv_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)  # the tables in the model's dtype
+    sin = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
+    q = _rotate(qkv_ptr + h * D, d, half, D, cos, sin).to(tl.float32)
+    k_new = _rotate(qkv_ptr + (HQ + kvh) * D, d, half, D, cos, sin)
+    v_new = tl.load(qkv_ptr + (HQ + HKV + kvh) * D + d)
+    k_base = k_ptr + slot * stride_slot + kvh * D
+    v_base = v_ptr + slot * stride_slot + kvh * D
+    if h % (HQ // HKV) == 0:  # one query head of the group stores the new entry
+        tl.store(k_base + pos * stride_pos + d, k_new.to(k_ptr.dtype.element_ty))
+        tl.store(v_base + pos * stride_pos + d, v_new.to(v_ptr.dtype.element_ty))
+    # the new key from registers; keys [0, pos) from the cache, online softmax
+    m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
+    den = m * 0.0 + 1.0
+    acc = v_new.to(tl.float32)
+    for s0 in range(0, pos, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        ok = s < pos
+        kb = tl.load(k_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
+        scores = tl.where(ok, tl.sum(kb.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new)  # [BLOCK_S]
+        vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
+        den = den * alpha + tl.sum(p, axis=0)
+        m = m_new
+    tl.store(out_ptr + h * D + d, (acc / den).to(out_ptr.dtype.element_ty))
+
+
+def _grid(n: int) -> Any:
+    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)
+
+
+def _launch(pdl: bool) -> dict[str, bool]:
+    return {"launch_pdl": True} if pdl else {}
+
+
+def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+              pdl: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [K] -> weight [N, K] · rms_norm(x, norm_weight) [N] (no norm when norm_weight is None)."""
+    n, k = weight.shape
+    y = torch.empty(n, device=x.device, dtype=x.dtype) if out is None else out
+    nw = x if norm_weight is None else norm_weight
+    _norm_gemv[_grid(n)](x, nw, weight, y, n, k, weight.stride(0), eps,
+                                      HAS_NORM=norm_weight is not None, USE_PDL=pdl, **_launch(pdl))
+    return y
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                 pdl: bool = False) -> torch.Tensor:
+    """x [K], weight [2I, K] (gate; up) -> silu(gate·n) * (up·n) [I], n = rms_norm(x)."""
+    n2, k = weight.shape
+    y = torch.empty(n2 // 2, device=x.device, dtype=x.dtype)
+    _gate_up_silu[_grid(n2 // 2)](x, norm_weight, weight, y, n2 // 2, k, weight.stride(0), eps,
+                                               USE_PDL=pdl, **_launch(pdl))
+    return y
+
+
+def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """x [K], weight [N, K], residual [N] -> residual + weight · x [N]."""
+    n, k = weight.shape
+    y = torch.empty_like(residual)
+    _gemv_residual[_grid(n)](x, weight, residual, y, n, k, weight.stride(0), USE_PDL=pdl,
+                                          **_launch(pdl))
+    return y
+
+
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
+                   slot: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                   num_kv_heads: int, pdl: bool = False) -> torch.Tensor:
+    """qkv [(Hq + 2 Hkv) * D] of one token at `position` (a one-element device tensor) of KV slot
+    `slot`; k_cache, v_cache [slots, max_len, Hkv, D] of this layer. Rotates q and k, stores the
+    new entry, attends over entries [0, position] -> [Hq * D]."""
+    d = k_cache.shape[-1]
+    if k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or cos.shape[-1] != d:
+        raise ValueError("rope_attention needs a contiguous [slots, max_len, kv_heads, head_dim] cache")
+    out = torch.empty(num_heads * d, device=qkv.device, dtype=qkv.dtype)
+    _rope_attention[(num_heads,)](qkv, cos, sin, position, slot, k_cache, v_cache, out,
+                                               k_cache.stride(0), k_cache.stride(1), HQ=num_heads,
+                                               HKV=num_kv_heads, D=d, scale=d ** -0.5, USE_PDL=pdl,
+                                               BLOCK_S=64, num_warps=4, **_launch(pdl))
+    return out
