@@ -182,6 +182,9 @@ def _rope_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, 
     tl.store(out_ptr + h * D + d, (acc / den).to(out_ptr.dtype.element_ty))
 
 
+ATTENTION_BLOCK = (64, 4)  # keys per iteration, warps: one program per query head
+
+
 def _grid(n: int) -> Any:
     return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)
 
@@ -233,5 +236,6 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     _rope_attention[(num_heads,)](qkv, cos, sin, position, slot, k_cache, v_cache, out,
                                                k_cache.stride(0), k_cache.stride(1), HQ=num_heads,
                                                HKV=num_kv_heads, D=d, scale=d ** -0.5, USE_PDL=pdl,
-                                               BLOCK_S=64, num_warps=4, **_launch(pdl))
+                                               BLOCK_S=ATTENTION_BLOCK[0], num_warps=ATTENTION_BLOCK[1],
+                                               **_launch(pdl))
     return out
