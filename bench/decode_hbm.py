@@ -8,7 +8,8 @@ short prefill, then greedy decoding three ways in one run, and prints one JSON l
   compiled  the same with the static forward fused by torch.compile first,
   gemv      graphs, with one-row projections through the Triton GEMV (specsplit.ops_triton),
   fused     graphs of the fused decode step, five Triton kernels a layer (specsplit.models.fused_decode),
-  fused-pdl the same launched with programmatic dependent launch (what `--fused-decode pdl` serves),
+  fused-pdl the same launched with programmatic dependent launch (what `--fused-decode pdl` serves);
+            a `-noprefetch` suffix (fused-noprefetch, fused-pdl-noprefetch): without the L2 prefetch of W_o,
 with tokens/s, the fraction of the bound weight_bytes / HBM bandwidth and the speed-up over
 `segments`. The three greedy token streams must agree (checked, reported).
 
@@ -31,6 +32,17 @@ from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel, use_one_row_gemv
 
 
+def greedy_token(logits: torch.Tensor) -> torch.Tensor:
+    """argmax of logits [V] as [1, 1], in two short reductions (rows of V/128, then their maxima):
+    torch.argmax over a 128k vocabulary is one slow reduction (~26 µs on the H200). Same first
+    index as argmax."""
+    v = logits.shape[-1]
+    rows = 128 if v % 128 == 0 else 1
+    best, index = logits.view(rows, -1).max(dim=1)  # [rows]
+    r = best.argmax()
+    return (index[r] + r * (v // rows)).view(1, 1)
+
+
 def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, ctx_buckets: tuple[int, ...],
            profile: bool = False) -> tuple[float, list[int]]:
     """Prefill then `steps` greedy decode steps timed after 8 warm-up steps: (seconds, tokens)."""
@@ -38,7 +50,7 @@ def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, ctx_b
     use_one_row_gemv(mode == "gemv")
     graphs = GraphCache(torch.device("cuda"), enabled=mode != "segments" and mode != "static")
     if mode.startswith("fused"):
-        static_fn = FusedDecode(model, pdl=mode == "fused-pdl")
+        static_fn = FusedDecode(model, pdl="-pdl" in mode, prefetch="-noprefetch" not in mode)
     else:
         static_fn = compile_static(model.static_forward) if mode == "compiled" else model.static_forward
     logits, _ = model(prompt, 0, cache, 0)
@@ -54,11 +66,12 @@ def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, ctx_b
         positions = torch.full((1, 1), pos, dtype=torch.long, device="cuda")
 
         def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
-            return static_fn(tokens, positions, slots, ctx, cache)
+            logits, _ = static_fn(tokens, positions, slots, ctx, cache)
+            return (greedy_token(logits[0, -1]),)  # chosen in the graph too
 
         with torch.no_grad() if mode == "compiled" else torch.inference_mode():
-            lg, _ = graphs.run((1, 1, ctx), fn, tokens=nxt, positions=positions, slots=slots)
-            return lg[0, -1].argmax().view(1, 1)
+            (tok,) = graphs.run((1, 1, ctx), fn, tokens=nxt, positions=positions, slots=slots)
+            return tok.clone()
 
     pos = prompt.shape[0]
     for _ in range(8):  # warm-up (captures the graph of the first context bucket)

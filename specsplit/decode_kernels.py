@@ -37,7 +37,8 @@ def _configs() -> list[Any]:
     """Block shapes tried once per (N, K) by the autotuner: few, so a cold start stays short."""
     if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter cannot time configs
         return [triton.Config({"BLOCK_N": 4, "BLOCK_K": 256})]
-    shapes = ((1, 1024), (2, 512), (2, 1024), (4, 256), (4, 512), (8, 256), (8, 512), (16, 256))
+    shapes = ((1, 1024), (2, 512), (2, 1024), (4, 256), (4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256),
+              (16, 512))
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k in shapes for w in (4, 8)]
 
 
@@ -84,7 +85,8 @@ def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.c
     y = tl.sum(acc, axis=1)
     if HAS_NORM:
         y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+    # rounded to the activations' dtype, as the unfused GEMM's output, even into a float32 `out`
+    tl.store(y_ptr + rows, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=row_ok)
 
 @triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
@@ -142,14 +144,11 @@ def _rotate(ptr, d, half: tl.constexpr, D: tl.constexpr, cos, sin):
     return ((x * cos).to(dt).to(tl.float32) + xr * sin).to(dt)
 
 @triton.jit
-def _rope_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr,
-                   stride_slot, stride_pos, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                   scale, USE_PDL: tl.constexpr, BLOCK_S: tl.constexpr):
-    h = tl.program_id(0)
+def _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, stride_slot, stride_pos, h,
+            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale, BLOCK_S: tl.constexpr):
     kvh = h // (HQ // HKV)
     d = tl.arange(0, D)
     half: tl.constexpr = D // 2
-    _wait(USE_PDL)
     pos = tl.load(pos_ptr)
     slot = tl.load(slot_ptr)
     dt = qkv_ptr.dtype.element_ty
@@ -171,18 +170,51 @@ def _rope_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, 
         s = s0 + tl.arange(0, BLOCK_S)
         ok = s < pos
         kb = tl.load(k_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
+        vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
         scores = tl.where(ok, tl.sum(kb.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=0))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new)  # [BLOCK_S]
-        vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
         acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
         den = den * alpha + tl.sum(p, axis=0)
         m = m_new
     tl.store(out_ptr + h * D + d, (acc / den).to(out_ptr.dtype.element_ty))
 
 
-ATTENTION_BLOCK = (64, 4)  # keys per iteration, warps: one program per query head
+@triton.jit
+def _prefetch_l2(ptr, n_bytes, index, programs, LINES: tl.constexpr):
+    """Program `index` of `programs` asks L2 for its share of bytes [0, n_bytes) at ptr, one
+    prefetch per 128-byte line: no registers held, nothing waits for the data."""
+    base = ptr.to(tl.pointer_type(tl.uint8))
+    total = tl.cdiv(n_bytes, 128)
+    share = tl.cdiv(total, programs)
+    first = index * share
+    for l0 in range(first, tl.minimum(first + share, total), LINES):
+        lines = tl.minimum(l0 + tl.arange(0, LINES), total - 1).to(tl.int64)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [base + lines * 128], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _rope_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr,
+                    stride_slot, stride_pos, pf_ptr, pf_bytes, HQ: tl.constexpr, HKV: tl.constexpr,
+                    D: tl.constexpr, scale, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Programs [0, HQ): one query head each. With PREFETCH > 0, that many more programs, on
+    SMs attention leaves idle, pull the next projection's weights (pf_ptr) into L2 meanwhile:
+    at batch 1 attention is latency-bound and HBM would otherwise idle."""
+    h = tl.program_id(0)
+    if PREFETCH > 0 and h >= HQ:
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        _prefetch_l2(pf_ptr, pf_bytes, h - HQ, PREFETCH, 256)
+    else:
+        _wait(USE_PDL)
+        _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, stride_slot, stride_pos, h,
+                HQ, HKV, D, scale, BLOCK_S)
+
+
+ATTENTION_BLOCK = (128, 4)  # keys per iteration, warps: one program per query head
+PREFETCH_PROGRAMS = 96  # programs of the attention kernel that prefetch the o projection (H200: 132 SMs)
 
 
 def _grid(n: int) -> Any:
@@ -194,13 +226,14 @@ def _launch(pdl: bool) -> dict[str, bool]:
 
 
 def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
-              pdl: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [K] -> weight [N, K] · rms_norm(x, norm_weight) [N] (no norm when norm_weight is None)."""
+              pdl: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [K] -> weight [N, K] · rms_norm(x, norm_weight) [N] (no norm when norm_weight is None),
+    rounded to x's dtype and stored as out_dtype (default: x's)."""
     n, k = weight.shape
-    y = torch.empty(n, device=x.device, dtype=x.dtype) if out is None else out
+    y = torch.empty(n, device=x.device, dtype=out_dtype or x.dtype)
     nw = x if norm_weight is None else norm_weight
-    _norm_gemv[_grid(n)](x, nw, weight, y, n, k, weight.stride(0), eps,
-                                      HAS_NORM=norm_weight is not None, USE_PDL=pdl, **_launch(pdl))
+    _norm_gemv[_grid(n)](x, nw, weight, y, n, k, weight.stride(0), eps, HAS_NORM=norm_weight is not None,
+                         USE_PDL=pdl, **_launch(pdl))
     return y
 
 
@@ -209,8 +242,8 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     """x [K], weight [2I, K] (gate; up) -> silu(gate·n) * (up·n) [I], n = rms_norm(x)."""
     n2, k = weight.shape
     y = torch.empty(n2 // 2, device=x.device, dtype=x.dtype)
-    _gate_up_silu[_grid(n2 // 2)](x, norm_weight, weight, y, n2 // 2, k, weight.stride(0), eps,
-                                               USE_PDL=pdl, **_launch(pdl))
+    _gate_up_silu[_grid(n2 // 2)](x, norm_weight, weight, y, n2 // 2, k, weight.stride(0), eps, USE_PDL=pdl,
+                                  **_launch(pdl))
     return y
 
 
@@ -218,24 +251,26 @@ def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     """x [K], weight [N, K], residual [N] -> residual + weight · x [N]."""
     n, k = weight.shape
     y = torch.empty_like(residual)
-    _gemv_residual[_grid(n)](x, weight, residual, y, n, k, weight.stride(0), USE_PDL=pdl,
-                                          **_launch(pdl))
+    _gemv_residual[_grid(n)](x, weight, residual, y, n, k, weight.stride(0), USE_PDL=pdl, **_launch(pdl))
     return y
 
 
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
                    slot: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                   num_kv_heads: int, pdl: bool = False) -> torch.Tensor:
+                   num_kv_heads: int, pdl: bool = False, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [(Hq + 2 Hkv) * D] of one token at `position` (a one-element device tensor) of KV slot
     `slot`; k_cache, v_cache [slots, max_len, Hkv, D] of this layer. Rotates q and k, stores the
-    new entry, attends over entries [0, position] -> [Hq * D]."""
+    new entry, attends over entries [0, position] -> [Hq * D]. `prefetch`: a tensor (the next
+    projection's weight) to pull into L2 meanwhile (CUDA only)."""
     d = k_cache.shape[-1]
     if k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or cos.shape[-1] != d:
         raise ValueError("rope_attention needs a contiguous [slots, max_len, kv_heads, head_dim] cache")
     out = torch.empty(num_heads * d, device=qkv.device, dtype=qkv.dtype)
-    _rope_attention[(num_heads,)](qkv, cos, sin, position, slot, k_cache, v_cache, out,
-                                               k_cache.stride(0), k_cache.stride(1), HQ=num_heads,
-                                               HKV=num_kv_heads, D=d, scale=d ** -0.5, USE_PDL=pdl,
-                                               BLOCK_S=ATTENTION_BLOCK[0], num_warps=ATTENTION_BLOCK[1],
-                                               **_launch(pdl))
+    programs = PREFETCH_PROGRAMS if prefetch is not None and qkv.is_cuda else 0
+    pf = prefetch if programs else qkv
+    _rope_attention[(num_heads + programs,)](qkv, cos, sin, position, slot, k_cache, v_cache, out,
+                                             k_cache.stride(0), k_cache.stride(1), pf, pf.numel() * pf.element_size(),
+                                             HQ=num_heads, HKV=num_kv_heads, D=d, scale=d ** -0.5, USE_PDL=pdl,
+                                             PREFETCH=programs, BLOCK_S=ATTENTION_BLOCK[0],
+                                             num_warps=ATTENTION_BLOCK[1], **_launch(pdl))
     return out
