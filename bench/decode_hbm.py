@@ -40,7 +40,7 @@ def greedy_token(logits: torch.Tensor) -> torch.Tensor:
     rows = 128 if v % 128 == 0 else 1
     best, index = logits.view(rows, -1).max(dim=1)  # [rows]
     r = best.argmax()
-    return (index[r] + r * (v // rows)).view(1, 1)
+    return (index.gather(0, r.view(1)) + r * (v // rows)).view(1, 1)  # no host sync: capturable
 
 
 def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, ctx_buckets: tuple[int, ...],
