@@ -215,6 +215,9 @@ def _rope_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, 
 
 ATTENTION_BLOCK = (128, 4)  # keys per iteration, warps: one program per query head
 PREFETCH_PROGRAMS = 96  # programs of the attention kernel that prefetch the o projection (H200: 132 SMs)
+PREFETCH_FRACTION = 1.0  # of the o projection's bytes
+# (kernel, N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages) used instead of the autotuner's choice
+GEMV_BLOCKS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
 
 
 def _grid(n: int) -> Any:
@@ -251,7 +254,14 @@ def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     """x [K], weight [N, K], residual [N] -> residual + weight · x [N]."""
     n, k = weight.shape
     y = torch.empty_like(residual)
-    _gemv_residual[_grid(n)](x, weight, residual, y, n, k, weight.stride(0), USE_PDL=pdl, **_launch(pdl))
+    fixed = GEMV_BLOCKS.get(("gemv_residual", n, k))
+    if fixed is not None:
+        bn, bk, warps, stages = fixed
+        _gemv_residual.fn[(triton.cdiv(n, bn),)](x, weight, residual, y, n, k, weight.stride(0), USE_PDL=pdl,
+                                                 BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                                                 **_launch(pdl))
+    else:
+        _gemv_residual[_grid(n)](x, weight, residual, y, n, k, weight.stride(0), USE_PDL=pdl, **_launch(pdl))
     return y
 
 
@@ -269,7 +279,8 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     programs = PREFETCH_PROGRAMS if prefetch is not None and qkv.is_cuda else 0
     pf = prefetch if programs else qkv
     _rope_attention[(num_heads + programs,)](qkv, cos, sin, position, slot, k_cache, v_cache, out,
-                                             k_cache.stride(0), k_cache.stride(1), pf, pf.numel() * pf.element_size(),
+                                             k_cache.stride(0), k_cache.stride(1), pf,
+                                             int(pf.numel() * pf.element_size() * PREFETCH_FRACTION),
                                              HQ=num_heads, HKV=num_kv_heads, D=d, scale=d ** -0.5, USE_PDL=pdl,
                                              PREFETCH=programs, BLOCK_S=ATTENTION_BLOCK[0],
                                              num_warps=ATTENTION_BLOCK[1], **_launch(pdl))
