@@ -56,6 +56,18 @@ def _tile(rows_ptr, row_ok, k0, K, BLOCK_K: tl.constexpr):
                    eviction_policy="evict_first")
 
 @triton.jit
+def _prefetch_tiles(base, rows_ptr, row_ok, K, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
+    """Ask L2 for weight tiles 1..TILES of these rows (tile 0 goes to registers), one request per
+    64 elements (128 bytes in bf16), before waiting for the previous kernel; nothing outside the
+    weight (`base`: its start)."""
+    if TILES > 0:
+        cols = BLOCK_K + tl.arange(0, TILES * BLOCK_K // 64) * 64
+        ptrs = tl.where(row_ok[:, None] & (cols < K)[None, :], rows_ptr + cols[None, :], base)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _input(x_ptr, nw_ptr, k0, K, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
     """(x·nw, x²) at columns k0.. in fp32 (x, 0 without a norm)."""
     cols = k0 + tl.arange(0, BLOCK_K)
@@ -69,11 +81,12 @@ def _input(x_ptr, nw_ptr, k0, K, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
 def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
-              USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               USE_PDL: tl.constexpr, PF_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None] * stride_wn
     w = _tile(w_rows, row_ok, 0, K, BLOCK_K)
+    _prefetch_tiles(w_ptr, w_rows, row_ok, K, BLOCK_K, PF_TILES)
     _wait(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -91,7 +104,7 @@ def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.c
 @triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
 def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  PF_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """w [2N, K]: gate rows, then up rows (MergedColumnParallelLinear's layout)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -99,6 +112,8 @@ def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl
     u_rows = w_ptr + (rows + N)[:, None] * stride_wn
     wg = _tile(g_rows, row_ok, 0, K, BLOCK_K)
     wu = _tile(u_rows, row_ok, 0, K, BLOCK_K)
+    _prefetch_tiles(w_ptr, g_rows, row_ok, K, BLOCK_K, PF_TILES)
+    _prefetch_tiles(w_ptr, u_rows, row_ok, K, BLOCK_K, PF_TILES)
     _wait(USE_PDL)
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -120,11 +135,12 @@ def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl
 @triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
 def _gemv_residual(x_ptr, w_ptr, r_ptr, y_ptr, N, K, stride_wn, USE_PDL: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   PF_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None] * stride_wn
     w = _tile(w_rows, row_ok, 0, K, BLOCK_K)
+    _prefetch_tiles(w_ptr, w_rows, row_ok, K, BLOCK_K, PF_TILES)
     _wait(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -145,15 +161,19 @@ def _rotate(ptr, d, half: tl.constexpr, D: tl.constexpr, cos, sin):
 
 @triton.jit
 def _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, stride_slot, stride_pos, h,
-            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale, BLOCK_S: tl.constexpr):
+            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale, USE_PDL: tl.constexpr,
+            BLOCK_S: tl.constexpr):
     kvh = h // (HQ // HKV)
     d = tl.arange(0, D)
     half: tl.constexpr = D // 2
+    # the step's position and slot (graph inputs) and the rotary tables: written before this graph
+    # ran, so read before waiting for the previous kernel
     pos = tl.load(pos_ptr)
     slot = tl.load(slot_ptr)
     dt = qkv_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)  # the tables in the model's dtype
     sin = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
+    _wait(USE_PDL)
     q = _rotate(qkv_ptr + h * D, d, half, D, cos, sin).to(tl.float32)
     k_new = _rotate(qkv_ptr + (HQ + kvh) * D, d, half, D, cos, sin)
     v_new = tl.load(qkv_ptr + (HQ + HKV + kvh) * D + d)
@@ -208,9 +228,8 @@ def _rope_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, 
             tl.extra.cuda.gdc_launch_dependents()
         _prefetch_l2(pf_ptr, pf_bytes, h - HQ, PREFETCH, 256)
     else:
-        _wait(USE_PDL)
         _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, stride_slot, stride_pos, h,
-                HQ, HKV, D, scale, BLOCK_S)
+                HQ, HKV, D, scale, USE_PDL, BLOCK_S)
 
 
 ATTENTION_BLOCK = (128, 4)  # keys per iteration, warps: one program per query head
@@ -218,6 +237,7 @@ PREFETCH_PROGRAMS = 96  # programs of the attention kernel that prefetch the o p
 PREFETCH_FRACTION = 1.0  # of the o projection's bytes
 # (kernel, N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages) used instead of the autotuner's choice
 GEMV_BLOCKS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
+GEMV_PREFETCH_TILES = 0  # weight tiles after the first that each GEMV program asks L2 for before it waits
 
 
 def _grid(n: int) -> Any:
@@ -228,6 +248,19 @@ def _launch(pdl: bool) -> dict[str, bool]:
     return {"launch_pdl": True} if pdl else {}
 
 
+def _run_gemv(name: str, kernel: Any, n: int, k: int, pdl: bool, *args: Any, **constants: Any) -> None:
+    """Launch a GEMV kernel over n output rows: with the block shape GEMV_BLOCKS fixes for (name, n, k),
+    or the autotuner's."""
+    tiles = GEMV_PREFETCH_TILES if args[0].is_cuda else 0
+    fixed = GEMV_BLOCKS.get((name, n, k))
+    if fixed is None:
+        kernel[_grid(n)](*args, USE_PDL=pdl, PF_TILES=tiles, **constants, **_launch(pdl))
+        return
+    bn, bk, warps, stages = fixed
+    kernel.fn[(triton.cdiv(n, bn),)](*args, USE_PDL=pdl, PF_TILES=tiles, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                                     num_stages=stages, **constants, **_launch(pdl))
+
+
 def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
               pdl: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [K] -> weight [N, K] · rms_norm(x, norm_weight) [N] (no norm when norm_weight is None),
@@ -235,8 +268,8 @@ def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor |
     n, k = weight.shape
     y = torch.empty(n, device=x.device, dtype=out_dtype or x.dtype)
     nw = x if norm_weight is None else norm_weight
-    _norm_gemv[_grid(n)](x, nw, weight, y, n, k, weight.stride(0), eps, HAS_NORM=norm_weight is not None,
-                         USE_PDL=pdl, **_launch(pdl))
+    _run_gemv("norm_gemv", _norm_gemv, n, k, pdl, x, nw, weight, y, n, k, weight.stride(0), eps,
+              HAS_NORM=norm_weight is not None)
     return y
 
 
@@ -245,8 +278,8 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     """x [K], weight [2I, K] (gate; up) -> silu(gate·n) * (up·n) [I], n = rms_norm(x)."""
     n2, k = weight.shape
     y = torch.empty(n2 // 2, device=x.device, dtype=x.dtype)
-    _gate_up_silu[_grid(n2 // 2)](x, norm_weight, weight, y, n2 // 2, k, weight.stride(0), eps, USE_PDL=pdl,
-                                  **_launch(pdl))
+    _run_gemv("gate_up_silu", _gate_up_silu, n2 // 2, k, pdl, x, norm_weight, weight, y, n2 // 2, k,
+              weight.stride(0), eps)
     return y
 
 
@@ -254,14 +287,7 @@ def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     """x [K], weight [N, K], residual [N] -> residual + weight · x [N]."""
     n, k = weight.shape
     y = torch.empty_like(residual)
-    fixed = GEMV_BLOCKS.get(("gemv_residual", n, k))
-    if fixed is not None:
-        bn, bk, warps, stages = fixed
-        _gemv_residual.fn[(triton.cdiv(n, bn),)](x, weight, residual, y, n, k, weight.stride(0), USE_PDL=pdl,
-                                                 BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                                                 **_launch(pdl))
-    else:
-        _gemv_residual[_grid(n)](x, weight, residual, y, n, k, weight.stride(0), USE_PDL=pdl, **_launch(pdl))
+    _run_gemv("gemv_residual", _gemv_residual, n, k, pdl, x, weight, residual, y, n, k, weight.stride(0))
     return y
 
 
