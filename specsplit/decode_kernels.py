@@ -160,44 +160,55 @@ def _rotate(ptr, d, half: tl.constexpr, D: tl.constexpr, cos, sin):
     return ((x * cos).to(dt).to(tl.float32) + xr * sin).to(dt)
 
 @triton.jit
+def _softmax_block(kb, vb, ok, q, m, den, acc, scale):
+    """Online softmax over one block of keys kb and values vb [BLOCK_S, D] (rows `ok` valid)."""
+    scores = tl.where(ok, tl.sum(kb.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=0))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new)  # [BLOCK_S]
+    acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
+    return m_new, den * alpha + tl.sum(p, axis=0), acc
+
+
+@triton.jit
 def _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, stride_slot, stride_pos, h,
             HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale, USE_PDL: tl.constexpr,
             BLOCK_S: tl.constexpr):
     kvh = h // (HQ // HKV)
     d = tl.arange(0, D)
     half: tl.constexpr = D // 2
-    # the step's position and slot (graph inputs) and the rotary tables: written before this graph
-    # ran, so read before waiting for the previous kernel
+    # Everything but q, k, v of this token was written before this step's graph ran (the position
+    # and slot inputs, the rotary tables, the slot's earlier KV entries): read it, first block of
+    # keys and values included, before waiting for the previous kernel.
     pos = tl.load(pos_ptr)
     slot = tl.load(slot_ptr)
     dt = qkv_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)  # the tables in the model's dtype
     sin = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
+    k_base = k_ptr + slot * stride_slot + kvh * D
+    v_base = v_ptr + slot * stride_slot + kvh * D
+    s = tl.arange(0, BLOCK_S)
+    ok = s < pos
+    kb = tl.load(k_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_S, D]
+    vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
     _wait(USE_PDL)
     q = _rotate(qkv_ptr + h * D, d, half, D, cos, sin).to(tl.float32)
     k_new = _rotate(qkv_ptr + (HQ + kvh) * D, d, half, D, cos, sin)
     v_new = tl.load(qkv_ptr + (HQ + HKV + kvh) * D + d)
-    k_base = k_ptr + slot * stride_slot + kvh * D
-    v_base = v_ptr + slot * stride_slot + kvh * D
     if h % (HQ // HKV) == 0:  # one query head of the group stores the new entry
         tl.store(k_base + pos * stride_pos + d, k_new.to(k_ptr.dtype.element_ty))
         tl.store(v_base + pos * stride_pos + d, v_new.to(v_ptr.dtype.element_ty))
-    # the new key from registers; keys [0, pos) from the cache, online softmax
+    # the new key from registers, then keys [0, pos) block by block: online softmax
     m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
     den = m * 0.0 + 1.0
     acc = v_new.to(tl.float32)
-    for s0 in range(0, pos, BLOCK_S):
+    m, den, acc = _softmax_block(kb, vb, ok, q, m, den, acc, scale)
+    for s0 in range(BLOCK_S, pos, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         ok = s < pos
         kb = tl.load(k_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
         vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
-        scores = tl.where(ok, tl.sum(kb.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new)  # [BLOCK_S]
-        acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
-        den = den * alpha + tl.sum(p, axis=0)
-        m = m_new
+        m, den, acc = _softmax_block(kb, vb, ok, q, m, den, acc, scale)
     tl.store(out_ptr + h * D + d, (acc / den).to(out_ptr.dtype.element_ty))
 
 
