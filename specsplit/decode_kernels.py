@@ -203,12 +203,12 @@ def _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr,
     den = m * 0.0 + 1.0
     acc = v_new.to(tl.float32)
     m, den, acc = _softmax_block(kb, vb, ok, q, m, den, acc, scale)
-    for s0 in range(BLOCK_S, pos, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        ok = s < pos
-        kb = tl.load(k_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
-        vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
-        m, den, acc = _softmax_block(kb, vb, ok, q, m, den, acc, scale)
+    for s0 in range(BLOCK_S, pos, BLOCK_S):  # (names of their own: s, ok, kb, vb are not loop-carried)
+        keys = s0 + tl.arange(0, BLOCK_S)
+        valid = keys < pos
+        k_blk = tl.load(k_base + keys[:, None] * stride_pos + d[None, :], mask=valid[:, None], other=0.0)
+        v_blk = tl.load(v_base + keys[:, None] * stride_pos + d[None, :], mask=valid[:, None], other=0.0)
+        m, den, acc = _softmax_block(k_blk, v_blk, valid, q, m, den, acc, scale)
     tl.store(out_ptr + h * D + d, (acc / den).to(out_ptr.dtype.element_ty))
 
 
