@@ -8,8 +8,7 @@ short prefill, then greedy decoding three ways in one run, and prints one JSON l
   compiled  the same with the static forward fused by torch.compile first,
   gemv      graphs, with one-row projections through the Triton GEMV (specsplit.ops_triton),
   fused     graphs of the fused decode step, five Triton kernels a layer (specsplit.models.fused_decode),
-  fused-pdl the same launched with programmatic dependent launch (what `--fused-decode pdl` serves);
-            a `-noprefetch` suffix (fused-noprefetch, fused-pdl-noprefetch): without the L2 prefetch of W_o,
+  fused-pdl the same launched with programmatic dependent launch (what `--fused-decode pdl` serves),
 with tokens/s, the fraction of the bound weight_bytes / HBM bandwidth and the speed-up over
 `segments`. The three greedy token streams must agree (checked, reported).
 
@@ -50,7 +49,7 @@ def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, ctx_b
     use_one_row_gemv(mode == "gemv")
     graphs = GraphCache(torch.device("cuda"), enabled=mode != "segments" and mode != "static")
     if mode.startswith("fused"):
-        static_fn = FusedDecode(model, pdl="-pdl" in mode, prefetch="-noprefetch" not in mode)
+        static_fn = FusedDecode(model, pdl=mode == "fused-pdl")
     else:
         static_fn = compile_static(model.static_forward) if mode == "compiled" else model.static_forward
     logits, _ = model(prompt, 0, cache, 0)

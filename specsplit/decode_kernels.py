@@ -17,10 +17,10 @@ to it within fp32 rounding.
 With `pdl` the kernels are launched with programmatic dependent launch (Hopper and later): a
 kernel's programs start while the previous kernel's last wave runs, load their first weight
 tile (which depends on nothing computed), then wait (griddepcontrol.wait) for the previous
-kernel before reading its output or writing anything. Triton is imported lazily: CPU builds
-of torch come without it, so only
-specsplit.models.fused_decode imports this module, when a fused step is made (TRITON_INTERPRET=1
-runs these kernels on the CPU, for tests).
+kernel before reading its output or writing anything; attention likewise reads the step's
+position, the rotary tables and the first block of earlier keys and values first. CPU builds
+of torch come without Triton, so only specsplit.models.fused_decode imports this module, when
+a fused step is made (TRITON_INTERPRET=1 runs these kernels on the CPU).
 """
 
 from __future__ import annotations
@@ -56,18 +56,6 @@ def _tile(rows_ptr, row_ok, k0, K, BLOCK_K: tl.constexpr):
                    eviction_policy="evict_first")
 
 @triton.jit
-def _prefetch_tiles(base, rows_ptr, row_ok, K, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
-    """Ask L2 for weight tiles 1..TILES of these rows (tile 0 goes to registers), one request per
-    64 elements (128 bytes in bf16), before waiting for the previous kernel; nothing outside the
-    weight (`base`: its start)."""
-    if TILES > 0:
-        cols = BLOCK_K + tl.arange(0, TILES * BLOCK_K // 64) * 64
-        ptrs = tl.where(row_ok[:, None] & (cols < K)[None, :], rows_ptr + cols[None, :], base)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def _input(x_ptr, nw_ptr, k0, K, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
     """(x·nw, x²) at columns k0.. in fp32 (x, 0 without a norm)."""
     cols = k0 + tl.arange(0, BLOCK_K)
@@ -81,12 +69,11 @@ def _input(x_ptr, nw_ptr, k0, K, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
 def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
-               USE_PDL: tl.constexpr, PF_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None] * stride_wn
     w = _tile(w_rows, row_ok, 0, K, BLOCK_K)
-    _prefetch_tiles(w_ptr, w_rows, row_ok, K, BLOCK_K, PF_TILES)
     _wait(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -104,7 +91,7 @@ def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.c
 @triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
 def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
-                  PF_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """w [2N, K]: gate rows, then up rows (MergedColumnParallelLinear's layout)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -112,8 +99,6 @@ def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl
     u_rows = w_ptr + (rows + N)[:, None] * stride_wn
     wg = _tile(g_rows, row_ok, 0, K, BLOCK_K)
     wu = _tile(u_rows, row_ok, 0, K, BLOCK_K)
-    _prefetch_tiles(w_ptr, g_rows, row_ok, K, BLOCK_K, PF_TILES)
-    _prefetch_tiles(w_ptr, u_rows, row_ok, K, BLOCK_K, PF_TILES)
     _wait(USE_PDL)
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -135,12 +120,11 @@ def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl
 @triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
 def _gemv_residual(x_ptr, w_ptr, r_ptr, y_ptr, N, K, stride_wn, USE_PDL: tl.constexpr,
-                   PF_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None] * stride_wn
     w = _tile(w_rows, row_ok, 0, K, BLOCK_K)
-    _prefetch_tiles(w_ptr, w_rows, row_ok, K, BLOCK_K, PF_TILES)
     _wait(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -213,42 +197,15 @@ def _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr,
 
 
 @triton.jit
-def _prefetch_l2(ptr, n_bytes, index, programs, LINES: tl.constexpr):
-    """Program `index` of `programs` asks L2 for its share of bytes [0, n_bytes) at ptr, one
-    prefetch per 128-byte line: no registers held, nothing waits for the data."""
-    base = ptr.to(tl.pointer_type(tl.uint8))
-    total = tl.cdiv(n_bytes, 128)
-    share = tl.cdiv(total, programs)
-    first = index * share
-    for l0 in range(first, tl.minimum(first + share, total), LINES):
-        lines = tl.minimum(l0 + tl.arange(0, LINES), total - 1).to(tl.int64)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [base + lines * 128], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+def _rope_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, stride_slot, stride_pos,
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale, USE_PDL: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
+    """One program per query head."""
+    _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, stride_slot, stride_pos,
+            tl.program_id(0), HQ, HKV, D, scale, USE_PDL, BLOCK_S)
 
 
-@triton.jit
-def _rope_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr,
-                    stride_slot, stride_pos, pf_ptr, pf_bytes, HQ: tl.constexpr, HKV: tl.constexpr,
-                    D: tl.constexpr, scale, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Programs [0, HQ): one query head each. With PREFETCH > 0, that many more programs, on
-    SMs attention leaves idle, pull the next projection's weights (pf_ptr) into L2 meanwhile:
-    at batch 1 attention is latency-bound and HBM would otherwise idle."""
-    h = tl.program_id(0)
-    if PREFETCH > 0 and h >= HQ:
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        _prefetch_l2(pf_ptr, pf_bytes, h - HQ, PREFETCH, 256)
-    else:
-        _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, stride_slot, stride_pos, h,
-                HQ, HKV, D, scale, USE_PDL, BLOCK_S)
-
-
-ATTENTION_BLOCK = (128, 4)  # keys per iteration, warps: one program per query head
-PREFETCH_PROGRAMS = 96  # programs of the attention kernel that prefetch the o projection (H200: 132 SMs)
-PREFETCH_FRACTION = 1.0  # of the o projection's bytes
-# (kernel, N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages) used instead of the autotuner's choice
-GEMV_BLOCKS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
-GEMV_PREFETCH_TILES = 0  # weight tiles after the first that each GEMV program asks L2 for before it waits
+ATTENTION_BLOCK = (128, 8)  # keys per iteration, warps (measured on the H200: docs/benchmarks.md)
 
 
 def _grid(n: int) -> Any:
@@ -259,17 +216,9 @@ def _launch(pdl: bool) -> dict[str, bool]:
     return {"launch_pdl": True} if pdl else {}
 
 
-def _run_gemv(name: str, kernel: Any, n: int, k: int, pdl: bool, *args: Any, **constants: Any) -> None:
-    """Launch a GEMV kernel over n output rows: with the block shape GEMV_BLOCKS fixes for (name, n, k),
-    or the autotuner's."""
-    tiles = GEMV_PREFETCH_TILES if args[0].is_cuda else 0
-    fixed = GEMV_BLOCKS.get((name, n, k))
-    if fixed is None:
-        kernel[_grid(n)](*args, USE_PDL=pdl, PF_TILES=tiles, **constants, **_launch(pdl))
-        return
-    bn, bk, warps, stages = fixed
-    kernel.fn[(triton.cdiv(n, bn),)](*args, USE_PDL=pdl, PF_TILES=tiles, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                     num_stages=stages, **constants, **_launch(pdl))
+def _run_gemv(kernel: Any, n: int, pdl: bool, *args: Any, **constants: Any) -> None:
+    """Launch an autotuned GEMV kernel over n output rows."""
+    kernel[_grid(n)](*args, USE_PDL=pdl, **constants, **_launch(pdl))
 
 
 def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
@@ -279,7 +228,7 @@ def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor |
     n, k = weight.shape
     y = torch.empty(n, device=x.device, dtype=out_dtype or x.dtype)
     nw = x if norm_weight is None else norm_weight
-    _run_gemv("norm_gemv", _norm_gemv, n, k, pdl, x, nw, weight, y, n, k, weight.stride(0), eps,
+    _run_gemv(_norm_gemv, n, pdl, x, nw, weight, y, n, k, weight.stride(0), eps,
               HAS_NORM=norm_weight is not None)
     return y
 
@@ -289,7 +238,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     """x [K], weight [2I, K] (gate; up) -> silu(gate·n) * (up·n) [I], n = rms_norm(x)."""
     n2, k = weight.shape
     y = torch.empty(n2 // 2, device=x.device, dtype=x.dtype)
-    _run_gemv("gate_up_silu", _gate_up_silu, n2 // 2, k, pdl, x, norm_weight, weight, y, n2 // 2, k,
+    _run_gemv(_gate_up_silu, n2 // 2, pdl, x, norm_weight, weight, y, n2 // 2, k,
               weight.stride(0), eps)
     return y
 
@@ -298,27 +247,22 @@ def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     """x [K], weight [N, K], residual [N] -> residual + weight · x [N]."""
     n, k = weight.shape
     y = torch.empty_like(residual)
-    _run_gemv("gemv_residual", _gemv_residual, n, k, pdl, x, weight, residual, y, n, k, weight.stride(0))
+    _run_gemv(_gemv_residual, n, pdl, x, weight, residual, y, n, k, weight.stride(0))
     return y
 
 
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
                    slot: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                   num_kv_heads: int, pdl: bool = False, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                   num_kv_heads: int, pdl: bool = False) -> torch.Tensor:
     """qkv [(Hq + 2 Hkv) * D] of one token at `position` (a one-element device tensor) of KV slot
     `slot`; k_cache, v_cache [slots, max_len, Hkv, D] of this layer. Rotates q and k, stores the
-    new entry, attends over entries [0, position] -> [Hq * D]. `prefetch`: a tensor (the next
-    projection's weight) to pull into L2 meanwhile (CUDA only)."""
+    new entry, attends over entries [0, position] -> [Hq * D]."""
     d = k_cache.shape[-1]
     if k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or cos.shape[-1] != d:
         raise ValueError("rope_attention needs a contiguous [slots, max_len, kv_heads, head_dim] cache")
     out = torch.empty(num_heads * d, device=qkv.device, dtype=qkv.dtype)
-    programs = PREFETCH_PROGRAMS if prefetch is not None and qkv.is_cuda else 0
-    pf = prefetch if programs else qkv
-    _rope_attention[(num_heads + programs,)](qkv, cos, sin, position, slot, k_cache, v_cache, out,
-                                             k_cache.stride(0), k_cache.stride(1), pf,
-                                             int(pf.numel() * pf.element_size() * PREFETCH_FRACTION),
-                                             HQ=num_heads, HKV=num_kv_heads, D=d, scale=d ** -0.5, USE_PDL=pdl,
-                                             PREFETCH=programs, BLOCK_S=ATTENTION_BLOCK[0],
-                                             num_warps=ATTENTION_BLOCK[1], **_launch(pdl))
+    block, warps = ATTENTION_BLOCK
+    _rope_attention[(num_heads,)](qkv, cos, sin, position, slot, k_cache, v_cache, out, k_cache.stride(0),
+                                  k_cache.stride(1), HQ=num_heads, HKV=num_kv_heads, D=d, scale=d ** -0.5,
+                                  USE_PDL=pdl, BLOCK_S=block, num_warps=warps, **_launch(pdl))
     return out

@@ -60,7 +60,7 @@ def _random_model(cfg: object, dtype: torch.dtype) -> LlamaModel:
 @pytest.mark.gpu
 @needs_gpus(1)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl+prefetch"])
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_fused_step_matches_the_static_path(dtype: torch.dtype, pdl: bool) -> None:
     """SmolLM2's shape (3 layers): 40 decode steps from a 100-token prompt on slot 1 (attention's
     first block of 128 keys, then a second), the fused step
@@ -72,7 +72,7 @@ def test_fused_step_matches_the_static_path(dtype: torch.dtype, pdl: bool) -> No
     prompt = torch.randint(0, cfg.vocab_size, (100,), device="cuda")
     logits, _ = model(prompt, 0, ref_cache, 1)
     model(prompt, 0, cache, 1)
-    fused, graphs = FusedDecode(model, pdl, prefetch=pdl), GraphCache(torch.device("cuda"))
+    fused, graphs = FusedDecode(model, pdl), GraphCache(torch.device("cuda"))
     slots = torch.ones(1, dtype=torch.long, device="cuda")
     tok = logits[-1].argmax().view(1, 1)
     tol = 1e-4 if dtype == torch.float32 else 4e-2

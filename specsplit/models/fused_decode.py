@@ -6,14 +6,15 @@ of the weight streaming, ~1.6 ms a token on the H200 (docs/benchmarks.md, 3a). H
 is five (specsplit.decode_kernels):
 
     qkv = W_qkv · rms_norm(h)                       norm_gemv
-    o   = attention(rope(q), rope(k) → cache, v → cache)   rope_attention (+ W_o into L2)
+    o   = attention(rope(q), rope(k) → cache, v → cache)   rope_attention
     h   = h + W_o · o                               gemv_residual
     a   = silu(W_g · rms_norm(h)) * (W_u · rms_norm(h))    gate_up_silu
     h   = h + W_down · a                            gemv_residual
 
-plus the embedding lookup and one norm_gemv for the final norm and lm_head. Attention at
-batch 1 is latency-bound and leaves most SMs idle; spare programs of its kernel meanwhile
-prefetch W_o into L2 (`prefetch`), so HBM keeps streaming weights. Same signature
+plus the embedding lookup and one norm_gemv for the final norm and lm_head. At batch 1
+attention is latency-bound (~10 µs a layer at the 8B shape before the change below, a third
+of the gap to the bound): it reads everything that does not depend on the previous kernel
+(position, slot, rotary tables, the first block of earlier keys and values) before it waits. Same signature
 and outputs as LlamaModel.static_forward for tokens [1, 1], so the target engine captures it
 in a CUDA graph like any static step (`--fused-decode`); anything else (more rows, trees,
 tensor parallelism, biases, q/k norms) keeps the static path.
@@ -44,13 +45,13 @@ def fused_decode_unsupported(model: LlamaModel) -> str | None:
 class FusedDecode:
     """Callable like LlamaModel.static_forward, for one sequence decoding one token."""
 
-    def __init__(self, model: LlamaModel, pdl: bool = False, prefetch: bool = True) -> None:
+    def __init__(self, model: LlamaModel, pdl: bool = False) -> None:
         reason = fused_decode_unsupported(model)
         if reason:
             raise ValueError(reason)
         from specsplit import decode_kernels  # Triton: imported only when a fused step is made
 
-        self.model, self.pdl, self.prefetch, self.k = model, pdl, prefetch, decode_kernels
+        self.model, self.pdl, self.k = model, pdl, decode_kernels
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: int,
@@ -69,7 +70,7 @@ class FusedDecode:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = k.norm_gemv(h, attn.qkv_proj.weight, layer.input_layernorm.weight, eps, pdl)  # [(Hq+2Hkv)*D]
             o = k.rope_attention(qkv, cos, sin, positions, slots, cache.k[i], cache.v[i], attn.shard.q_count,
-                                 attn.shard.kv_count, pdl, attn.o_proj.weight if self.prefetch else None)  # [Hq*D]
+                                 attn.shard.kv_count, pdl)  # [Hq*D]
             h = k.gemv_residual(o, attn.o_proj.weight, h, pdl)  # [H]
             a = k.gate_up_silu(h, mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight, eps, pdl)  # [I]
             h = k.gemv_residual(a, mlp.down_proj.weight, h, pdl)
