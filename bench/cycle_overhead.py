@@ -31,7 +31,7 @@ from specsplit.client import GatewayClient, Generation, make_request
 from specsplit.launcher import ServiceStack, StackConfig
 from specsplit.models.parallel import TensorParallel
 from specsplit.replay import LABEL, Replayer
-from target_service.config import TargetConfig
+from target_service.config import FUSED_DECODE, TargetConfig
 from target_service.runtime import TargetRuntime
 
 
@@ -48,6 +48,7 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
                ) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
     target = TargetRuntime(TargetConfig(model=a.model, dtype=a.dtype, device=a.device, hidden_backend=a.backend,
                                         max_context=a.max_context, max_sequences=2, compile=a.compile,
+                                        fused_decode=a.fused_decode,
                                         max_draft_tokens=max(16, tree_size(a))).validate(), TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
                                      max_context=a.max_context, max_sequences=2, compile=a.compile,
@@ -127,6 +128,12 @@ def variant_args(variant: str, spin_us: float) -> tuple[list[str], list[str]]:
     return gateway, ["--step-socket-spin-us", str(spin)]
 
 
+def add_fused_decode_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fused-decode", choices=FUSED_DECODE, default="off",
+                   help="the target's batch-1 one-token steps as the fused Triton step, in process and in its "
+                        "service (target_service --fused-decode)")
+
+
 def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[int]], steps_list: list[int],
              log_dir: Path, variant: str = "thread") -> dict[int, dict[str, Any]]:
     replay: list[str] = []
@@ -140,7 +147,7 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
     cfg = StackConfig(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
                       hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
                       extra_target_args=[*engine_flags, *service_extra, "--max-draft-tokens",
-                                         str(max(16, tree_size(a)))],
+                                         str(max(16, tree_size(a))), "--fused-decode", a.fused_decode],
                       extra_draft_args=[*engine_flags, *service_extra, "--max-topk", str(max(8, tree_topk(a)))],
                       extra_gateway_args=[*replay, *trees, *gateway_extra],
                       step_sockets=not a.grpc_steps)
@@ -199,6 +206,7 @@ def main() -> None:
                    help="the gateway's Steps over the gRPC streams (default: the services' Unix step sockets)")
     p.add_argument("--compile", action="store_true", help="the target's and the draft's static forwards through "
                    "torch.compile")
+    add_fused_decode_arg(p)
     add_variant_args(p)
     a = p.parse_args()
     steps_list = [int(x) for x in a.num_steps.split(",") if x]
