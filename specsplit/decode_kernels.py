@@ -48,12 +48,14 @@ def _wait(use_pdl: tl.constexpr) -> None:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
 
+
 @triton.jit
 def _tile(rows_ptr, row_ok, k0, K, BLOCK_K: tl.constexpr):
     """The weight tile [BLOCK_N, BLOCK_K] at columns k0..: fully masked (no traffic) past K."""
     cols = k0 + tl.arange(0, BLOCK_K)
     return tl.load(rows_ptr + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0,
                    eviction_policy="evict_first")
+
 
 @triton.jit
 def _input(x_ptr, nw_ptr, k0, K, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -64,12 +66,14 @@ def _input(x_ptr, nw_ptr, k0, K, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
         return x * tl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(tl.float32), x * x
     return x, x * 0.0
 
+
 # Each GEMV loads its first weight tile before waiting for the previous kernel (weights depend
 # on nothing computed), then prefetches tile i+1 while it multiplies tile i.
-@triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
-def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
-               USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _rows_dot(x_ptr, nw_ptr, w_ptr, N, K, stride_wn, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's rows of W · (x·nw): (rows, row_ok, the dot products [BLOCK_N] in fp32,
+    Σ x² — 0 without a norm)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None] * stride_wn
@@ -82,11 +86,19 @@ def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.c
         acc += w.to(tl.float32) * x[None, :]
         sq += x2
         w = _tile(w_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
-    y = tl.sum(acc, axis=1)
+    return rows, row_ok, tl.sum(acc, axis=1), tl.sum(sq, axis=0)
+
+
+@triton.autotune(configs=_configs(), key=["N", "K"])
+@triton.jit
+def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
+               USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows, row_ok, y, sq = _rows_dot(x_ptr, nw_ptr, w_ptr, N, K, stride_wn, HAS_NORM, USE_PDL, BLOCK_N, BLOCK_K)
     if HAS_NORM:
-        y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        y = y * tl.rsqrt(sq / K + eps)
     # rounded to the activations' dtype, as the unfused GEMM's output, even into a float32 `out`
     tl.store(y_ptr + rows, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=row_ok)
+
 
 @triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
@@ -117,23 +129,16 @@ def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl
     silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(y_ptr + rows, (silu * u).to(dt), mask=row_ok)
 
+
 @triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
 def _gemv_residual(x_ptr, w_ptr, r_ptr, y_ptr, N, K, stride_wn, USE_PDL: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    w_rows = w_ptr + rows[:, None] * stride_wn
-    w = _tile(w_rows, row_ok, 0, K, BLOCK_K)
-    _wait(USE_PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x, _ = _input(x_ptr, x_ptr, k0, K, False, BLOCK_K)
-        acc += w.to(tl.float32) * x[None, :]
-        w = _tile(w_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
+    rows, row_ok, y, _ = _rows_dot(x_ptr, x_ptr, w_ptr, N, K, stride_wn, False, USE_PDL, BLOCK_N, BLOCK_K)
     dt = y_ptr.dtype.element_ty
-    y = tl.sum(acc, axis=1).to(dt).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(dt), mask=row_ok)
+
 
 @triton.jit
 def _rotate(ptr, d, half: tl.constexpr, D: tl.constexpr, cos, sin):
@@ -142,6 +147,7 @@ def _rotate(ptr, d, half: tl.constexpr, D: tl.constexpr, cos, sin):
     x = tl.load(ptr + d).to(tl.float32)
     xr = tl.load(ptr + (d + half) % D).to(tl.float32)
     return ((x * cos).to(dt).to(tl.float32) + xr * sin).to(dt)
+
 
 @triton.jit
 def _softmax_block(kb, vb, ok, q, m, den, acc, scale):
