@@ -12,12 +12,13 @@ is five (specsplit.decode_kernels):
     h   = h + W_down · a                            gemv_residual
 
 plus the embedding lookup and one norm_gemv for the final norm and lm_head. At batch 1
-attention is latency-bound (~10 µs a layer at the 8B shape before the change below, a third
-of the gap to the bound): it reads everything that does not depend on the previous kernel
-(position, slot, rotary tables, the first block of earlier keys and values) before it waits. Same signature
-and outputs as LlamaModel.static_forward for tokens [1, 1], so the target engine captures it
-in a CUDA graph like any static step (`--fused-decode`); anything else (more rows, trees,
-tensor parallelism, biases, q/k norms) keeps the static path.
+attention is latency-bound (~10 µs a layer at the 8B shape, a third of the gap to the bound,
+until it read everything that does not depend on the previous kernel — position, slot,
+rotary tables, the first block of earlier keys and values — before waiting for it).
+
+Same signature and outputs as LlamaModel.static_forward for tokens [1, 1], so the target
+engine captures it in a CUDA graph like any static step (`--fused-decode`); anything else
+(more rows, trees, tensor parallelism, biases, q/k norms) keeps the static path.
 """
 
 from __future__ import annotations
