@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from bench import decode_hbm
-from specsplit import decode_kernels
 from specsplit.checkpoints.shapes import SHAPES
 from specsplit.models.cuda_graphs import pow2_buckets
 from specsplit.models.fused_decode import FusedDecode
@@ -43,6 +42,8 @@ def random_model(shape: str) -> LlamaModel:
 
 def run(model: LlamaModel, name: str, tokens: int, pdl: bool = True, block: tuple[int, int] | None = None,
         attention: Callable[..., torch.Tensor] | None = None, bound: float = 0.0) -> dict[str, Any]:
+    from specsplit import decode_kernels  # Triton: CUDA machines only
+
     saved_block, saved_attention = decode_kernels.ATTENTION_BLOCK, decode_kernels.rope_attention
     decode_kernels.ATTENTION_BLOCK = block or saved_block
     decode_kernels.rope_attention = attention or saved_attention
