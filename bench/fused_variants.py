@@ -21,41 +21,22 @@ import torch
 from bench import decode_hbm
 from specsplit.checkpoints.shapes import SHAPES
 from specsplit.models.cuda_graphs import pow2_buckets
-from specsplit.models.fused_decode import FusedDecode
 from specsplit.models.llama import LlamaModel
-from specsplit.models.parallel import TensorParallel
 
 
-def random_model(shape: str) -> LlamaModel:
-    cfg = SHAPES[shape]
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = LlamaModel(cfg, TensorParallel(), cfg.default_aux_layer_ids()).eval()
-    torch.set_default_dtype(torch.float32)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.02, generator=g)
-    return model
-
-
-def run(model: LlamaModel, name: str, tokens: int, pdl: bool = True, block: tuple[int, int] | None = None,
-        attention: Callable[..., torch.Tensor] | None = None, bound: float = 0.0) -> dict[str, Any]:
+def run(model: LlamaModel, prompt: torch.Tensor, name: str, tokens: int, pdl: bool = True,
+        block: tuple[int, int] | None = None, attention: Callable[..., torch.Tensor] | None = None,
+        bound: float = 0.0) -> dict[str, Any]:
     from specsplit import decode_kernels  # Triton: CUDA machines only
 
     saved_block, saved_attention = decode_kernels.ATTENTION_BLOCK, decode_kernels.rope_attention
     decode_kernels.ATTENTION_BLOCK = block or saved_block
     decode_kernels.rope_attention = attention or saved_attention
-    saved_fused = decode_hbm.FusedDecode
-    decode_hbm.FusedDecode = lambda m, pdl_=pdl, **_: FusedDecode(m, pdl=pdl_)  # type: ignore[misc]
     try:
-        g = torch.Generator(device="cuda").manual_seed(1)
-        prompt = torch.randint(0, model.cfg.vocab_size, (32,), device="cuda", generator=g)
-        dt, out = decode_hbm.decode(model, "fused-pdl", prompt, tokens, pow2_buckets(128, 32 + tokens + 16))
+        buckets = pow2_buckets(128, prompt.shape[0] + tokens + 16)
+        dt, out = decode_hbm.decode(model, "fused-pdl" if pdl else "fused", prompt, tokens, buckets)
     finally:
         decode_kernels.ATTENTION_BLOCK, decode_kernels.rope_attention = saved_block, saved_attention
-        decode_hbm.FusedDecode = saved_fused
     row = {"bench": "fused_variants", "variant": name, "shape": model.cfg.name, "tokens": tokens,
            "ms_per_token": round(dt / tokens * 1e3, 4), "first_tokens": out[:4]}
     if bound:
@@ -70,17 +51,18 @@ def main() -> None:
     p.add_argument("--attention-blocks", default="128x4,128x8,256x8", help="comma list of KEYSxWARPS")
     p.add_argument("--hbm-tb-s", type=float, default=4.8)
     a = p.parse_args()
-    model = random_model(a.shape)
+    model, g = decode_hbm.random_model(SHAPES[a.shape])
+    prompt = torch.randint(0, model.cfg.vocab_size, (32,), device="cuda", generator=g)  # as decode_hbm's
     bound = a.hbm_tb_s * 1e12 / sum(t.numel() * t.element_size() for t in model.parameters())
     q_width = model.cfg.num_heads * model.cfg.head_dim
-    rows = [run(model, "default", a.tokens, bound=bound)]
+    rows = [run(model, prompt, "default", a.tokens, bound=bound)]
     for spec in a.attention_blocks.split(","):
         keys, warps = (int(x) for x in spec.split("x"))
-        rows.append(run(model, f"attention {spec}", a.tokens, block=(keys, warps), bound=bound))
-    rows.append(run(model, "no-pdl", a.tokens, pdl=False, bound=bound))
-    rows.append(run(model, "no-attention (upper bound, wrong tokens)", a.tokens,
+        rows.append(run(model, prompt, f"attention {spec}", a.tokens, block=(keys, warps), bound=bound))
+    rows.append(run(model, prompt, "no-pdl", a.tokens, pdl=False, bound=bound))
+    rows.append(run(model, prompt, "no-attention (upper bound, wrong tokens)", a.tokens,
                     attention=lambda qkv, *_, **__: qkv[:q_width], bound=bound))
-    rows.append(run(model, "default again", a.tokens, bound=bound))
+    rows.append(run(model, prompt, "default again", a.tokens, bound=bound))
     for row in rows:
         print(json.dumps(row), flush=True)
 
