@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from bench import cycle_overhead
 from bench.plain_loop import generate
 from bench.spec_vs_baseline import git_commit
 from draft_service.config import DraftConfig
@@ -76,10 +77,12 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--num-draft-tokens", type=int, default=16)
     p.add_argument("--top", type=int, default=12, help="host operators listed per mode")
+    cycle_overhead.add_fused_decode_arg(p)
     a = p.parse_args()
     t0 = time.time()
     target = TargetRuntime(TargetConfig(model=a.model, dtype=a.dtype, device=a.device, max_context=1024,
-                                        max_sequences=2, max_draft_tokens=max(16, a.num_draft_tokens)).validate(),
+                                        max_sequences=2, max_draft_tokens=max(16, a.num_draft_tokens),
+                                        fused_decode=a.fused_decode).validate(),
                            TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
                                      max_context=1024, max_sequences=2, max_topk=max(8, a.topk)).validate())
@@ -97,7 +100,7 @@ def main() -> None:
             summary[name] = {"draft_engine_us": row["draft_engine_us"], "verify_engine_us": row["verify_engine_us"],
                              "gpu_kernel_us": row["gpu_kernel_us"]}
             print(json.dumps({"bench": "cycle_anatomy", "mode": name, "model": a.model, "head": a.head,
-                              "dtype": a.dtype, **row}), flush=True)
+                              "dtype": a.dtype, "fused_decode": a.fused_decode, **row}), flush=True)
     finally:
         target.close()
     print(json.dumps({"bench": "cycle_anatomy", "summary": "engine µs per cycle against their GPUs' kernel µs",

@@ -130,8 +130,8 @@ def variant_args(variant: str, spin_us: float) -> tuple[list[str], list[str]]:
 
 def add_fused_decode_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-decode", choices=FUSED_DECODE, default="off",
-                   help="the target's batch-1 one-token steps as the fused Triton step, in process and in its "
-                        "service (target_service --fused-decode)")
+                   help="the target's steps of one sequence (decodes, and verifies of up to 64 tokens) as the "
+                        "fused Triton step, in process and in its service (target_service --fused-decode)")
 
 
 def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[int]], steps_list: list[int],

@@ -64,8 +64,9 @@ def parse_args(argv: list[str] | None = None) -> TargetConfig:
                    help="experimental: fuse the kernels of the static verify/decode forward with torch.compile "
                         "(inductor) before the CUDA graphs capture it; compiles on first use of each shape")
     p.add_argument("--fused-decode", choices=FUSED_DECODE, default=d.fused_decode,
-                   help="run one-token steps of a single sequence (batch-1 decode) as the fused Triton step, five "
-                        "kernels a layer (CUDA, tp 1); pdl: also with programmatic dependent launch (Hopper+)")
+                   help="run the steps of a single sequence (batch-1 decodes, and verifies of chains and trees of "
+                        "up to 64 tokens) as the fused Triton step, five kernels a layer (CUDA, tp 1); pdl: also "
+                        "with programmatic dependent launch (Hopper+)")
     a = p.parse_args(argv)
     aux = [int(x) for x in a.aux_layer_ids.split(",")] if a.aux_layer_ids else None
     return TargetConfig(model=a.model, dtype=a.dtype, device=a.device, tp_size=a.tp_size, max_context=a.max_context,

@@ -33,7 +33,7 @@ class TargetConfig:
     engine_thread: bool = True  # gRPC steps on a dedicated thread; False: on the event loop (the socket: its own)
     cuda_graphs: bool = True  # verify/decode steps in CUDA graphs (on CUDA devices only)
     compile: bool = False  # experimental: fuse the static forward's kernels with torch.compile before capture
-    fused_decode: str = "off"  # one-token steps of one sequence in Triton kernels: off | on | pdl (+ dependent launch)
+    fused_decode: str = "off"  # steps of one sequence (decode, verify <= 64 tokens) in Triton kernels: off|on|pdl
     step_socket: str = ""  # also serve Step on this Unix socket (same host gateways); "": gRPC only
     step_socket_spin_us: float = -1.0  # poll the step socket this long for the next request before blocking; -1: auto
 

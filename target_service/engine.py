@@ -83,7 +83,8 @@ class TargetEngine:
         # padded static batches on CUDA, with or without graphs (the same kernels either way); tests turn them on on CPU
         self.use_static = self.device.type == "cuda"
         self.static_fn = compile_static(model.static_forward) if cfg.compile else model.static_forward
-        # one-token steps of one sequence: the fused Triton step (specsplit.models.fused_decode), if asked for
+        # steps of one sequence (decode, chain and tree verifies): the fused Triton step
+        # (specsplit.models.fused_decode), if asked for
         self.fused = FusedDecode(model, pdl=cfg.fused_decode == "pdl") if cfg.fused_decode != "off" else None
         self.batch_buckets = pow2_buckets(1, cfg.max_sequences)
         self.ctx_buckets = pow2_buckets(min(128, self.cache.max_len), self.cache.max_len)
@@ -219,25 +220,51 @@ class TargetEngine:
         t = max(len(w.tokens) for w in work)
         ctx = bucket_up(max(w.start for w in work) + t, self.ctx_buckets)
         assert b is not None and ctx is not None
+        if self.fused is not None and len(work) == 1 and t <= self.fused.max_rows:
+            return [self._run_fused(work[0], capture)]
         pad = b - len(work)
         tokens = torch.tensor([[*w.tokens, *[0] * (t - len(w.tokens))] for w in work] + [[0] * t] * pad)  # [B, T]
         positions = torch.tensor([list(range(w.start, w.start + t)) for w in work] + [list(range(t))] * pad)
         slots = torch.tensor([w.slot for w in work] + [self.pad_slot] * pad)
         if any(_is_tree(w.op) for w in work):
             return self._run_static_tree(work, tokens, positions, slots, ctx, capture)
-        fused = self.fused is not None and b == 1 and t == 1
-        static_fn = self.fused if fused else self.static_fn
-        assert static_fn is not None
+        static_fn = self.static_fn
 
         def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
             return static_fn(tokens, positions, slots, ctx, self.cache, capture)
 
         with torch.no_grad() if self.cfg.compile else torch.inference_mode():
-            logits, aux = self.graphs.run((b, t, ctx, capture, fused), fn, tokens=tokens, positions=positions,
+            logits, aux = self.graphs.run((b, t, ctx, capture), fn, tokens=tokens, positions=positions,
                                           slots=slots)  # host tensors: one copy each into the graph's inputs
         assert logits is not None
         return [(logits[i, : len(w.tokens)], None if aux is None else aux[i, : len(w.tokens)])
                 for i, w in enumerate(work)]
+
+    def _run_fused(self, w: Work, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One sequence's step (a decode, a chain or a tree of T tokens) as the fused step, from a
+        graph of its own per T. Its inputs travel in one host tensor, one copy: tokens, rotary
+        positions, KV entries start.., the slot, the [T, T] mask (token i sees new token j)."""
+        assert self.fused is not None
+        t = len(w.tokens)
+        entries = list(range(w.start, w.start + t))
+        if _is_tree(w.op):
+            positions, rows, cols = tree_layout(w.start, _tree_parents(w.op))
+            mask = torch.zeros(t, t, dtype=torch.long)
+            mask[rows, [c - w.start for c in cols]] = 1
+        else:
+            positions, mask = entries, torch.ones(t, t, dtype=torch.long).tril()
+        packed = torch.cat([torch.tensor([*w.tokens, *positions, *entries, w.slot]), mask.view(-1)])
+        fused = self.fused
+
+        def fn(packed: torch.Tensor) -> tuple:
+            tokens, positions, entries = (packed[i * t : (i + 1) * t].view(1, t) for i in range(3))
+            slots, mask = packed[3 * t : 3 * t + 1], packed[3 * t + 1 :].view(t, t)
+            return fused(tokens, positions, slots, 0, self.cache, capture, entries, mask)
+
+        with torch.inference_mode():
+            logits, aux = self.graphs.run(("fused", t, capture), fn, packed=packed)
+        assert logits is not None
+        return logits[0], None if aux is None else aux[0]
 
     def _run_static_tree(self, work: list[Work], tokens: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
                          ctx: int, capture: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

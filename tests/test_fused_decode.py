@@ -1,6 +1,7 @@
-"""The fused one-token decode step (specsplit.models.fused_decode): its logits, features and
-KV entries against the static path's, eagerly and from CUDA graphs, with and without
-programmatic dependent launch; the target engine serving it; and the configurations it refuses."""
+"""The fused steps (specsplit.models.fused_decode): one-token decode and multi-row verify
+(chains and trees), their logits, features and KV entries against the static path's from CUDA
+graphs, with and without programmatic dependent launch; the target engine serving them; and the
+configurations they refuse."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from specsplit.checkpoints.shapes import SHAPES
 from specsplit.checkpoints.tiny import tiny_config
 from specsplit.models.cuda_graphs import GraphCache
 from specsplit.models.fused_decode import FusedDecode, fused_decode_unsupported
+from specsplit.models.layers import tree_layout
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
 from specsplit.ops import Sampling
@@ -43,6 +45,7 @@ def test_models_the_fused_step_cannot_run_are_refused_with_the_reason() -> None:
     assert "biases" in str(fused_decode_unsupported(model(attention_bias=True)))
     assert "q/k norms" in str(fused_decode_unsupported(model(qk_norm=True)))
     assert "power-of-two head_dim" in str(fused_decode_unsupported(model(head_dim=24)))
+    assert "head_dim in 16..256" in str(fused_decode_unsupported(model(head_dim=8)))
     with pytest.raises(ValueError, match="biases"):
         FusedDecode(model(attention_bias=True))
 
@@ -98,11 +101,76 @@ def test_fused_step_matches_the_static_path(dtype: torch.dtype, pdl: bool) -> No
         assert not kv[:, 0].any()  # the other slot untouched
 
 
+# a chain of 6 and trees of 16 (SGLang's topk 4 / 16 drafts shape) and of 40 (BLOCK_M 64)
+VERIFY_SHAPES = {"chain6": [-1, 0, 1, 2, 3, 4],
+                 "tree16": [-1, 0, 0, 0, 0, 1, 1, 2, 3, 4, 5, 5, 6, 7, 10, 11],
+                 "tree40": [-1, *((i - 1) // 3 for i in range(1, 40))]}
+
+
 @pytest.mark.gpu
 @needs_gpus(1)
-def test_engine_serves_decode_through_the_fused_step(tiny_target: Path, tiny_head: Path) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("shape", list(VERIFY_SHAPES))
+def test_fused_verify_matches_the_static_path(dtype: torch.dtype, pdl: bool, shape: str) -> None:
+    """SmolLM2's shape (3 layers): verifies of a chain or tree at committed lengths 100, 130, 160
+    (1 to 3 blocks of 64 committed keys) on slot 1, the fused step from one CUDA graph against the
+    static path's tree forward: logits, features, KV entries written."""
+    parents = VERIFY_SHAPES[shape]
+    t = len(parents)
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=3, vocab_size=4096)
+    model = _random_model(cfg, dtype)
+    ref_cache, cache = model.new_cache(2, 256), model.new_cache(2, 256)
+    prompt = torch.randint(0, cfg.vocab_size, (160,), device="cuda")
+    model(prompt, 0, ref_cache, 1)
+    model(prompt, 0, cache, 1)
+    fused, graphs = FusedDecode(model, pdl), GraphCache(torch.device("cuda"))
+    slots = torch.ones(1, dtype=torch.long, device="cuda")
+    tol = 1e-4 if dtype == torch.float32 else 4e-2
+    for start in (100, 130, 160):
+        positions, rows, cols = tree_layout(start, parents)
+        pos = torch.tensor([positions], device="cuda")
+        entries = torch.arange(start, start + t, device="cuda").view(1, t)
+        visible = torch.zeros(1, t, 256, dtype=torch.bool, device="cuda")
+        visible[:, :, :start] = True
+        visible[0, rows, cols] = True
+        mask = visible[0, :, start : start + t].contiguous()
+        tokens = torch.randint(0, cfg.vocab_size, (1, t), device="cuda")
+        ref, ref_aux = model.static_forward(tokens, pos, slots, 256, ref_cache, True, entries, visible)
+        got, aux = graphs.run((), lambda tokens, positions, slots, entries, mask: fused(
+            tokens, positions, slots, 0, cache, True, entries, mask), tokens=tokens, positions=pos, slots=slots,
+            entries=entries, mask=mask)
+        assert got.shape == ref.shape == (1, t, cfg.vocab_size) and got.dtype == torch.float32
+        assert aux is not None and ref_aux is not None and aux.shape == ref_aux.shape
+        assert (got - ref).abs().max().item() <= tol * ref.abs().max().item()
+        assert (aux.float() - ref_aux.float()).abs().max().item() <= tol * ref_aux.float().abs().max().item()
+        agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        assert agree == 1.0 if dtype == torch.float32 else agree >= 0.8
+        end = start + t
+        for ref_kv, kv in ((ref_cache.k, cache.k), (ref_cache.v, cache.v)):
+            written = (ref_kv[:, 1, :end].float() - kv[:, 1, :end].float()).abs().max().item()
+            assert written <= tol * ref_kv[:, 1, :end].float().abs().max().item()
+            assert not kv[:, 0].any()  # the other slot untouched
+    assert len(graphs.graphs) == 1 and graphs.replays == 3
+
+
+@pytest.mark.gpu
+@needs_gpus(1)
+def test_fused_step_refuses_more_rows_than_it_takes() -> None:
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=1, vocab_size=256)
+    model = _random_model(cfg, torch.float32)
+    fused = FusedDecode(model)
+    t = fused.max_rows + 1
+    tokens = torch.zeros(1, t, dtype=torch.long, device="cuda")
+    with pytest.raises(ValueError, match=f"at most {fused.max_rows} tokens"):
+        fused(tokens, tokens, torch.ones(1, dtype=torch.long, device="cuda"), 0, model.new_cache(2, 256))
+
+
+@pytest.mark.gpu
+@needs_gpus(1)
+def test_engine_serves_decode_and_verify_through_the_fused_step(tiny_target: Path, tiny_head: Path) -> None:
     """fp32: target-only decoding with the fused step gives the static path's tokens, and
-    speculation (verifies on the static path) still equals it."""
+    speculation verified by it (chains and trees) equals target-only decoding."""
     runs = {}
     for fused in ("off", "pdl"):
         e = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="float32", max_context=512,
@@ -110,15 +178,20 @@ def test_engine_serves_decode_through_the_fused_step(tiny_target: Path, tiny_hea
                          DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", dtype="float32",
                                      max_context=512))
         try:
-            def run(steps: int, e: LocalEngines = e) -> list[list[int]]:
+            def run(steps: int, topk: int = 1, e: LocalEngines = e) -> list[list[int]]:
                 # one sequence at a time: the fused step serves batches of one
-                return [e.generate([GenerationRequest(p, 48, Sampling(), set(), steps)])[0].tokens
-                        for p in TINY_PROMPTS]
+                return [e.generate([GenerationRequest(p, 48, Sampling(), set(), steps, topk, 12 if topk > 1 else 0)]
+                                   )[0].tokens for p in TINY_PROMPTS]
 
-            runs[fused] = (run(0), run(4))
+            runs[fused] = (run(0), run(4), run(3, topk=3))
             keys = list(e.target.engine.graphs.graphs)
-            assert any(k[-1] for k in keys) == (fused != "off")  # a fused graph was captured and replayed
+            fused_rows = sorted(k[1] for k in keys if k[0] == "fused")
+            if fused == "off":
+                assert not fused_rows
+            else:  # decode, the chain of 4 drafts, trees of 12: each from a graph of its own
+                assert fused_rows[0] == 1 and 5 in fused_rows and 12 in fused_rows
         finally:
             e.close()
     assert runs["pdl"][0] == runs["off"][0]
-    assert runs["pdl"][1] == runs["pdl"][0] == runs["off"][1]
+    assert runs["pdl"][1] == runs["pdl"][2] == runs["pdl"][0]
+    assert runs["off"][1] == runs["off"][2] == runs["off"][0]
