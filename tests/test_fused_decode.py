@@ -157,7 +157,7 @@ def test_fused_verify_matches_the_static_path(dtype: torch.dtype, pdl: bool, sha
 @pytest.mark.gpu
 @needs_gpus(1)
 def test_fused_step_refuses_more_rows_than_it_takes() -> None:
-    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=1, vocab_size=256)
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=3, vocab_size=256)
     model = _random_model(cfg, torch.float32)
     fused = FusedDecode(model)
     t = fused.max_rows + 1

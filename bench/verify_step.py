@@ -1,0 +1,108 @@
+"""One target step of T tokens of one sequence, replayed from a CUDA graph: what a verify costs
+on the GPU, without the engine's host work around it (bench.cycle_anatomy measures that).
+
+For each T of --rows (T = 1 is a decode; T > 1 a verify of a tree, each node branching
+--branch ways, as the draft proposes them) and each of the --modes:
+  graphs     the static path (LlamaModel.static_forward with the tree's mask), what the target
+             serves with --fused-decode off,
+  fused      the fused step (specsplit.models.fused_decode: decode_kernels for T = 1,
+             verify_kernels for T > 1),
+  fused-pdl  the same with programmatic dependent launch (--fused-decode pdl),
+µs per step (mean of --iters replays after 10 warm-up ones, the committed context --start
+tokens long), its ratio to the first mode's at the same T, and its ratio to the same mode's
+T = 1 step. Random bf16 weights of --shape (default SmolLM2-135M's).
+
+  python -m bench.verify_step --rows 1,4,6,16,32 --modes graphs,fused,fused-pdl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+from bench.decode_hbm import random_model
+from bench.spec_vs_baseline import git_commit
+from specsplit.checkpoints.shapes import SHAPES
+from specsplit.models.cuda_graphs import GraphCache
+from specsplit.models.fused_decode import FusedDecode
+from specsplit.models.layers import tree_layout
+from specsplit.models.llama import LlamaModel
+
+
+def step_fn(model: LlamaModel, mode: str, t: int, start: int, branch: int, ctx: int
+            ) -> tuple[Callable[..., tuple], dict[str, torch.Tensor]]:
+    """The step as a graph-capturable function of its device inputs, and those inputs."""
+    parents = [-1, *((i - 1) // branch for i in range(1, t))]
+    positions, rows, cols = tree_layout(start, parents)
+    dev = "cuda"
+    visible = torch.zeros(1, t, ctx, dtype=torch.bool, device=dev)
+    visible[:, :, :start] = True
+    visible[0, rows, cols] = True
+    inputs = {"tokens": torch.randint(0, model.cfg.vocab_size, (1, t), device=dev),
+              "positions": torch.tensor([positions], device=dev),
+              "slots": torch.zeros(1, dtype=torch.long, device=dev),
+              "entries": torch.arange(start, start + t, device=dev).view(1, t)}
+    cache = model.new_cache(1, ctx)
+    if mode == "graphs":
+        inputs["visible"] = visible
+
+        def static(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
+                   visible: torch.Tensor) -> tuple:
+            return model.static_forward(tokens, positions, slots, ctx, cache, False, entries, visible)
+        return static, inputs
+    fused = FusedDecode(model, pdl=mode == "fused-pdl")
+    inputs["mask"] = visible[0, :, start : start + t].contiguous()
+
+    def fused_step(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
+                   mask: torch.Tensor) -> tuple:
+        return fused(tokens, positions, slots, ctx, cache, False, entries, mask)
+    return fused_step, inputs
+
+
+def time_step(model: LlamaModel, mode: str, t: int, start: int, branch: int, ctx: int, iters: int) -> float:
+    fn, inputs = step_fn(model, mode, t, start, branch, ctx)
+    graphs = GraphCache(torch.device("cuda"))
+    with torch.inference_mode():
+        for _ in range(10):
+            graphs.run((), fn, **inputs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            graphs.run((), fn, **inputs)
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    p.add_argument("--rows", default="1,4,6,16,32")
+    p.add_argument("--modes", default="graphs,fused,fused-pdl")
+    p.add_argument("--start", type=int, default=256, help="committed tokens before the step")
+    p.add_argument("--branch", type=int, default=4, help="children per tree node")
+    p.add_argument("--iters", type=int, default=200)
+    a = p.parse_args()
+    model, _ = random_model(SHAPES[a.shape])
+    ctx = a.start + 128
+    modes = a.modes.split(",")
+    single: dict[str, float] = {}
+    for t in (int(x) for x in a.rows.split(",")):
+        first = 0.0
+        for mode in modes:
+            us = time_step(model, mode, t, a.start, a.branch, ctx, a.iters)
+            first = first or us
+            single.setdefault(mode, us)
+            print(json.dumps({"bench": "verify_step", "shape": a.shape, "rows": t, "mode": mode,
+                              "us_per_step": round(us, 1), f"x_{modes[0]}": round(first / us, 2),
+                              "vs_first_rows": round(us / single[mode], 2), "start": a.start, "branch": a.branch,
+                              "gpu": torch.cuda.get_device_name(), "commit": git_commit(),
+                              "machine": platform.machine()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
