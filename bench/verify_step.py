@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from collections.abc import Callable
 
@@ -64,7 +65,8 @@ def step_fn(model: LlamaModel, mode: str, t: int, start: int, branch: int, ctx: 
     return fused_step, inputs
 
 
-def time_step(model: LlamaModel, mode: str, t: int, start: int, branch: int, ctx: int, iters: int) -> float:
+def time_step(model: LlamaModel, mode: str, t: int, start: int, branch: int, ctx: int, iters: int,
+              profile: bool = False) -> float:
     fn, inputs = step_fn(model, mode, t, start, branch, ctx)
     graphs = GraphCache(torch.device("cuda"))
     with torch.inference_mode():
@@ -75,7 +77,18 @@ def time_step(model: LlamaModel, mode: str, t: int, start: int, branch: int, ctx
         for _ in range(iters):
             graphs.run((), fn, **inputs)
         torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
+        us = (time.perf_counter() - t0) / iters * 1e6
+        if profile:  # the kernels of 10 steps, by GPU time (under PDL a kernel's time includes its wait)
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    graphs.run((), fn, **inputs)
+                torch.cuda.synchronize()
+            print(f"== rows {t} {mode}", file=sys.stderr)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), file=sys.stderr)
+    return us
 
 
 def main() -> None:
@@ -86,6 +99,7 @@ def main() -> None:
     p.add_argument("--start", type=int, default=256, help="committed tokens before the step")
     p.add_argument("--branch", type=int, default=4, help="children per tree node")
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--profile", action="store_true", help="also print each step's kernels by GPU time (stderr)")
     a = p.parse_args()
     model, _ = random_model(SHAPES[a.shape])
     ctx = a.start + 128
@@ -94,7 +108,7 @@ def main() -> None:
     for t in (int(x) for x in a.rows.split(",")):
         first = 0.0
         for mode in modes:
-            us = time_step(model, mode, t, a.start, a.branch, ctx, a.iters)
+            us = time_step(model, mode, t, a.start, a.branch, ctx, a.iters, a.profile)
             first = first or us
             single.setdefault(mode, us)
             print(json.dumps({"bench": "verify_step", "shape": a.shape, "rows": t, "mode": mode,
