@@ -100,15 +100,26 @@ def main() -> None:
     p.add_argument("--branch", type=int, default=4, help="children per tree node")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--profile", action="store_true", help="also print each step's kernels by GPU time (stderr)")
+    p.add_argument("--attention-blocks", default="",
+                   help="committed keys per iteration x warps of the fused verify's attention to try, e.g. "
+                        "64x4,128x8 (each a mode of its own; default: verify_kernels.ATTENTION_BLOCK only)")
     a = p.parse_args()
     model, _ = random_model(SHAPES[a.shape])
     ctx = a.start + 128
     modes = a.modes.split(",")
+    if a.attention_blocks:
+        modes = [m if m == "graphs" else f"{m}@{b}" for m in modes for b in a.attention_blocks.split(",")]
+        modes = list(dict.fromkeys(modes))
     single: dict[str, float] = {}
     for t in (int(x) for x in a.rows.split(",")):
         first = 0.0
         for mode in modes:
-            us = time_step(model, mode, t, a.start, a.branch, ctx, a.iters, a.profile)
+            if "@" in mode:
+                from specsplit import verify_kernels
+
+                block, warps = mode.split("@")[1].split("x")
+                verify_kernels.ATTENTION_BLOCK = (int(block), int(warps))
+            us = time_step(model, mode.split("@")[0], t, a.start, a.branch, ctx, a.iters, a.profile)
             first = first or us
             single.setdefault(mode, us)
             print(json.dumps({"bench": "verify_step", "shape": a.shape, "rows": t, "mode": mode,

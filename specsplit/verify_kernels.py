@@ -31,10 +31,13 @@ MAX_ROWS = 64  # tokens a fused verify takes (register budget of tree_attention'
 
 
 def _configs() -> list[Any]:
-    """Block shapes tried once per (M, N, K): tl.dot needs tiles of at least 16."""
+    """Block shapes tried once per (M, N, K): tl.dot needs tiles of at least 16. With N as small
+    as 576 there are few programs, so a step is the latency of each program's serial loop over
+    K: long tiles (fewer iterations) with more warps are among the candidates."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64})]
-    shapes = ((16, 128, 4), (16, 256, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8))
+    shapes = ((16, 128, 4), (16, 256, 4), (16, 512, 8), (16, 1024, 8), (32, 128, 4), (32, 512, 8), (64, 64, 4),
+              (64, 128, 8))
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k, w in shapes]
 
 
