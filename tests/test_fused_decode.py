@@ -50,6 +50,55 @@ def test_models_the_fused_step_cannot_run_are_refused_with_the_reason() -> None:
         FusedDecode(model(attention_bias=True))
 
 
+class StaticAsFused:
+    """Stands in for FusedDecode on the CPU (no Triton): the inputs the engine packs for a fused
+    step — tokens, rotary positions, KV entries, slot, the [T, T] mask — turned back into the
+    static path's tree forward, so the packing is checked wherever the tests run."""
+
+    max_rows = 64
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model, self.rows = model, []
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: int, cache: object,
+                 capture: bool = False, entries: torch.Tensor | None = None, mask: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = tokens.shape[-1]
+        self.rows.append(t)
+        entries = positions if entries is None else entries
+        start = int(entries[0, 0])
+        assert entries.tolist() == [list(range(start, start + t))]
+        visible = torch.zeros(1, t, start + t, dtype=torch.bool)
+        visible[:, :, :start] = True
+        visible[0, :, start:] = torch.ones(t, t, dtype=torch.bool).tril() if mask is None else mask.bool()
+        return self.model.static_forward(tokens, positions, slots, start + t, cache, capture, entries, visible)
+
+
+def test_engine_packs_fused_steps_as_the_static_path_runs_them(tiny_target: Path, tiny_head: Path) -> None:
+    """CPU: the engine's fused-step inputs (one packed tensor: tokens, rotary positions, KV
+    entries, slot, mask) describe the static path's step — decode, chains and trees give
+    target-only decoding's tokens — and batches of one take the fused step, larger ones not."""
+    e = LocalEngines(TargetConfig(model=str(tiny_target), max_context=256),
+                     DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
+    try:
+        assert e.draft is not None
+        e.target.engine.use_static = e.draft.engine.use_static = True
+
+        def run(steps: int, topk: int = 1) -> list[list[int]]:
+            return [e.generate([GenerationRequest(p, 16, Sampling(), set(), steps, topk, 8 if topk > 1 else 0)]
+                               )[0].tokens for p in TINY_PROMPTS[:2]]
+
+        static = run(0)
+        fused = e.target.engine.fused = StaticAsFused(e.target.model)  # type: ignore[assignment]
+        assert run(0) == run(3) == run(3, topk=3) == static
+        assert {1, 4, 8} <= set(fused.rows)
+        fused.rows.clear()
+        both = e.generate([GenerationRequest(p, 8, Sampling(), set(), 3) for p in TINY_PROMPTS[:2]])
+        assert not fused.rows and [r.tokens for r in both] == [x[:8] for x in static]  # two sequences: static path
+    finally:
+        e.close()
+
+
 def _random_model(cfg: object, dtype: torch.dtype) -> LlamaModel:
     torch.manual_seed(0)
     with torch.device("cuda"):
