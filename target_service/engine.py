@@ -228,10 +228,9 @@ class TargetEngine:
         slots = torch.tensor([w.slot for w in work] + [self.pad_slot] * pad)
         if any(_is_tree(w.op) for w in work):
             return self._run_static_tree(work, tokens, positions, slots, ctx, capture)
-        static_fn = self.static_fn
 
         def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
-            return static_fn(tokens, positions, slots, ctx, self.cache, capture)
+            return self.static_fn(tokens, positions, slots, ctx, self.cache, capture)
 
         with torch.no_grad() if self.cfg.compile else torch.inference_mode():
             logits, aux = self.graphs.run((b, t, ctx, capture), fn, tokens=tokens, positions=positions,
