@@ -13,8 +13,8 @@ import time
 
 from bench.prompts import CHAT_PROMPTS
 from bench.spec_vs_baseline import git_commit
-from specsplit.client import GatewayClient, make_request
-from specsplit.launcher import ServiceStack, StackConfig
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
 
 
 def run(addr: str, n: int, concurrent: bool, max_new: int, steps: int) -> tuple[int, float]:

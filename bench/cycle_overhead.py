@@ -23,14 +23,14 @@ from typing import Any
 import torch
 
 from bench.plain_loop import LoopRun, generate
+from bench.replay import LABEL, Replayer
 from bench.spec_vs_baseline import git_commit
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
 from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
-from specsplit.client import GatewayClient, Generation, make_request
-from specsplit.launcher import ServiceStack, StackConfig
+from specsplit.cli.client import GatewayClient, Generation, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.models.parallel import TensorParallel
-from specsplit.replay import LABEL, Replayer
 from target_service.config import FUSED_DECODE, TargetConfig
 from target_service.runtime import TargetRuntime
 
@@ -150,6 +150,7 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                                          str(max(16, tree_size(a))), "--fused-decode", a.fused_decode],
                       extra_draft_args=[*engine_flags, *service_extra, "--max-topk", str(max(8, tree_topk(a)))],
                       extra_gateway_args=[*replay, *trees, *gateway_extra],
+                      gateway_module="bench.replay_gateway" if replay else "gateway",
                       step_sockets=not a.grpc_steps)
     rows = {}
     with ServiceStack(cfg) as stack:

@@ -1,19 +1,19 @@
-"""Target-only decode at batch 1 on one GPU against the HBM bound (issue 3a).
+"""Target-only decode at batch 1 on one GPU against the HBM bound.
 
 Builds a target of a given shape (default Llama-3.1-8B) with random bf16 weights directly on
-the GPU, runs a short prefill, then greedy decoding in each of the --modes, one JSON line each:
-  segments  the eager per-segment path (what CPU serving runs),
-  static    the padded static batch run eagerly,
-  graphs    the static batch replayed from CUDA graphs (what CUDA serving runs),
-  compiled  the same with the static forward fused by torch.compile first,
-  gemv      graphs, with one-row projections through the Triton GEMV (specsplit.ops_triton),
-  fused     graphs of the fused decode step, five Triton kernels a layer (specsplit.models.fused_decode),
+the GPU, runs a short prefill, then greedy decoding in each of the --modes (the runner's
+execution paths), one JSON line each:
+  eager     ragged, kernel by kernel (what CPU serving runs),
+  padded    the padded batch, kernel by kernel,
+  graphs    the padded batch replayed from CUDA graphs (what CUDA serving runs by default),
+  compiled  the same with the padded forward fused by torch.compile first,
+  fused     graphs of the fused decode step, five Triton kernels a layer (specsplit.models.fused),
   fused-pdl the same launched with programmatic dependent launch (what `--fused-decode pdl` serves),
 with tokens/s, the fraction of the bound weight_bytes / HBM bandwidth and the speed-up over
 the first mode, and whether its greedy tokens equal the first mode's (reported: modes that
 round differently in bf16 part at near-ties of random weights).
 
-  python -m bench.decode_hbm --modes graphs,gemv,fused,fused-pdl --tokens 128
+  python -m bench.decode_hbm --modes graphs,fused,fused-pdl --tokens 128
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ import time
 import torch
 
 from specsplit.checkpoints.shapes import SHAPES
+from specsplit.models.batch import Batch
 from specsplit.models.config import LlamaConfig
-from specsplit.models.cuda_graphs import GraphCache, bucket_up, compile_static, pow2_buckets
-from specsplit.models.fused_decode import FusedDecode
+from specsplit.models.fused import FusedLlama
 from specsplit.models.llama import LlamaModel
-from specsplit.models.parallel import TensorParallel, use_one_row_gemv
+from specsplit.models.parallel import TensorParallel
+from specsplit.runner.runner import ModelRunner, Row, Step
 
 
 def greedy_token(logits: torch.Tensor) -> torch.Tensor:
@@ -61,44 +62,46 @@ def random_model(cfg: LlamaConfig, device: str = "cuda") -> tuple[LlamaModel, to
     return model, g
 
 
-def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, ctx_buckets: tuple[int, ...],
+def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, max_len: int,
            profile: bool = False) -> tuple[float, list[int]]:
-    """Prefill then `steps` greedy decode steps timed after 8 warm-up steps: (seconds, tokens)."""
-    cache = model.new_cache(1, ctx_buckets[-1])
-    use_one_row_gemv(mode == "gemv")
-    graphs = GraphCache(torch.device("cuda"), enabled=mode != "segments" and mode != "static")
-    if mode.startswith("fused"):
-        static_fn = FusedDecode(model, pdl=mode == "fused-pdl")
-    else:
-        static_fn = compile_static(model.static_forward) if mode == "compiled" else model.static_forward
-    logits, _ = model(prompt, 0, cache, 0)
-    nxt = logits[-1].argmax().view(1, 1)  # [1, 1]
+    """Prefill then `steps` greedy decode steps timed after 8 warm-up steps: (seconds, tokens).
+    The steps run through the target's ModelRunner: the forward of its padded path (or the fused
+    step) and the greedy choice in one graph per context bucket, no host round trip a step."""
+    fused = FusedLlama(model, pdl=mode == "fused-pdl") if mode.startswith("fused") else None
+    runner = ModelRunner(model, 1, max_len, cuda_graphs=mode not in ("eager", "padded"),
+                         compile=mode == "compiled", fused=fused)
+    runner.padded = mode != "eager"
+    ((logits, _),) = runner.run(Step([Row(0, 0, prompt.tolist())]))
+    nxt = logits[-1].argmax().view(1)  # [1]
     slots = torch.zeros(1, dtype=torch.long, device="cuda")
     out: list[torch.Tensor] = []
 
     def step(pos: int) -> torch.Tensor:
-        if mode == "segments":
-            lg, _ = model(nxt.view(1), pos, cache, 0)
-            return lg[-1].argmax().view(1, 1)
-        ctx = bucket_up(pos + 1, ctx_buckets)
+        if mode == "eager":
+            ((lg, _),) = runner.run(Step([Row(0, pos, [int(nxt)])]))
+            return lg[-1].argmax().view(1)
+        ctx = runner.ctx_bucket(pos + 1)
         positions = torch.full((1, 1), pos, dtype=torch.long, device="cuda")
 
         def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
-            logits, _ = static_fn(tokens, positions, slots, ctx, cache)
-            return (greedy_token(logits[0, -1]),)  # chosen in the graph too
+            if fused is not None:
+                logits, _ = fused.forward(tokens, Batch.padded(positions, slots, positions, 0), runner.cache)
+            else:
+                logits, _ = runner.padded_forward(tokens.view(1, 1), positions, slots, positions, ctx)
+            return (greedy_token(logits.reshape(-1, logits.shape[-1])[-1]),)  # chosen in the graph too
 
-        with torch.no_grad() if mode == "compiled" else torch.inference_mode():
-            (tok,) = graphs.run((1, 1, ctx), fn, tokens=nxt, positions=positions, slots=slots)
-            return tok.clone()
+        (tok,) = runner.graphed(("decode", ctx), fn, tokens=nxt, positions=positions, slots=slots)
+        assert tok is not None
+        return tok.clone().view(1)
 
     pos = prompt.shape[0]
     for _ in range(8):  # warm-up (captures the graph of the first context bucket)
         nxt = step(pos)
         out.append(nxt)
         pos += 1
-    if mode != "segments":  # capture every later context bucket too, outside the timed steps
+    if mode != "eager":  # capture every later context bucket too, outside the timed steps
         saved = nxt
-        for b in ctx_buckets:
+        for b in runner.ctx_buckets:
             if b > pos:
                 step(b - 1)  # a throwaway step at that bucket's last position (the timed steps overwrite it)
         nxt = saved
@@ -129,9 +132,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--hbm-tb-s", type=float, default=4.8, help="H200 HBM3e bandwidth")
-    p.add_argument("--modes", default="segments,static,graphs",
-                   help="comma-separated: segments, static, graphs, compiled (graphs of the torch.compile'd forward), "
-                        "gemv (graphs, one-row projections through the Triton GEMV), fused, fused-pdl")
+    p.add_argument("--modes", default="eager,padded,graphs",
+                   help="comma-separated: eager, padded, graphs, compiled (graphs of the torch.compile'd forward), "
+                        "fused, fused-pdl")
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES), help="model shape (random weights)")
     p.add_argument("--profile", action="store_true", help="also print a torch.profiler table per mode (stderr)")
     a = p.parse_args()
@@ -140,10 +143,9 @@ def main() -> None:
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     bound = a.hbm_tb_s * 1e12 / weight_bytes
     prompt = torch.randint(0, cfg.vocab_size, (a.prompt,), device="cuda", generator=g)
-    ctx_buckets = pow2_buckets(128, a.prompt + a.tokens + 16)
     base_tps, base_tokens = None, None
     for mode in a.modes.split(","):
-        dt, tokens = decode(model, mode, prompt, a.tokens, ctx_buckets, a.profile)
+        dt, tokens = decode(model, mode, prompt, a.tokens, a.prompt + a.tokens + 16, a.profile)
         tps = a.tokens / dt
         base_tps, base_tokens = base_tps or tps, base_tokens or tokens
         print(json.dumps({

@@ -26,7 +26,7 @@ from draft_service.config import DraftConfig
 from gateway.local import LocalEngines
 from gateway.scheduler import GenerationRequest
 from specsplit.checkpoints.target_checkpoint import resolve_target_dir
-from specsplit.models.layers import Segment
+from specsplit.models.batch import Batch
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
 from specsplit.ops import Sampling
@@ -39,7 +39,8 @@ def next_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     """The model's logits [V] for the token after `ids`, in one forward from scratch."""
     cache = model.new_cache(1, len(ids))
     tokens = torch.tensor(ids, device=model.embed_tokens.weight.device)
-    logits, _ = model.forward_batch(tokens, [Segment(0, 0, len(ids))], cache)
+    with torch.inference_mode():
+        logits, _ = model(tokens, Batch.sequence(tokens), cache)
     return logits[-1].float()
 
 

@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from bench.plain_loop import generate
+from bench.replay import LABEL, Replayer
 from specsplit.checkpoints.eagle_head import random_head
 from specsplit.checkpoints.shapes import SHAPES, init_random_
-from specsplit.launcher import free_port
-from specsplit.models.cuda_graphs import GraphCache
+from specsplit.cli.launcher import free_port
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.parallel import TensorParallel
-from specsplit.replay import LABEL, Replayer
+from specsplit.runner.runner import ModelRunner
 
 
 def time_steps(rank: int, world: int, port: int, shape: str, iters: int, q: Any) -> None:  # noqa: ANN401
@@ -44,7 +44,6 @@ def time_steps(rank: int, world: int, port: int, shape: str, iters: int, q: Any)
         with torch.device("cuda", rank):
             head = Eagle3Head(cfg, TensorParallel(rank, world)).to(torch.bfloat16).eval()
         init_random_(head, rank, 0.02)
-        cache = head.new_cache(2, 1024)
         dev = torch.device("cuda", rank)
         tokens = torch.ones(1, 1, dtype=torch.long, device=dev)
         hidden = torch.randn(1, 1, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
@@ -53,19 +52,19 @@ def time_steps(rank: int, world: int, port: int, shape: str, iters: int, q: Any)
         out = {}
         print(f"rank {rank}/{world}: head built", file=sys.stderr, flush=True)
         for graphs in (False, True):
-            cache_graphs = GraphCache(dev, graphs)
+            runner = ModelRunner(head, 1, 1024, cuda_graphs=graphs)
 
-            def fn(tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
-                return head.forward_static(tokens, hidden, positions, slots, 128, cache)
+            def fn(tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   runner: ModelRunner = runner) -> tuple:
+                return runner.padded_forward(tokens, positions, slots, positions, 128, hidden=hidden)
 
-            with torch.inference_mode():
-                for _ in range(10):
-                    cache_graphs.run((1,), fn, tokens=tokens, hidden=hidden, positions=positions, slots=slots)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    cache_graphs.run((1,), fn, tokens=tokens, hidden=hidden, positions=positions, slots=slots)
-                torch.cuda.synchronize()
+            for _ in range(10):
+                runner.graphed((1,), fn, tokens=tokens, hidden=hidden, positions=positions, slots=slots)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                runner.graphed((1,), fn, tokens=tokens, hidden=hidden, positions=positions, slots=slots)
+            torch.cuda.synchronize()
             out["graphs" if graphs else "eager"] = (time.perf_counter() - t0) / iters * 1e6
             print(f"rank {rank}/{world}: graphs={graphs} {out}", file=sys.stderr, flush=True)
         if world > 1:

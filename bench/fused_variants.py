@@ -1,5 +1,5 @@
-"""Variants of the fused decode step at one shape, in one process (issue 3a's ablations): the
-model is built once and each variant decodes with graphs of its own (bench.decode_hbm.decode).
+"""Variants of the fused decode step at one shape, in one process (its ablations): the model
+is built once and each variant decodes with graphs of its own (bench.decode_hbm.decode).
 
   attention blocks  (keys per iteration, warps) of the attention kernel
   no-attention      the attention kernel replaced by a view of q: wrong tokens, an upper bound
@@ -20,21 +20,20 @@ import torch
 
 from bench import decode_hbm
 from specsplit.checkpoints.shapes import SHAPES
-from specsplit.models.cuda_graphs import pow2_buckets
 from specsplit.models.llama import LlamaModel
 
 
 def run(model: LlamaModel, prompt: torch.Tensor, name: str, tokens: int, pdl: bool = True,
         block: tuple[int, int] | None = None, attention: Callable[..., torch.Tensor] | None = None,
         bound: float = 0.0) -> dict[str, Any]:
-    from specsplit import decode_kernels  # Triton: CUDA machines only
+    from specsplit.models.kernels import decode as decode_kernels  # Triton: CUDA machines only
 
     saved_block, saved_attention = decode_kernels.ATTENTION_BLOCK, decode_kernels.rope_attention
     decode_kernels.ATTENTION_BLOCK = block or saved_block
     decode_kernels.rope_attention = attention or saved_attention
     try:
-        buckets = pow2_buckets(128, prompt.shape[0] + tokens + 16)
-        dt, out = decode_hbm.decode(model, "fused-pdl" if pdl else "fused", prompt, tokens, buckets)
+        dt, out = decode_hbm.decode(model, "fused-pdl" if pdl else "fused", prompt, tokens,
+                                    prompt.shape[0] + tokens + 16)
     finally:
         decode_kernels.ATTENTION_BLOCK, decode_kernels.rope_attention = saved_block, saved_attention
     row = {"bench": "fused_variants", "variant": name, "shape": model.cfg.name, "tokens": tokens,

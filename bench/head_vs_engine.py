@@ -20,7 +20,7 @@ from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
 from specsplit.checkpoints.eagle_head import resolve_head_dir
 from specsplit.checkpoints.target_checkpoint import resolve_target_dir
-from specsplit.models.layers import Segment
+from specsplit.models.batch import Batch
 from specsplit.models.parallel import TensorParallel
 from specsplit.tokenizer import TextCodec
 from specsplit.training.target import BatchedTarget
@@ -56,7 +56,7 @@ def main() -> None:
             aux, _ = batched.features(x)
             n = x.shape[1] - 1
             cache = draft.head.new_cache(1, n + 1)
-            logits, _ = draft.head.forward_batch(x[0, 1:], aux[0, :n], [Segment(0, 0, n)], cache)
+            logits, _ = draft.head(x[0, 1:], Batch.sequence(x[0, 1:], hidden=aux[0, :n]), cache)
             pred = draft.head.to_target_ids(logits.argmax(-1))  # pred[i] predicts x[i + 2]
         rows = range(len(ids) - 1, n - 1)  # predictions of response tokens after the first
         acc = sum(int(pred[i]) == int(x[0, i + 2]) for i in rows) / len(rows)

@@ -8,9 +8,9 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from bench.replay import Replayer
 from draft_service.runtime import DraftRuntime
 from specsplit.ops import ExtendPropose, Prefill, Release, Verify
-from specsplit.replay import Replayer
 from target_service.runtime import TargetRuntime
 
 _ids = itertools.count(1_000_000)

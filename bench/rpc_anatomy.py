@@ -5,7 +5,7 @@ process, all with nothing to compute:
   - framework: the services' own `serve_steps` (op decoding, result encoding, timing) over a
     runtime that returns at once, with steps on an engine thread (the default);
   - framework_inline: the same with steps on the event loop (`--inline-steps`);
-  - socket: the services' Unix step socket (specsplit/step_socket.py): the connection's
+  - socket: the services' Unix step socket (specsplit/transport/step_socket.py): the connection's
     own thread reads a request, steps and writes the reply;
   - socket_loop: the step socket's first design, kept here for the comparison: the socket
     read on the event loop, the step handed to an engine thread and back.
@@ -33,11 +33,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from specsplit import wire
 from specsplit.ops import StepTiming, TargetResult, Verify
-from specsplit.serving import install_uvloop, new_server
-from specsplit.step_socket import StepSocketServer
-from specsplit.step_stream import StepCodec, answer_step, serve_steps
+from specsplit.transport import wire
+from specsplit.transport.serving import install_uvloop, new_server
+from specsplit.transport.step_socket import StepSocketServer
+from specsplit.transport.step_stream import StepCodec, answer_step, serve_steps
 from specsplit.v1 import target_pb2, target_pb2_grpc
 
 MODES = ("bare", "framework", "framework_inline", "socket", "socket_loop")

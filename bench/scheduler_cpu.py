@@ -29,7 +29,7 @@ from specsplit.ops import (
     TargetOp,
     TargetResult,
 )
-from specsplit.serving import install_uvloop
+from specsplit.transport.serving import install_uvloop
 
 
 class InstantTarget:

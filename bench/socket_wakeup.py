@@ -24,10 +24,10 @@ import tempfile
 import time
 from typing import Any
 
-from specsplit import wire
 from specsplit.ops import StepTiming, TargetResult, Verify
-from specsplit.step_socket import BlockingSocketStream, StepSocketServer
-from specsplit.step_stream import StepCodec, answer_step
+from specsplit.transport import wire
+from specsplit.transport.step_socket import BlockingSocketStream, StepSocketServer
+from specsplit.transport.step_stream import StepCodec, answer_step
 from specsplit.v1 import target_pb2
 
 _CODEC = StepCodec(wire.target_op_from_proto, wire.target_result_to_proto, TargetResult, target_pb2.TargetStepResponse)

@@ -16,8 +16,8 @@ import time
 from typing import Any
 
 from bench.prompts import CHAT_PROMPTS
-from specsplit.client import GatewayClient, Generation, make_request
-from specsplit.launcher import ServiceStack, StackConfig
+from specsplit.cli.client import GatewayClient, Generation, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
 
 
 def git_commit() -> str:

@@ -27,8 +27,8 @@ from bench.spec_vs_baseline import git_commit
 from specsplit.checkpoints.eagle_head import random_head, save_head
 from specsplit.checkpoints.target_checkpoint import load_target_config
 from specsplit.checkpoints.tiny import tiny_config, write_tiny_target
-from specsplit.client import GatewayClient, make_request
-from specsplit.launcher import ServiceStack, StackConfig
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
 
 
 def _stat_cpu_seconds(stat: str) -> float:

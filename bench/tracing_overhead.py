@@ -15,9 +15,9 @@ from pathlib import Path
 
 from bench.prompts import CHAT_PROMPTS
 from bench.spec_vs_baseline import git_commit
-from specsplit.client import GatewayClient, make_request
-from specsplit.launcher import ServiceStack, StackConfig
-from specsplit.trace_report import load_jsonl
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
+from specsplit.observability.trace_report import load_jsonl
 
 
 def main() -> None:

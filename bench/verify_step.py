@@ -3,10 +3,10 @@ on the GPU, without the engine's host work around it (bench.cycle_anatomy measur
 
 For each T of --rows (T = 1 is a decode; T > 1 a verify of a tree, each node branching
 --branch ways, as the draft proposes them) and each of the --modes:
-  graphs     the static path (LlamaModel.static_forward with the tree's mask), what the target
-             serves with --fused-decode off,
-  fused      the fused step (specsplit.models.fused_decode: decode_kernels for T = 1,
-             verify_kernels for T > 1),
+  graphs     the runner's padded path with the tree's mask, what the target serves with
+             --fused-decode off,
+  fused      the fused step (specsplit.models.fused: kernels.decode for T = 1, kernels.verify
+             for T > 1),
   fused-pdl  the same with programmatic dependent launch (--fused-decode pdl),
 µs per step (mean of --iters replays after 10 warm-up ones, the committed context --start
 tokens long), its ratio to the first mode's at the same T, and its ratio to the same mode's
@@ -29,65 +29,56 @@ import torch
 from bench.decode_hbm import random_model
 from bench.spec_vs_baseline import git_commit
 from specsplit.checkpoints.shapes import SHAPES
-from specsplit.models.cuda_graphs import GraphCache
-from specsplit.models.fused_decode import FusedDecode
-from specsplit.models.layers import tree_layout
+from specsplit.models.batch import Batch, tree_layout
+from specsplit.models.fused import FusedLlama
 from specsplit.models.llama import LlamaModel
+from specsplit.runner.runner import ModelRunner
 
 
 def step_fn(model: LlamaModel, mode: str, t: int, start: int, branch: int, ctx: int
-            ) -> tuple[Callable[..., tuple], dict[str, torch.Tensor]]:
-    """The step as a graph-capturable function of its device inputs, and those inputs."""
+            ) -> tuple[ModelRunner, Callable[..., tuple], dict[str, torch.Tensor]]:
+    """A runner, the step as a graph-capturable function of its device inputs, and those inputs."""
     parents = [-1, *((i - 1) // branch for i in range(1, t))]
     positions, rows, cols = tree_layout(start, parents)
     dev = "cuda"
-    visible = torch.zeros(1, t, ctx, dtype=torch.bool, device=dev)
-    visible[:, :, :start] = True
-    visible[0, rows, cols] = True
-    inputs = {"tokens": torch.randint(0, model.cfg.vocab_size, (1, t), device=dev),
+    mask = torch.zeros(1, t, t, dtype=torch.bool, device=dev)
+    mask[0, rows, [c - start for c in cols]] = True
+    inputs = {"tokens": torch.randint(0, model.cfg.vocab_size, (t,), device=dev),
               "positions": torch.tensor([positions], device=dev),
               "slots": torch.zeros(1, dtype=torch.long, device=dev),
-              "entries": torch.arange(start, start + t, device=dev).view(1, t)}
-    cache = model.new_cache(1, ctx)
-    if mode == "graphs":
-        inputs["visible"] = visible
+              "entries": torch.arange(start, start + t, device=dev).view(1, t), "mask": mask}
+    fused = FusedLlama(model, pdl=mode == "fused-pdl") if mode != "graphs" else None
+    runner = ModelRunner(model, 1, ctx, fused=fused)
 
-        def static(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
-                   visible: torch.Tensor) -> tuple:
-            return model.static_forward(tokens, positions, slots, ctx, cache, False, entries, visible)
-        return static, inputs
-    fused = FusedDecode(model, pdl=mode == "fused-pdl")
-    inputs["mask"] = visible[0, :, start : start + t].contiguous()
-
-    def fused_step(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
-                   mask: torch.Tensor) -> tuple:
-        return fused(tokens, positions, slots, ctx, cache, False, entries, mask)
-    return fused_step, inputs
+    def step(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
+             mask: torch.Tensor) -> tuple:
+        if fused is not None:
+            return fused.forward(tokens, Batch.padded(positions, slots, entries, 0, mask), runner.cache)
+        return runner.padded_forward(tokens.view(1, t), positions, slots, entries, ctx, mask)
+    return runner, step, inputs
 
 
 def time_step(model: LlamaModel, mode: str, t: int, start: int, branch: int, ctx: int, iters: int,
               profile: bool = False) -> float:
-    fn, inputs = step_fn(model, mode, t, start, branch, ctx)
-    graphs = GraphCache(torch.device("cuda"))
-    with torch.inference_mode():
-        for _ in range(10):
-            graphs.run((), fn, **inputs)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            graphs.run((), fn, **inputs)
-        torch.cuda.synchronize()
-        us = (time.perf_counter() - t0) / iters * 1e6
-        if profile:  # the kernels of 10 steps, by GPU time (under PDL a kernel's time includes its wait)
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as torch_profile
+    runner, fn, inputs = step_fn(model, mode, t, start, branch, ctx)
+    for _ in range(10):
+        runner.graphed((), fn, **inputs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        runner.graphed((), fn, **inputs)
+    torch.cuda.synchronize()
+    us = (time.perf_counter() - t0) / iters * 1e6
+    if profile:  # the kernels of 10 steps, by GPU time (under PDL a kernel's time includes its wait)
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
 
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    graphs.run((), fn, **inputs)
-                torch.cuda.synchronize()
-            print(f"== rows {t} {mode}", file=sys.stderr)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), file=sys.stderr)
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                runner.graphed((), fn, **inputs)
+            torch.cuda.synchronize()
+        print(f"== rows {t} {mode}", file=sys.stderr)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), file=sys.stderr)
     return us
 
 
@@ -115,7 +106,7 @@ def main() -> None:
         first = 0.0
         for mode in modes:
             if "@" in mode:
-                from specsplit import verify_kernels
+                from specsplit.models.kernels import verify as verify_kernels
 
                 block, warps = mode.split("@")[1].split("x")
                 verify_kernels.ATTENTION_BLOCK = (int(block), int(warps))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from conformance.sglang_cpu import SGLangSequence
+from specsplit.models.batch import Batch
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.llama import LlamaModel
 
@@ -38,7 +39,7 @@ def target_steps(sglang_target: torch.nn.Module, ours: LlamaModel, prompt: torch
 
     def step(what: str, mode: str, tokens: torch.Tensor, start: int) -> torch.Tensor:
         ref_logits, ref_aux = seq.forward(mode, tokens, start)
-        logits, aux = ours.forward(tokens, start, cache, 0, capture=True)
+        logits, aux = ours(tokens, Batch.sequence(tokens, start, capture=True), cache)
         if mode == "prefill":
             logits = logits[-1:]  # SGLang's prefill computes the last token's logits only
         steps.append(Step(what, logits, ref_logits, aux, ref_aux))
@@ -67,7 +68,7 @@ def head_steps(sglang_head: torch.nn.Module, ours: Eagle3Head, sglang_target: to
     for i in range(decode_steps + 1):
         mode = "draft_extend" if i == 0 else "decode"
         ref_logits, ref_pre = seq.forward(mode, tokens, pos, hidden)
-        logits, pre = ours.forward(tokens, hidden, pos, cache, 0)
+        logits, pre = ours(tokens, Batch.sequence(tokens, pos, hidden=hidden), cache)
         draft_id = ref_logits[-1:].argmax(-1)
         ref_ids = hot_token_id[draft_id] if hot_token_id is not None else draft_id
         steps.append(Step("draft extend" if i == 0 else f"draft decode {i}", logits, ref_logits, pre, ref_pre,

@@ -14,6 +14,7 @@ from conformance.sglang_cpu import head_aux_layer_ids, set_capture
 from conformance.specsplit_side import our_target
 from specsplit.checkpoints.eagle_head import random_head, save_head
 from specsplit.checkpoints.target_checkpoint import load_target_config
+from specsplit.models.batch import Batch
 from specsplit.models.llama import LlamaModel
 
 # Not the default ([1, 14, 26] for 30 layers); 0 and 28 are the lowest and highest SGLang can express.
@@ -34,5 +35,6 @@ def test_configured_layer_ids_capture_the_same(sglang_target: torch.nn.Module, o
         assert_logits_match(f"ids {LAYER_IDS}: {s.what}: logits", s.logits, s.ref_logits)
         assert_hidden_match(f"ids {LAYER_IDS}: {s.what}: aux states", s.hidden, s.ref_hidden)
 
-    _, default_aux = our_default_target.forward(prompt, 0, our_default_target.new_cache(1, MAX_LEN), 0, capture=True)
+    _, default_aux = our_default_target(prompt, Batch.sequence(prompt, capture=True),
+                                        our_default_target.new_cache(1, MAX_LEN))
     assert not torch.allclose(steps[0].hidden, default_aux), "the configured ids changed nothing"

@@ -11,7 +11,8 @@ import torch
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
 from draft_service.server import DraftServicer
-from specsplit.serving import (
+from specsplit.observability.telemetry import setup_telemetry
+from specsplit.transport.serving import (
     configure_logging,
     exit_with_launcher,
     install_uvloop,
@@ -20,8 +21,7 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
-from specsplit.step_socket import SERVICE_SPIN_HELP, StepSocketServer, resolve_spin_s
-from specsplit.telemetry import setup_telemetry
+from specsplit.transport.step_socket import SERVICE_SPIN_HELP, StepSocketServer, resolve_spin_s
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 
 

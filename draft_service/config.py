@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specsplit.handoff.base import DTYPES
-from specsplit.step_socket import check_spin_us, check_step_socket
+from specsplit.transport.handoff.base import DTYPES
+from specsplit.transport.step_socket import check_spin_us, check_step_socket
 
 
 @dataclass

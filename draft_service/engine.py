@@ -1,25 +1,31 @@
-"""The draft engine: extend (accepted tokens + their target features) then propose a chain
-of k tokens or a tree k levels deep (draft_service/tree.py).
+"""The draft engine: extend (accepted tokens + their target features), then propose a chain of
+k tokens or a tree k levels deep.
 
-Draft position p pairs the token at p+1 with the target's features of position p, so
-after every extend the draft holds exactly as many positions as the target's cache.
-Proposal steps past that write speculative KV entries that the next extend overwrites.
+Draft position p pairs the token at p+1 with the target's features of position p, so after
+every extend the draft holds exactly as many positions as the target's cache. Proposal steps
+past that write speculative KV entries that the next extend overwrites.
+
+A cycle, for every sequence of the batch at once:
+1. extend: one model step over each sequence's new tokens (`ModelRunner.run`);
+2. propose: greedy chains and trees grow with tensors only (draft_service.tree, one graph per
+   topk); sampled chains draw each token on the host, one model step per draft token.
+When every sequence is greedy with one topk and its extend is short (the usual cycle), 1 and 2
+are one function in one CUDA graph, fed by one host copy and read back once.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.tree import DraftTree, grow_trees_static, static_tree_result
-from specsplit.handoff.base import HiddenReader
-from specsplit.models.cuda_graphs import GraphCache, bucket_up, compile_static, pow2_buckets
+from draft_service.tree import grow_trees, tree_result
 from specsplit.models.eagle3 import Eagle3Head
-from specsplit.models.layers import Segment
 from specsplit.ops import Code, DraftOp, DraftResult, ExtendPropose, OpError, Release, Sampling, SparseDist
+from specsplit.runner.runner import ModelRunner, Row, Step, padded_rows
 from specsplit.sampling import probs_from_logits, sample
+from specsplit.transport.handoff.base import HiddenReader
 
 _DRAFT_SEED_SALT = 0x9E3779B97F4A7C15  # the draft's sampler must not share the target's stream
 
@@ -27,37 +33,53 @@ _DRAFT_SEED_SALT = 0x9E3779B97F4A7C15  # the draft's sampler must not share the 
 @dataclass
 class DraftSequence:
     slot: int
-    length: int
+    length: int  # committed draft entries
     sampling: Sampling
     generator: torch.Generator
+
+
+@dataclass
+class Work:
+    """One ExtendPropose entry of a step."""
+
+    index: int
+    op: ExtendPropose
+    seq: DraftSequence
+    features: torch.Tensor  # [len(op.tokens), 3H] the target's, read from the hidden-state store
+
+    @property
+    def greedy_shape(self) -> tuple[int, int, int] | None:
+        """(topk, steps, tokens to keep) of a greedy proposal, None for a sampled one or none."""
+        op = self.op
+        if op.num_steps == 0 or not self.seq.sampling.greedy:
+            return None
+        return op.topk, op.num_steps, op.num_draft_tokens - 1 if op.topk > 1 else op.num_steps
+
+
+@dataclass
+class Proposal:
+    ids: list[int] = field(default_factory=list)  # target token ids
+    dists: list[SparseDist] = field(default_factory=list)  # sampled chains: q of each token
+    parents: list[int] = field(default_factory=list)  # trees: each token's parent (-1: the sequence)
 
 
 class DraftEngine:
     def __init__(self, head: Eagle3Head, max_sequences: int, max_context: int, max_steps: int,
                  cuda_graphs: bool = True, compile: bool = False, max_topk: int = 8) -> None:
         self.head, self.max_steps, self.max_context, self.max_topk = head, max_steps, max_context, max_topk
-        self.compiled = compile
-        self.static_fn = compile_static(head.static_forward) if compile else head.static_forward
-        # a spare slot for the padding rows of static batches; room for padded extends, chains and trees
-        self.pad_slot = max_sequences
-        self.cache = head.new_cache(max_sequences + 1, max_context + 2 * max_steps + 2 + max_steps * max_topk)
-        self.free_slots = list(range(max_sequences - 1, -1, -1))
+        # room for padded extends, chains and trees past the context
+        self.runner = ModelRunner(head, max_sequences, max_context + 2 * max_steps + 2 + max_steps * max_topk,
+                                  cuda_graphs=cuda_graphs, compile=compile, padded_tokens=max_steps + 1)
         self.seqs: dict[int, DraftSequence] = {}
         self.reader: HiddenReader | None = None
-        self.device = head.fc.weight.device
+        self.device = self.runner.device
         self.vocab = head.cfg.vocab_size
-        self.graphs = GraphCache(self.device, cuda_graphs)
-        # padded static batches on CUDA, with or without graphs (the same kernels either way); tests turn them on on CPU
-        self.use_static = self.device.type == "cuda"
-        self.batch_buckets = pow2_buckets(1, max_sequences)
-        self.ctx_buckets = pow2_buckets(min(128, self.cache.max_len), self.cache.max_len)
 
     def execute(self, ops: list[DraftOp]) -> list[DraftResult]:
-        """Validate every entry, extend all sequences in one forward, then propose step by
-        step with every still-proposing sequence batched into each step's forward."""
+        """Validate every entry, then extend and propose for all of them at once."""
         started = time.time_ns()
         results: list[DraftResult | None] = [None] * len(ops)
-        work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]] = []
+        work: list[Work] = []
         busy: set[int] = set()
         for i, op in enumerate(ops):
             try:
@@ -69,16 +91,16 @@ class DraftEngine:
                     if op.position == 0:  # (re)start: whatever this draft held for it is stale
                         seq.length = 0
                     busy.add(op.seq_id)
-                    work.append((i, op, seq, feats))
+                    work.append(Work(i, op, seq, feats))
                 else:
                     results[i] = self._release(op)
             except OpError as e:
                 gen = op.hidden.generation if isinstance(op, ExtendPropose) else 0
                 results[i] = DraftResult(op.seq_id, e.code, str(e), consumed_generation=gen)
         if work:
-            for (i, op, _, _), (ids, dists, parents) in zip(work, self._extend_and_propose(work), strict=True):
-                results[i] = DraftResult(op.seq_id, draft_ids=ids, draft_dists=dists,
-                                         consumed_generation=op.hidden.generation, draft_parents=parents)
+            for w, p in zip(work, self._extend_and_propose(work), strict=True):
+                results[w.index] = DraftResult(w.op.seq_id, draft_ids=p.ids, draft_dists=p.dists,
+                                               consumed_generation=w.op.hidden.generation, draft_parents=p.parents)
         ended = time.time_ns()
         for r in results:
             assert r is not None
@@ -86,10 +108,10 @@ class DraftEngine:
         return results  # type: ignore[return-value]
 
     def _open(self, op: ExtendPropose) -> DraftSequence:
-        if not self.free_slots:
+        if not self.runner.free_slots:
             raise OpError(Code.RESOURCE_EXHAUSTED, "no free draft KV slot")
         gen = torch.Generator(device=self.device).manual_seed((op.sampling.seed ^ _DRAFT_SEED_SALT) & (2**63 - 1))
-        seq = DraftSequence(self.free_slots.pop(), 0, op.sampling, gen)
+        seq = DraftSequence(self.runner.allocate(), 0, op.sampling, gen)
         self.seqs[op.seq_id] = seq
         return seq
 
@@ -123,260 +145,135 @@ class DraftEngine:
         except ValueError as e:
             raise OpError(Code.INVALID_ARGUMENT, f"bad hidden-state reference: {e}") from e
 
-    def _extend_and_propose(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]]
-                            ) -> list[tuple[list[int], list[SparseDist], list[int]]]:
-        if self.use_static and max(len(op.tokens) for _, op, _, _ in work) <= self.max_steps + 1:
-            return self._propose_static(work)  # cycles' extends; prompt-length extends run eagerly
-        trees = {b: DraftTree(seq.slot, seq.length + len(op.tokens), op.topk, op.num_draft_tokens - 1)
-                 for b, (_, op, seq, _) in enumerate(work) if op.topk > 1 and op.num_steps > 0}
-        tokens = torch.tensor([t for _, op, _, _ in work for t in op.tokens], dtype=torch.long, device=self.device)
-        feats = torch.cat([f for _, _, _, f in work])
-        segments = [Segment(seq.slot, seq.length, len(op.tokens)) for _, op, seq, _ in work]
-        logits, prenorm = self.head.forward_batch(tokens, feats, segments, self.cache)  # [N, Vd], [N, H]
-        ends = torch.tensor([len(op.tokens) for _, op, _, _ in work], device=self.device).cumsum(0) - 1
-        last_logits, hidden = logits[ends], prenorm[ends]  # [B, Vd], [B, H]
-        for _, op, seq, _ in work:
-            seq.length += len(op.tokens)
-        out: list[tuple[list[int], list[SparseDist], list[int]]] = [([], [], []) for _ in work]
-        if trees:
-            rows = list(trees)
-            self._grow_trees(trees, {b: work[b][1].num_steps for b in rows}, last_logits[rows], hidden[rows])
-            for b, tree in trees.items():
-                ids, parents = tree.result()
-                out[b][0].extend(ids)
-                out[b][2].extend(parents)
-        active = [b for b in range(len(work)) if b not in trees]  # rows of last_logits / hidden, in this order
-        last_logits, hidden = last_logits[active], hidden[active]
-        step = 0
-        while active:
-            keep = [j for j, b in enumerate(active) if work[b][1].num_steps > step]
-            active, last_logits, hidden = [active[j] for j in keep], last_logits[keep], hidden[keep]
-            next_tokens = [self._choose(work[b][2], last_logits[j], out[b][:2]) for j, b in enumerate(active)]
-            more = [j for j, b in enumerate(active) if work[b][1].num_steps > step + 1]
-            if not more:
-                break
-            # the next step reads each sequence's own pre-norm state, not target features
-            segs = [Segment(work[active[j]][2].slot, work[active[j]][2].length + step, 1) for j in more]
-            toks = torch.tensor([next_tokens[j] for j in more], dtype=torch.long, device=self.device)
-            last_logits, hidden = self.head.forward_batch(toks, hidden[more], segs, self.cache)
-            active = [active[j] for j in more]
-            step += 1
-        return out
-
-    def _grow_trees(self, trees: dict[int, DraftTree], steps: dict[int, int], logits: torch.Tensor,
-                    hidden: torch.Tensor) -> None:
-        """Grow every tree level by level, all trees' frontiers in one forward per level.
-        logits [T, Vd], hidden [T, H]: each tree's sequence after its extend, in `trees` order."""
-        order = list(trees)
-        widest = max(tree.topk for tree in trees.values())
-        inputs: dict[int, torch.Tensor] = {}  # tree -> the hidden input of each frontier node [n, H]
-        top_ids, top_lp = self._top(logits, widest)
-        for j, b in enumerate(order):
-            tree = trees[b]
-            tree.add(-1, top_ids[j][: tree.topk], top_lp[j][: tree.topk])
-            tree.choose_frontier(0)
-            inputs[b] = hidden[j].expand(len(tree.frontier), -1)
-        for depth in range(1, max(steps.values())):
-            live = [b for b in order if steps[b] > depth]
-            segments = [trees[b].frontier_segment(self.device) for b in live]
-            tokens = torch.tensor([trees[b].tokens[i] for b in live for i in trees[b].frontier], dtype=torch.long,
-                                  device=self.device)
-            logits, prenorm = self.head.forward_batch(tokens, torch.cat([inputs[b] for b in live]), segments,
-                                                      self.cache)  # [N, Vd], [N, H]
-            top_ids, top_lp = self._top(logits, widest)
-            row = 0
-            for b in live:
-                tree, first = trees[b], len(trees[b].tokens)
-                rows = {}
-                for node in tree.frontier:
-                    tree.add(node, top_ids[row][: tree.topk], top_lp[row][: tree.topk])
-                    rows[node], row = row, row + 1
-                tree.choose_frontier(first)
-                parent_rows = torch.tensor([rows[tree.parents[i]] for i in tree.frontier], device=self.device)
-                inputs[b] = prenorm[parent_rows]
-
-    def _top(self, logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
-        """The k most likely draft tokens of each row of logits [N, Vd], as target ids, with
-        their log-probabilities."""
-        top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-        return self.head.to_target_ids(top.indices).tolist(), top.values.tolist()
-
-    def _propose_static(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]]
-                        ) -> list[tuple[list[int], list[SparseDist], list[int]]]:
-        """The same extend and proposal as a padded static batch. When every proposing row is
-        greedy with one topk (the usual cycle), the extend and all steps of the greedy chains
-        (trees of topk 1) or trees run as ONE function (one CUDA graph: _extend_and_grow) fed by
-        one host copy of the batch's integers and read back once. Otherwise one extend forward,
-        then each topk's trees in one function (grow_trees_static), and sampled chains choosing
-        each token on the host, one forward per step for the whole batch. Every row runs its
-        group's deepest proposal and keeps its own; the extra steps write KV entries that the
-        next extend overwrites."""
-        n = len(work)
-        b = bucket_up(n, self.batch_buckets)
-        t = max(len(op.tokens) for _, op, _, _ in work)
-        assert b is not None
-        pad = b - n
-        tokens = [[*op.tokens, *[0] * (t - len(op.tokens))] for _, op, _, _ in work] + [[0] * t] * pad  # [B, T]
-        positions = [list(range(seq.length, seq.length + t)) for _, _, seq, _ in work] + [list(range(t))] * pad
-        slots = [seq.slot for _, _, seq, _ in work] + [self.pad_slot] * pad
-        last = [len(op.tokens) - 1 for _, op, _, _ in work] + [0] * pad
-        ends = [seq.length + len(op.tokens) for _, op, seq, _ in work] + [t] * pad  # committed entries after the extend
-        feats = self._static_features(work, b, t)  # [B, T, 3H]
-        for _, op, seq, _ in work:
-            seq.length += len(op.tokens)
-        out: list[tuple[list[int], list[SparseDist], list[int]]] = [([], [], []) for _ in work]
-        shapes = {i: (op.topk, op.num_steps, op.num_draft_tokens - 1 if op.topk > 1 else op.num_steps)
-                  for i, (_, op, seq, _) in enumerate(work) if op.num_steps > 0 and seq.sampling.greedy}
-        sampled = [i for i, (_, op, seq, _) in enumerate(work) if op.num_steps > 0 and not seq.sampling.greedy]
-        if shapes and not sampled and len({shape[0] for shape in shapes.values()}) == 1:
-            grown = self._extend_and_grow(shapes, tokens, positions, slots, last, ends, feats)
+    def _extend_and_propose(self, work: list[Work]) -> list[Proposal]:
+        out = [Proposal() for _ in work]
+        shapes = {i: w.greedy_shape for i, w in enumerate(work) if w.greedy_shape is not None}
+        sampled = [i for i, w in enumerate(work) if w.op.num_steps > 0 and not w.seq.sampling.greedy]
+        rows = [Row(w.seq.slot, w.seq.length, w.op.tokens) for w in work]
+        for w in work:
+            w.seq.length += len(w.op.tokens)
+        ends = [r.start + len(r.tokens) for r in rows]  # committed entries after the extend
+        one_graph = (self.runner.padded and shapes and not sampled and len({s[0] for s in shapes.values()}) == 1
+                     and max(len(r.tokens) for r in rows) <= self.max_steps + 1)
+        if one_graph:
+            grown = self._extend_and_grow(rows, [w.features for w in work], shapes)
         else:
-            dev = self.device
-            slots_t, ends_t = torch.tensor(slots, device=dev), torch.tensor(ends)
-            logits, prenorm = self._static_forward(torch.tensor(tokens), feats, torch.tensor(positions), slots_t,
-                                                   max(p[-1] for p in positions) + 1)
-            rows, last_t = torch.arange(b, device=dev), torch.tensor(last, device=dev)
-            last_logits, hidden = logits[rows, last_t], prenorm[rows, last_t]  # [B, Vd], [B, H]
+            extended = self.runner.run(Step(rows, hidden=[w.features for w in work]))
+            last_logits = torch.stack([logits[-1] for logits, _ in extended])  # [n, Vd]
+            hidden = torch.stack([prenorm[-1] for _, prenorm in extended if prenorm is not None])  # [n, H]
             if sampled:
-                grow_from = (last_logits.clone(), hidden.clone()) if shapes else None  # the steps replay graphs
-                self._sampled_chains(work, sampled, out, last_logits, hidden, ends_t, slots_t)
-                if grow_from is not None:
-                    last_logits, hidden = grow_from
-            grown = self._grow_static(shapes, last_logits, hidden, ends_t, slots_t)
+                self._sampled_chains([work[i] for i in sampled], last_logits[sampled], hidden[sampled],
+                                     [ends[i] for i in sampled], [out[i] for i in sampled])
+            grown = self._grow(shapes, last_logits, hidden, ends, [r.slot for r in rows]) if shapes else {}
         for i, (ids, parents) in grown.items():
-            out[i][0].extend(ids)
+            out[i].ids = ids
             if shapes[i][0] > 1:  # a chain is sent without its parents
-                out[i][2].extend(parents)
+                out[i].parents = parents
         return out
 
-    def _static_features(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]], b: int, t: int
-                         ) -> torch.Tensor:
-        """The extend's target features as [B, T, 3H]: a view when one sequence fills the batch."""
-        if b == 1 and len(work[0][1].tokens) == t:
-            return work[0][3][None].to(self.head.fc.weight.dtype)
-        width = work[0][3].shape[-1]
-        feats = torch.zeros(b, t, width, dtype=self.head.fc.weight.dtype, device=self.device)
-        for i, (_, op, _, f) in enumerate(work):
-            feats[i, : len(op.tokens)] = f
-        return feats
-
-    def _extend_and_grow(self, shapes: dict[int, tuple[int, int, int]], tokens: list[list[int]],
-                         positions: list[list[int]], slots: list[int], last: list[int], ends: list[int],
-                         feats: torch.Tensor) -> dict[int, tuple[list[int], list[int]]]:
-        """Extend and grow in one function of one graph key: the batch's integers go to the
-        device in one copy ([B, 2T + 3]: tokens, positions, slot, last row, length) and the
-        proposals come back in one read."""
-        b, t = len(tokens), len(tokens[0])
+    def _extend_and_grow(self, rows: list[Row], features: list[torch.Tensor],
+                         shapes: dict[int, tuple[int, int, int]]) -> dict[int, tuple[list[int], list[int]]]:
+        """Extend and grow as one function of one graph key: the batch's integers go to the
+        device in one copy ([B, 2T + 3]: tokens, positions, slot, last row, committed entries
+        after the extend) and the proposals come back in one read."""
+        r = self.runner
+        b, t = r.batch_bucket(len(rows)), max(len(row.tokens) for row in rows)
         topk = next(iter(shapes.values()))[0]
         steps = max(shape[1] for shape in shapes.values())
-        # the extend's entries (padding tokens included) and every level's
-        ctx = bucket_up(max(max(p[-1] for p in positions) + 1, max(ends) + (steps - 1) * topk), self.ctx_buckets)
-        assert ctx is not None
-        ints = torch.tensor([[*tokens[i], *positions[i], slots[i], last[i], ends[i]] for i in range(b)])
+        pad = [Row(r.pad_slot, 0, [])] * (b - len(rows))
+        ends = [row.start + len(row.tokens) for row in rows] + [t] * len(pad)
+        ctx = r.ctx_bucket(max(max(row.start for row in rows) + t, max(ends) + (steps - 1) * topk))
+        ints = torch.tensor([[*row.tokens, *[0] * (t - len(row.tokens)), *range(row.start, row.start + t), row.slot,
+                              max(len(row.tokens) - 1, 0), end] for row, end in zip([*rows, *pad], ends, strict=True)])
+        feats = padded_rows(features, b, t)
 
-        def fn(ints: torch.Tensor, feats: torch.Tensor) -> tuple:
-            slots, last, lengths = ints[:, 2 * t], ints[:, 2 * t + 1], ints[:, 2 * t + 2]
-            logits, prenorm = self.static_fn(ints[:, :t], feats, ints[:, t : 2 * t], slots, ctx, self.cache)
-            rows = torch.arange(b, device=feats.device)
-            return self._grow_fn(logits[rows, last], prenorm[rows, last], lengths, slots, topk, steps, ctx)
+        def fn(ints: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor]:
+            positions, slots, last, lengths = ints[:, t : 2 * t], ints[:, 2 * t], ints[:, 2 * t + 1], ints[:, 2 * t + 2]
+            logits, prenorm = r.padded_forward(ints[:, :t], positions, slots, positions, ctx, hidden=feats)
+            rows_ = torch.arange(b, device=feats.device)
+            return self._grow_fn(logits[rows_, last], prenorm[rows_, last], lengths, slots, topk, steps, ctx)
 
-        with torch.no_grad() if self.compiled else torch.inference_mode():
-            (packed,) = self.graphs.run(("extend+grow", b, t, feats.shape[-1], topk, steps, ctx), fn, ints=ints,
-                                        feats=feats)
+        (packed,) = r.graphed(("extend+grow", b, t, feats.shape[-1], topk, steps, ctx), fn, ints=ints, feats=feats)
         assert packed is not None
-        return self._unpack(packed, shapes, topk)
+        return _unpack(packed, shapes, topk)
+
+    def _grow(self, shapes: dict[int, tuple[int, int, int]], logits: torch.Tensor, hidden: torch.Tensor,
+              ends: list[int], slots: list[int]) -> dict[int, tuple[list[int], list[int]]]:
+        """The greedy rows' proposals grown on the device: one graph per topk for the whole
+        batch, padded to its bucket (rows of other topks and padding rows grow too; their extra
+        KV entries are overwritten by their next extend). logits [n, Vd], hidden [n, H]."""
+        r, n = self.runner, logits.shape[0]
+        b = r.batch_bucket(n)
+        logits = torch.cat([logits, logits.new_zeros(b - n, logits.shape[-1])])  # [B, Vd]
+        hidden = torch.cat([hidden, hidden.new_zeros(b - n, hidden.shape[-1])])  # [B, H]
+        lengths = torch.tensor(ends + [0] * (b - n), device=self.device)
+        slots_t = torch.tensor(slots + [r.pad_slot] * (b - n), device=self.device)
+        grown: dict[int, tuple[list[int], list[int]]] = {}
+        for topk in sorted({shape[0] for shape in shapes.values()}):
+            steps = max(shape[1] for shape in shapes.values() if shape[0] == topk)
+            ctx = r.ctx_bucket(max(ends) + (steps - 1) * topk)
+
+            def fn(logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                   topk: int = topk, steps: int = steps, ctx: int = ctx) -> tuple[torch.Tensor]:
+                return self._grow_fn(logits, hidden, lengths, slots, topk, steps, ctx)
+
+            (packed,) = r.graphed(("grow", b, topk, steps, ctx), fn, logits=logits, hidden=hidden, lengths=lengths,
+                                  slots=slots_t)
+            assert packed is not None
+            grown.update(_unpack(packed, shapes, topk))
+        return grown
 
     def _grow_fn(self, logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                  topk: int, steps: int, ctx: int) -> tuple[torch.Tensor]:
-        def forward(*args: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.static_fn(*args[:5], self.cache, *args[5:])
+        def forward(tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    ctx: int, entries: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits, prenorm = self.runner.padded_forward(tokens, positions, slots, entries, ctx, visible=visible,
+                                                         hidden=hidden)
+            assert prenorm is not None
+            return logits, prenorm
 
-        return (torch.cat(grow_trees_static(forward, self.head.to_target_ids, logits, hidden, lengths, slots, topk,
-                                            steps, ctx), dim=1),)  # one copy to the host
+        return (torch.cat(grow_trees(forward, self.head.to_target_ids, logits, hidden, lengths, slots, topk, steps,
+                                     ctx), dim=1),)  # one copy to the host
 
-    @staticmethod
-    def _unpack(packed: torch.Tensor, shapes: dict[int, tuple[int, int, int]], topk: int
-                ) -> dict[int, tuple[list[int], list[int]]]:
-        """The rows of `shapes` with this topk, from grow_trees_static's [B, 3N] (target ids,
-        parents, best-first order), each cut to its own steps and size."""
-        host = packed.tolist()
-        per = packed.shape[1] // 3
-        return {i: static_tree_result(host[i][:per], host[i][per : 2 * per], host[i][2 * per :], topk, shape[1],
-                                      shape[2])
-                for i, shape in shapes.items() if shape[0] == topk}
+    def _sampled_chains(self, work: list[Work], logits: torch.Tensor, hidden: torch.Tensor, ends: list[int],
+                        out: list[Proposal]) -> None:
+        """Sampled chains: each step draws every live chain's token on the host (with its q),
+        then runs one model step for all of them. logits [n, Vd], hidden [n, H] after the extend
+        (this function's own copies: overwritten step by step)."""
+        live = list(range(len(work)))
+        for step in range(max(w.op.num_steps for w in work)):
+            tokens = {j: self._sample(work[j].seq, logits[j], out[j]) for j in live}
+            live = [j for j in live if work[j].op.num_steps > step + 1]
+            if not live:
+                break
+            rows = [Row(work[j].seq.slot, ends[j] + step, [tokens[j]]) for j in live]
+            stepped = self.runner.run(Step(rows, hidden=[hidden[j][None] for j in live]))
+            for j, (step_logits, prenorm) in zip(live, stepped, strict=True):
+                assert prenorm is not None
+                logits[j], hidden[j] = step_logits[0], prenorm[0]
 
-    def _sampled_chains(self, work: list[tuple[int, ExtendPropose, DraftSequence, torch.Tensor]], sampled: list[int],
-                        out: list[tuple[list[int], list[SparseDist], list[int]]], last_logits: torch.Tensor,
-                        hidden: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor) -> None:
-        """The sampled rows' chains: each step's tokens drawn on the host, with their q."""
-        steps = max(work[i][1].num_steps for i in sampled)
-        chosen = torch.zeros(last_logits.shape[0], steps, dtype=torch.long, device=self.device)  # [B, steps]
-        for step in range(steps):
-            for i in sampled:
-                if work[i][1].num_steps > step:
-                    chosen[i, step] = self._choose(work[i][2], last_logits[i], (out[i][0], out[i][1]))
-            if step + 1 < steps:
-                pos = (ends + step)[:, None]  # [B, 1]
-                logits, prenorm = self._static_forward(chosen[:, step : step + 1], hidden[:, None], pos, slots,
-                                                       int(pos.max()) + 1)
-                last_logits, hidden = logits[:, 0], prenorm[:, 0]
-
-    def _grow_static(self, shapes: dict[int, tuple[int, int, int]], logits: torch.Tensor, hidden: torch.Tensor,
-                     ends: torch.Tensor, slots: torch.Tensor) -> dict[int, tuple[list[int], list[int]]]:
-        """The rows' proposals grown on the device, shapes[row] = (topk, num_steps, tokens to
-        keep): one graph per topk for the whole padded batch (the other rows' extra KV entries
-        are overwritten by their next extend). logits [B, Vd], hidden [B, H], ends [B] each
-        row's committed draft entries (host)."""
-        grown: dict[int, tuple[list[int], list[int]]] = {}
-        b = logits.shape[0]
-        lengths = ends.to(self.device)
-        for topk in sorted({shape[0] for shape in shapes.values()}):
-            steps = max(shape[1] for shape in shapes.values() if shape[0] == topk)
-            ctx = bucket_up(int(ends.max()) + (steps - 1) * topk, self.ctx_buckets)
-            assert ctx is not None
-
-            def fn(logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
-                   topk: int = topk, steps: int = steps, ctx: int = ctx) -> tuple:
-                return self._grow_fn(logits, hidden, lengths, slots, topk, steps, ctx)
-
-            with torch.no_grad() if self.compiled else torch.inference_mode():
-                (packed,) = self.graphs.run(("grow", b, topk, steps, ctx), fn, logits=logits, hidden=hidden,
-                                            lengths=lengths, slots=slots)
-            assert packed is not None
-            grown.update(self._unpack(packed, shapes, topk))
-        return grown
-
-    def _static_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                        slots: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens, positions [B, T], hidden [B, T, 3H or H] -> logits [B, T, Vd], prenorm [B, T, H]."""
-        ctx = bucket_up(needed, self.ctx_buckets)
-        assert ctx is not None
-        b, t = tokens.shape
-
-        def fn(tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
-            return self.static_fn(tokens, hidden, positions, slots, ctx, self.cache)
-
-        with torch.no_grad() if self.compiled else torch.inference_mode():
-            logits, prenorm = self.graphs.run((b, t, hidden.shape[-1], ctx), fn, tokens=tokens, hidden=hidden,
-                                              positions=positions, slots=slots)  # host tensors: one copy each
-        assert logits is not None and prenorm is not None
-        return logits, prenorm
-
-    def _choose(self, seq: DraftSequence, logits: torch.Tensor, out: tuple[list[int], list[SparseDist]]) -> int:
-        """Pick one draft token from draft-vocab logits [Vd]; record its target id (and q)."""
-        if seq.sampling.greedy:
-            draft_id = int(torch.argmax(logits))
-        else:
-            q = probs_from_logits(logits[None], seq.sampling)[0]  # [Vd]
-            draft_id = sample(q, seq.generator)
-            nz = torch.nonzero(q).flatten()
-            out[1].append((self.head.to_target_ids(nz).tolist(), q[nz].tolist()))
+    def _sample(self, seq: DraftSequence, logits: torch.Tensor, out: Proposal) -> int:
+        """Draw one draft token from draft-vocab logits [Vd]; record its target id and q."""
+        q = probs_from_logits(logits[None], seq.sampling)[0]  # [Vd]
+        draft_id = sample(q, seq.generator)
+        nz = torch.nonzero(q).flatten()
+        out.dists.append((self.head.to_target_ids(nz).tolist(), q[nz].tolist()))
         token = int(self.head.to_target_ids(torch.tensor(draft_id, device=self.device)))
-        out[0].append(token)
+        out.ids.append(token)
         return token
 
     def _release(self, op: Release) -> DraftResult:
         seq = self.seqs.pop(op.seq_id, None)
         if seq is not None:
-            self.free_slots.append(seq.slot)
+            self.runner.release(seq.slot)
         return DraftResult(op.seq_id)
+
+
+def _unpack(packed: torch.Tensor, shapes: dict[int, tuple[int, int, int]], topk: int
+            ) -> dict[int, tuple[list[int], list[int]]]:
+    """The rows of `shapes` with this topk, from grow_trees' [B, 3N] (target ids, parents,
+    best-first order), each cut to its own steps and size."""
+    host = packed.tolist()
+    per = packed.shape[1] // 3
+    return {i: tree_result(host[i][:per], host[i][per : 2 * per], host[i][2 * per :], topk, shape[1], shape[2])
+            for i, shape in shapes.items() if shape[0] == topk}

@@ -12,10 +12,10 @@ from draft_service.engine import DraftEngine
 from specsplit.checkpoints.eagle_head import load_head, resolve_head_dir
 from specsplit.checkpoints.shapes import random_embedding, random_weights_spec
 from specsplit.checkpoints.target_checkpoint import load_safetensors_dir, load_target_config, resolve_target_dir
-from specsplit.handoff import open_reader
-from specsplit.handoff.base import DTYPES, Descriptor
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.ops import DraftOp, DraftResult, StepTiming
+from specsplit.transport.handoff import open_reader
+from specsplit.transport.handoff.base import DTYPES, Descriptor
 
 EMBED_KEY = "model.embed_tokens.weight"
 log = logging.getLogger("specsplit.draft")
@@ -70,4 +70,4 @@ class DraftRuntime:
         return results, StepTiming(ms, ms)
 
     def stats(self) -> dict[str, int]:
-        return {"active_sequences": len(self.engine.seqs), "free_kv_slots": len(self.engine.free_slots)}
+        return {"active_sequences": len(self.engine.seqs), "free_kv_slots": self.engine.runner.free_slots}

@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from draft_service.runtime import DraftRuntime
-from specsplit import wire
-from specsplit.handoff.base import Descriptor
+from specsplit.observability.telemetry import Telemetry, record_entry_span
 from specsplit.ops import DraftOp, DraftResult, ExtendPropose, StepTiming
-from specsplit.step_stream import StepAfter, StepCodec, answer_step, serve_steps
-from specsplit.telemetry import Telemetry, record_entry_span
+from specsplit.transport import wire
+from specsplit.transport.handoff.base import Descriptor
+from specsplit.transport.step_stream import StepAfter, StepCodec, answer_step, serve_steps
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 _CODEC = StepCodec(wire.draft_op_from_proto, wire.draft_result_to_proto, DraftResult, draft_pb2.DraftStepResponse)

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc
 
-from gateway.clients import GrpcDraft, GrpcTarget
+from gateway.clients import DraftClient, GrpcDraft, GrpcTarget
 from gateway.config import GatewayConfig
 from gateway.loop_thread import LoopThread
 from gateway.observe import GatewayMetrics
@@ -22,9 +22,9 @@ from gateway.security import BearerTokenInterceptor, read_token, server_credenti
 from gateway.server import GatewayServicer
 from gateway.sglang_scheduler import SglangSchedulerServicer, WorkerModel
 from specsplit.checkpoints.target_checkpoint import resolve_target_dir
-from specsplit.replay import LABEL as REPLAY_LABEL
-from specsplit.replay import ReplayDraft, Replayer
-from specsplit.serving import (
+from specsplit.observability.telemetry import Telemetry, setup_telemetry
+from specsplit.tokenizer import TextCodec
+from specsplit.transport.serving import (
     configure_logging,
     exit_with_launcher,
     install_uvloop,
@@ -33,9 +33,7 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
-from specsplit.step_socket import resolve_spin_s
-from specsplit.telemetry import Telemetry, setup_telemetry
-from specsplit.tokenizer import TextCodec
+from specsplit.transport.step_socket import resolve_spin_s
 from specsplit.v1 import gateway_pb2_grpc, target_pb2
 
 T = TypeVar("T")
@@ -71,10 +69,6 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
     p.add_argument("--tls-cert", default=os.environ.get("SPECSPLIT_TLS_CERT", ""))
     p.add_argument("--tls-key", default=os.environ.get("SPECSPLIT_TLS_KEY", ""))
-    p.add_argument("--replay-references", default="",
-                   help="benchmarks only: a JSON list of token-id lists (prompt + target-only output); the draft's "
-                        "proposals are replaced by their continuations (replayed acceptance)")
-    p.add_argument("--replay-accept-rate", type=float, default=d.replay_accept_rate)
     p.add_argument("--no-step-sockets", dest="step_sockets", action="store_false",
                    help="always send Steps over the gRPC streams, even where a service offers a Unix step socket")
     p.add_argument("--no-loop-thread", dest="loop_thread", action="store_false",
@@ -95,15 +89,17 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                          step_timeout_s=a.step_timeout,
                          max_prompt_tokens=a.max_prompt_tokens,
                          max_prompt_chars=a.max_prompt_chars, tls_cert=a.tls_cert, tls_key=a.tls_key,
-                         replay_references=a.replay_references, replay_accept_rate=a.replay_accept_rate,
                          step_sockets=a.step_sockets, loop_thread=a.loop_thread, step_spin_us=a.step_spin_us,
                          auth_token=read_token(a.auth_token_file, os.environ.get("SPECSPLIT_AUTH_TOKEN"))).validate()
 
 
-def draft_label(cfg: GatewayConfig, name: str) -> str:
-    if name and cfg.replay_references:
-        return f"{name} ({REPLAY_LABEL} {cfg.replay_accept_rate:.2f})"
-    return name
+@dataclass
+class DraftWrap:
+    """A hook for benchmarks (bench.replay_gateway): the loop's draft client replaced by
+    `wrap(client, vocab_size)`, its name in ModelInfo followed by `label`."""
+
+    wrap: Callable[[DraftClient, int], DraftClient]
+    label: str
 
 
 @dataclass
@@ -125,7 +121,8 @@ class Backend:
                 await client.close()
 
 
-async def connect(cfg: GatewayConfig, telemetry: Telemetry, on_target_state: Callable[[bool], None]) -> Backend:
+async def connect(cfg: GatewayConfig, telemetry: Telemetry, on_target_state: Callable[[bool], None],
+                  draft_wrap: DraftWrap | None = None) -> Backend:
     """Reach both services and start the loop, on the event loop that will run it."""
     target = GrpcTarget(cfg.target_addr)
     info = await target.describe(timeout=300.0)
@@ -135,12 +132,10 @@ async def connect(cfg: GatewayConfig, telemetry: Telemetry, on_target_state: Cal
     target.blocking = blocking
     log.info("target steps over %s", target.use_step_transport(info.step_socket if cfg.step_sockets else ""))
     draft = GrpcDraft(cfg.draft_addr, blocking) if cfg.draft_addr else None
-    loop_draft = draft
-    if draft is not None and cfg.replay_references:
-        loop_draft = ReplayDraft(draft, Replayer.from_file(cfg.replay_references, cfg.replay_accept_rate,
-                                                           info.vocab_size))
-        log.warning("benchmark mode: %s at rate %.2f from %s", REPLAY_LABEL, cfg.replay_accept_rate,
-                    cfg.replay_references)
+    loop_draft: DraftClient | None = draft
+    if draft is not None and draft_wrap is not None:
+        loop_draft = draft_wrap.wrap(draft, info.vocab_size)
+        log.warning("benchmark mode: the draft's proposals are %s", draft_wrap.label)
     scheduler = Scheduler(target, loop_draft, info.max_sequences, cfg.max_queue, telemetry.tracer,
                           GatewayMetrics.create(telemetry.meter), cfg.step_timeout_s)
     scheduler.on_target_state.append(on_target_state)
@@ -156,7 +151,7 @@ async def connect(cfg: GatewayConfig, telemetry: Telemetry, on_target_state: Cal
     return Backend(info, target, draft, scheduler, recovery)
 
 
-async def serve(cfg: GatewayConfig) -> None:
+async def serve(cfg: GatewayConfig, draft_wrap: DraftWrap | None = None) -> None:
     model_dir = resolve_target_dir(cfg.model)
     codec = TextCodec.from_checkpoint(model_dir)
     telemetry = setup_telemetry("specsplit-gateway")
@@ -171,13 +166,15 @@ async def serve(cfg: GatewayConfig) -> None:
     async def on_backend(coro: Coroutine[Any, Any, T]) -> T:
         return await (loop_thread.run(coro) if loop_thread is not None else coro)
 
-    backend = await on_backend(connect(cfg, telemetry, on_target_state))
+    backend = await on_backend(connect(cfg, telemetry, on_target_state, draft_wrap))
     info, scheduler = backend.info, backend.scheduler
     limits = ModelLimits(info.vocab_size, info.max_context, list(info.eos_token_ids), backend.draft is not None,
                          cfg.max_prompt_tokens, info.max_draft_tokens)
     draft_name = backend.recovery.draft_name
+    if draft_name and draft_wrap is not None:
+        draft_name = f"{draft_name} ({draft_wrap.label})"
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(cfg, scheduler, codec, limits, info.model_name, draft_label(cfg, draft_name)), server)
+        GatewayServicer(cfg, scheduler, codec, limits, info.model_name, draft_name), server)
     sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(  # for smg, on the same port
         SglangSchedulerServicer(cfg, scheduler, codec, limits,
                                 WorkerModel.load(info.model_name, cfg.model, model_dir, codec)), server)
@@ -205,15 +202,15 @@ async def serve(cfg: GatewayConfig) -> None:
         telemetry.shutdown()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, draft_wrap: DraftWrap | None = None) -> None:
     try:
         cfg = parse_args(argv)
     except (ValueError, OSError) as e:  # a bad setting: say which, no traceback
-        raise SystemExit(f"{__package__}: configuration error: {e}") from None
+        raise SystemExit(f"gateway: configuration error: {e}") from None
     configure_logging("gateway")
     exit_with_launcher()
     install_uvloop()
-    asyncio.run(serve(cfg))
+    asyncio.run(serve(cfg, draft_wrap))
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ from typing import Any, Protocol
 
 import grpc
 
-from specsplit import wire
 from specsplit.ops import DraftOp, DraftResult, StepTiming, TargetOp, TargetResult
-from specsplit.serving import channel_options
-from specsplit.step_socket import BlockingSocketStream, SocketStream
+from specsplit.transport import wire
+from specsplit.transport.serving import channel_options
+from specsplit.transport.step_socket import BlockingSocketStream, SocketStream
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specsplit.step_socket import check_spin_us
+from specsplit.transport.step_socket import check_spin_us
 
 
 @dataclass
@@ -35,8 +35,6 @@ class GatewayConfig:
     step_sockets: bool = True  # Steps over a service's Unix socket when it offers one on this host
     loop_thread: bool = True  # the speculation loop on a thread of its own (its step sockets read blocking)
     step_spin_us: float = -1.0  # loop thread: poll a step socket this long for the reply before blocking; -1: auto
-    replay_references: str = ""  # benchmarks only: JSON token-id lists whose continuations the draft "proposes"
-    replay_accept_rate: float = 0.8  # per-token acceptance the replayed proposals are given
 
     def validate(self) -> GatewayConfig:
         if not self.target_addr:
@@ -52,8 +50,6 @@ class GatewayConfig:
         self.default_max_new_tokens = min(self.default_max_new_tokens, self.max_new_tokens_cap)
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
-        if not 0.0 <= self.replay_accept_rate <= 1.0:
-            raise ValueError("replay_accept_rate must be within [0, 1]")
         if not 1 <= self.stream_interval <= 4096:
             raise ValueError("stream_interval must be within 1..4096")
         if not 0.0 < self.step_timeout_s <= 3600.0:

@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 class LoopThread:
     def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()  # uvloop's, once specsplit.serving.install_uvloop ran
+        self.loop = asyncio.new_event_loop()  # uvloop's, once specsplit.transport.serving.install_uvloop ran
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
 
     def start(self) -> LoopThread:

@@ -31,6 +31,7 @@ from opentelemetry import trace
 
 from gateway.clients import DraftClient, TargetClient
 from gateway.observe import NOOP_METRICS, NOOP_TRACER, GatewayMetrics
+from specsplit.observability.telemetry import inject
 from specsplit.ops import (
     Code,
     DraftOp,
@@ -46,7 +47,6 @@ from specsplit.ops import (
     TargetResult,
     Verify,
 )
-from specsplit.telemetry import inject
 
 log = logging.getLogger("specsplit.gateway")
 MAX_DRAFT_FAILURES = 3  # consecutive per-sequence draft errors before the sequence goes on target-only

@@ -12,7 +12,7 @@ from gateway.config import GatewayConfig
 from gateway.detok import IncrementalDetokenizer
 from gateway.requests import InvalidRequest, ModelLimits, parse
 from gateway.scheduler import Failed, Finished, QueueFull, Scheduler, Unavailable
-from specsplit.telemetry import extract
+from specsplit.observability.telemetry import extract
 from specsplit.tokenizer import TextCodec
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 

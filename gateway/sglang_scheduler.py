@@ -29,7 +29,7 @@ from gateway.config import GatewayConfig
 from gateway.requests import InvalidRequest, ModelLimits
 from gateway.scheduler import Failed, Finished, QueueFull, Scheduler, Sequence, Unavailable
 from gateway.sglang_requests import MAX_REQUEST_ID_CHARS, parse_sglang
-from specsplit.telemetry import extract
+from specsplit.observability.telemetry import extract
 from specsplit.tokenizer import TextCodec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",

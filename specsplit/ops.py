@@ -1,5 +1,5 @@
 """Plain-Python operations and results of the two engines (gRPC stays at the edge:
-specsplit.wire converts these to and from the protos)."""
+specsplit.transport.wire converts these to and from the protos)."""
 
 from __future__ import annotations
 

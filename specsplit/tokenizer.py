@@ -4,34 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import jinja2.sandbox
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
-if TYPE_CHECKING:
-    from specsplit.checkpoints.gguf_file import GGUFCheckpoint
-
-_CONTROL = 3  # llama.cpp token type of special tokens
-
-
-def gguf_tokenizer_json(ckpt: GGUFCheckpoint) -> str:
-    """Build a byte-level BPE tokenizer (GPT-2 style, as SmolLM2 and Llama 3 use)."""
-    if ckpt.meta("tokenizer.ggml.model") != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {ckpt.meta('tokenizer.ggml.model')!r}")
-    tokens: list[str] = list(ckpt.meta("tokenizer.ggml.tokens"))
-    types = list(ckpt.meta("tokenizer.ggml.token_type"))
-    merges = [tuple(m.split(" ", 1)) for m in ckpt.meta("tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if ckpt.meta("tokenizer.ggml.pre") == "smollm":  # digits split one by one, then GPT-2 regex
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL])
-    return tok.to_str()
+from specsplit.checkpoints.gguf_file import GGUFCheckpoint
 
 
 class TextCodec:
@@ -50,8 +27,6 @@ class TextCodec:
     def from_checkpoint(cls, path: str | Path) -> TextCodec | None:
         path = Path(path)
         if path.suffix == ".gguf":
-            from specsplit.checkpoints.gguf_file import GGUFCheckpoint
-
             ck = GGUFCheckpoint(path)
             tokens = ck.meta("tokenizer.ggml.tokens")
             bos, eos = ck.meta("tokenizer.ggml.bos_token_id"), ck.meta("tokenizer.ggml.eos_token_id")

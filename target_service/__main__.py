@@ -14,7 +14,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from specsplit.serving import (
+from specsplit.observability.telemetry import setup_telemetry
+from specsplit.transport.serving import (
     configure_logging,
     exit_with_launcher,
     install_uvloop,
@@ -23,8 +24,7 @@ from specsplit.serving import (
     serve_until_signal,
     set_serving,
 )
-from specsplit.step_socket import SERVICE_SPIN_HELP, StepSocketServer, resolve_spin_s
-from specsplit.telemetry import setup_telemetry
+from specsplit.transport.step_socket import SERVICE_SPIN_HELP, StepSocketServer, resolve_spin_s
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import FUSED_DECODE, TargetConfig
 from target_service.runtime import TargetRuntime, init_distributed, worker_loop

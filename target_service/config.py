@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specsplit.handoff.base import DTYPES
-from specsplit.handoff.factory import BACKENDS
-from specsplit.step_socket import check_spin_us, check_step_socket
+from specsplit.transport.handoff.base import DTYPES
+from specsplit.transport.handoff.factory import BACKENDS
+from specsplit.transport.step_socket import check_spin_us, check_step_socket
 
 FUSED_DECODE = ("off", "on", "pdl")
 

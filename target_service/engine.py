@@ -13,9 +13,7 @@ from typing import TypeGuard
 
 import torch
 
-from specsplit.models.cuda_graphs import GraphCache, bucket_up, compile_static, pow2_buckets
-from specsplit.models.fused_decode import FusedDecode
-from specsplit.models.layers import Segment, tree_layout, tree_segment
+from specsplit.models.fused import FusedLlama
 from specsplit.models.llama import LlamaModel
 from specsplit.ops import (
     Code,
@@ -28,6 +26,7 @@ from specsplit.ops import (
     TargetResult,
     Verify,
 )
+from specsplit.runner.runner import ModelRunner, Row, Step
 from specsplit.sampling import select_token, verify_chain, verify_tree
 from target_service.config import TargetConfig
 
@@ -64,30 +63,20 @@ class Work:
     index: int
     op: TargetOp
     seq: Sequence
-    tokens: list[int]
-    start: int
-    slot: int
+    row: Row
 
 
 class TargetEngine:
     def __init__(self, cfg: TargetConfig, model: LlamaModel) -> None:
         self.cfg, self.model = cfg, model
         self.vocab = model.cfg.vocab_size
-        # one extra slot takes the padding rows of static batches; room for a padded verify past the context
-        self.pad_slot = cfg.max_sequences
-        self.cache = model.new_cache(cfg.max_sequences + 1, cfg.max_context + cfg.max_draft_tokens + 1)
-        self.free_slots = list(range(cfg.max_sequences - 1, -1, -1))
+        fused = FusedLlama(model, pdl=cfg.fused_decode == "pdl") if cfg.fused_decode != "off" else None
+        # room for a padded verify past the context
+        self.runner = ModelRunner(model, cfg.max_sequences, cfg.max_context + cfg.max_draft_tokens + 1,
+                                  cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, fused=fused,
+                                  padded_tokens=cfg.max_draft_tokens + 1)
         self.seqs: dict[int, Sequence] = {}
-        self.device = model.embed_tokens.weight.device
-        self.graphs = GraphCache(self.device, cfg.cuda_graphs)
-        # padded static batches on CUDA, with or without graphs (the same kernels either way); tests turn them on on CPU
-        self.use_static = self.device.type == "cuda"
-        self.static_fn = compile_static(model.static_forward) if cfg.compile else model.static_forward
-        # steps of one sequence (decode, chain and tree verifies): the fused Triton step
-        # (specsplit.models.fused_decode), if asked for
-        self.fused = FusedDecode(model, pdl=cfg.fused_decode == "pdl") if cfg.fused_decode != "off" else None
-        self.batch_buckets = pow2_buckets(1, cfg.max_sequences)
-        self.ctx_buckets = pow2_buckets(min(128, self.cache.max_len), self.cache.max_len)
+        self.device = self.runner.device
 
     # -- validation shared by rank 0 (before allocating ring rows) and every rank
     def check(self, op: TargetOp) -> None:
@@ -101,14 +90,14 @@ class TargetEngine:
                               f"prompt of {len(op.prompt_ids)} tokens does not fit the context of "
                               f"{self.cfg.max_context}")
             self._check_ids(op.prompt_ids)
-            if not self.free_slots:
+            if not self.runner.free_slots:
                 raise OpError(Code.RESOURCE_EXHAUSTED, "no free KV slot")
         elif isinstance(op, Verify | Recapture):
             seq = self.seqs.get(op.seq_id)
             if seq is None or seq.last_token < 0:
                 raise OpError(Code.NOT_FOUND, f"unknown sequence {op.seq_id}")
             if isinstance(op, Recapture):
-                if not self.free_slots:
+                if not self.runner.free_slots:
                     raise OpError(Code.RESOURCE_EXHAUSTED, "no free KV slot to recompute features in")
                 return
             if len(op.draft_ids) > self.cfg.max_draft_tokens:
@@ -179,119 +168,25 @@ class TargetEngine:
     def _plan(self, i: int, op: TargetOp) -> Work:
         if isinstance(op, Prefill):
             gen = torch.Generator(device=self.device).manual_seed(op.sampling.seed)  # where the logits are
-            seq = Sequence(self.free_slots.pop(), 0, -1, op.sampling, gen)
+            seq = Sequence(self.runner.allocate(), 0, -1, op.sampling, gen)
             self.seqs[op.seq_id] = seq
-            return Work(i, op, seq, op.prompt_ids, 0, seq.slot)
+            return Work(i, op, seq, Row(seq.slot, 0, op.prompt_ids))
         seq = self.seqs[op.seq_id]
-        if isinstance(op, Verify):
-            return Work(i, op, seq, [seq.last_token, *op.draft_ids], seq.length, seq.slot)
-        return Work(i, op, seq, seq.tokens, 0, self.free_slots.pop())  # Recapture: in a scratch slot
+        if isinstance(op, Verify):  # the last emitted token, then the drafts (a tree under it: parents shifted)
+            parents = [-1, *(p + 1 for p in op.draft_parents)] if op.draft_parents else None
+            return Work(i, op, seq, Row(seq.slot, seq.length, [seq.last_token, *op.draft_ids], parents))
+        return Work(i, op, seq, Row(self.runner.allocate(), 0, seq.tokens))  # Recapture: in a scratch slot
 
     def _run(self, work: list[Work], outcomes: list[Outcome | None]) -> None:
         capture = any(getattr(w.op, "capture", True) for w in work)
         try:
-            parts = self._forward_static(work, capture) if self._static(work) else self._forward_eager(work, capture)
+            outputs = self.runner.run(Step([w.row for w in work], capture=capture))
         finally:
-            self.free_slots += [w.slot for w in work if isinstance(w.op, Recapture)]
-        for w, (logits, rows) in zip(work, parts, strict=True):
+            for w in work:
+                if isinstance(w.op, Recapture):
+                    self.runner.release(w.row.slot)
+        for w, (logits, rows) in zip(work, outputs, strict=True):
             outcomes[w.index] = self._finish(w, logits, rows if getattr(w.op, "capture", True) else None)
-
-    def _static(self, work: list[Work]) -> bool:
-        """Verifies (decode = a verify of no drafts), chains and trees, run as a padded static batch
-        in a CUDA graph."""
-        return self.use_static and all(isinstance(w.op, Verify) for w in work)
-
-    def _forward_eager(self, work: list[Work], capture: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        tokens = torch.tensor([t for w in work for t in w.tokens], dtype=torch.long, device=self.device)
-        segments = [tree_segment(w.slot, w.start, _tree_parents(w.op), self.device) if _is_tree(w.op)
-                    else Segment(w.slot, w.start, len(w.tokens)) for w in work]
-        logits, aux = self.model.forward_batch(tokens, segments, self.cache, capture)  # [N, V], [N, 3H]
-        parts, off = [], 0
-        for w in work:
-            part = slice(off, off + len(w.tokens))
-            off += len(w.tokens)
-            parts.append((logits[part], None if aux is None else aux[part]))
-        return parts
-
-    def _forward_static(self, work: list[Work], capture: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """B sequences padded to the batch bucket, each to the longest chain T; padding rows write
-        the spare slot, padding tokens write KV entries past the sequence that later steps overwrite."""
-        b = bucket_up(len(work), self.batch_buckets)
-        t = max(len(w.tokens) for w in work)
-        ctx = bucket_up(max(w.start for w in work) + t, self.ctx_buckets)
-        assert b is not None and ctx is not None
-        if self.fused is not None and len(work) == 1 and t <= self.fused.max_rows:
-            return [self._run_fused(work[0], capture)]
-        pad = b - len(work)
-        tokens = torch.tensor([[*w.tokens, *[0] * (t - len(w.tokens))] for w in work] + [[0] * t] * pad)  # [B, T]
-        positions = torch.tensor([list(range(w.start, w.start + t)) for w in work] + [list(range(t))] * pad)
-        slots = torch.tensor([w.slot for w in work] + [self.pad_slot] * pad)
-        if any(_is_tree(w.op) for w in work):
-            return self._run_static_tree(work, tokens, positions, slots, ctx, capture)
-
-        def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple:
-            return self.static_fn(tokens, positions, slots, ctx, self.cache, capture)
-
-        with torch.no_grad() if self.cfg.compile else torch.inference_mode():
-            logits, aux = self.graphs.run((b, t, ctx, capture), fn, tokens=tokens, positions=positions,
-                                          slots=slots)  # host tensors: one copy each into the graph's inputs
-        assert logits is not None
-        return [(logits[i, : len(w.tokens)], None if aux is None else aux[i, : len(w.tokens)])
-                for i, w in enumerate(work)]
-
-    def _run_fused(self, w: Work, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One sequence's step (a decode, a chain or a tree of T tokens) as the fused step, from a
-        graph of its own per T. Its inputs travel in one host tensor, one copy: tokens, rotary
-        positions, KV entries start.., the slot, the [T, T] mask (token i sees new token j)."""
-        assert self.fused is not None
-        t = len(w.tokens)
-        entries = list(range(w.start, w.start + t))
-        if _is_tree(w.op):
-            positions, rows, cols = tree_layout(w.start, _tree_parents(w.op))
-            mask = torch.zeros(t, t, dtype=torch.long)
-            mask[rows, [c - w.start for c in cols]] = 1
-        else:
-            positions, mask = entries, torch.ones(t, t, dtype=torch.long).tril()
-        packed = torch.cat([torch.tensor([*w.tokens, *positions, *entries, w.slot]), mask.view(-1)])
-        fused = self.fused
-
-        def fn(packed: torch.Tensor) -> tuple:
-            tokens, positions, entries = (packed[i * t : (i + 1) * t].view(1, t) for i in range(3))
-            slots, mask = packed[3 * t : 3 * t + 1], packed[3 * t + 1 :].view(t, t)
-            return fused(tokens, positions, slots, 0, self.cache, capture, entries, mask)
-
-        with torch.inference_mode():
-            logits, aux = self.graphs.run(("fused", t, capture), fn, packed=packed)
-        assert logits is not None
-        return logits[0], None if aux is None else aux[0]
-
-    def _run_static_tree(self, work: list[Work], tokens: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
-                         ctx: int, capture: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """A static batch holding trees (graphs of their own key): rows write KV entries start.. in
-        order, at rotary positions start + depth, seeing the committed entries, their ancestors
-        and themselves (chain rows and padding tokens: everything up to their own entry)."""
-        b, t = tokens.shape
-        keys = torch.arange(ctx)
-        visible = keys[None, None, :] <= entries[:, :, None]  # [B, T, ctx] causal
-        positions = entries.clone()
-        for i, w in enumerate(work):
-            if _is_tree(w.op):  # on the host, a few writes per tree (not per node)
-                tree_positions, rows, cols = tree_layout(w.start, _tree_parents(w.op))
-                n = len(tree_positions)
-                positions[i, :n] = torch.tensor(tree_positions)
-                visible[i, :n, w.start :] = False
-                visible[i, rows, cols] = True
-
-        def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
-               visible: torch.Tensor) -> tuple:
-            return self.static_fn(tokens, positions, slots, ctx, self.cache, capture, entries, visible)
-
-        with torch.no_grad() if self.cfg.compile else torch.inference_mode():
-            logits, aux = self.graphs.run((b, t, ctx, capture, "tree"), fn, tokens=tokens, positions=positions,
-                                          slots=slots, entries=entries, visible=visible)  # host tensors
-        assert logits is not None
-        return [(logits[i, : len(w.tokens)], None if aux is None else aux[i, : len(w.tokens)])
-                for i, w in enumerate(work)]
 
     def _finish(self, w: Work, logits: torch.Tensor, rows: torch.Tensor | None) -> Outcome:
         op, seq = w.op, w.seq
@@ -314,13 +209,11 @@ class TargetEngine:
     def _finish_tree(self, w: Work, op: Verify, logits: torch.Tensor, rows: torch.Tensor | None) -> Outcome:
         """Accept the tree's longest matching path, then move the path's KV entries (written at
         start + node index) to start + depth, where the committed sequence continues."""
-        seq = w.seq
+        seq, start = w.seq, w.row.start
         path, emitted = verify_tree(logits, op.draft_ids, op.draft_parents)
         if path != list(range(len(path))):
-            src = torch.tensor(path, device=self.device) + w.start
-            dst = torch.arange(len(path), device=self.device) + w.start
-            for kv in (self.cache.k, self.cache.v):  # [layers, slots, entries, kv_heads, head_dim]
-                kv[:, w.slot, dst] = kv[:, w.slot, src]
+            src = torch.tensor(path, device=self.device) + start
+            self.runner.cache.move(seq.slot, src, torch.arange(len(path), device=self.device) + start)
         accepted = len(path) - 1
         seq.tokens += [seq.last_token, *emitted[:accepted]]
         seq.length += accepted + 1
@@ -331,14 +224,9 @@ class TargetEngine:
     def _release(self, op: Release) -> Outcome:
         seq = self.seqs.pop(op.seq_id, None)
         if seq is not None:
-            self.free_slots.append(seq.slot)
+            self.runner.release(seq.slot)
         return Outcome(TargetResult(op.seq_id))
 
 
 def _is_tree(op: TargetOp) -> TypeGuard[Verify]:
     return isinstance(op, Verify) and bool(op.draft_parents)
-
-
-def _tree_parents(op: Verify) -> list[int]:
-    """The verified tokens' parents: [last, d1..dn] with `last` the root (draft parent -1 -> 0)."""
-    return [-1, *(p + 1 for p in op.draft_parents)]

@@ -15,11 +15,11 @@ from specsplit.checkpoints.target_checkpoint import (
     load_target_config,
     resolve_target_dir,
 )
-from specsplit.handoff import open_writer
-from specsplit.handoff.base import DTYPES, Allocation
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
 from specsplit.ops import HiddenRef, StepTiming, TargetOp, TargetResult
+from specsplit.transport.handoff import open_writer
+from specsplit.transport.handoff.base import DTYPES, Allocation
 from target_service.config import TargetConfig
 from target_service.engine import Plan, TargetEngine
 
@@ -104,7 +104,7 @@ class TargetRuntime:
 
     def stats(self) -> dict[str, int]:
         assert self.writer is not None
-        return {"active_sequences": len(self.engine.seqs), "free_kv_slots": len(self.engine.free_slots),
+        return {"active_sequences": len(self.engine.seqs), "free_kv_slots": self.engine.runner.free_slots,
                 "ring_rows_in_use": self.writer.allocator.used,
                 "ring_live_allocations": self.writer.allocator.live_allocations}
 

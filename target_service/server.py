@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from specsplit import wire
+from specsplit.observability.telemetry import Telemetry, record_entry_span
 from specsplit.ops import Prefill, StepTiming, TargetOp, TargetResult, Verify
-from specsplit.step_stream import StepAfter, StepCodec, answer_step, serve_steps
-from specsplit.telemetry import Telemetry, record_entry_span
+from specsplit.transport import wire
+from specsplit.transport.step_stream import StepAfter, StepCodec, answer_step, serve_steps
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.runtime import TargetRuntime
 

@@ -1,6 +1,6 @@
 """CUDA graphs: replaying a captured static batch gives exactly what running it eagerly gives.
 
-On CUDA both modes run the padded static batches (`forward_static`), so their kernels are the
+On CUDA both modes run the padded batches (`ModelRunner.padded_forward`), so their kernels are the
 same and the outputs must be bitwise equal; greedy speculation with graphs must still equal
 target-only decoding.
 """
@@ -13,18 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.replay import ReplayDraft, Replayer
 from draft_service.config import DraftConfig
 from gateway.clients import LocalDraft
 from gateway.local import LocalEngines
 from gateway.scheduler import GenerationRequest
 from specsplit.checkpoints.target_checkpoint import load_safetensors_dir, load_target_config
-from specsplit.client import make_request
-from specsplit.launcher import StackConfig
-from specsplit.models.cuda_graphs import GraphCache
+from specsplit.cli.client import make_request
+from specsplit.cli.launcher import StackConfig
+from specsplit.models.batch import Batch
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
 from specsplit.ops import Sampling
-from specsplit.replay import ReplayDraft, Replayer
+from specsplit.runner.graphs import GraphCache
 from target_service.config import TargetConfig
 from tests.test_gpu_services import TINY_PROMPTS, needs_gpus, run_stack
 
@@ -67,7 +68,7 @@ def test_model_graph_replay_is_bitwise_equal_to_eager(tiny_target: Path) -> None
             slots = torch.arange(b, device=dev)
 
             def fn(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache=cache) -> tuple:  # noqa: ANN001
-                return model.forward_static(tokens, positions, slots, 128, cache, True)
+                return model(tokens.view(-1), Batch.padded(positions, slots, positions, 128, capture=True), cache)
 
             with torch.inference_mode():
                 logits, aux = graphs.run((b, t), fn, tokens=tokens, positions=positions, slots=slots)
@@ -91,9 +92,9 @@ def test_engines_with_and_without_graphs_give_identical_tokens(tiny_target: Path
             refs = [p + b for p, b in zip(TINY_PROMPTS, base, strict=True)]
             results[graphs] = (base, greedy(e, TINY_PROMPTS, 4), greedy(e, TINY_PROMPTS, 5, 0.8, refs))
             if graphs:
-                assert e.target.engine.graphs.replays > 0 and e.draft.engine.graphs.replays > 0
+                assert e.target.engine.runner.graphs.replays > 0 and e.draft.engine.runner.graphs.replays > 0
             else:
-                assert not e.target.engine.graphs.graphs and not e.draft.engine.graphs.graphs
+                assert not e.target.engine.runner.graphs.graphs and not e.draft.engine.runner.graphs.graphs
             assert e.target.stats()["active_sequences"] == 0
         finally:
             e.close()
@@ -126,7 +127,7 @@ def test_trees_with_and_without_graphs_give_identical_tokens(tiny_target: Path, 
                                                           strict=True)], recording)]
             results[graphs] = (base, trees, recording.seen)
             if graphs:
-                assert any(key[0] == "grow" for key in e.draft.engine.graphs.graphs)
+                assert any(key[0] == "grow" for key in e.draft.engine.runner.graphs.graphs)
         finally:
             e.close()
     assert results[True] == results[False]
@@ -209,7 +210,7 @@ def test_in_process_target_and_draft_on_different_gpus(tiny_target: Path, tiny_h
             base = greedy(e, TINY_PROMPTS, 0)
             refs = [p + b for p, b in zip(TINY_PROMPTS, base, strict=True)]
             outs.append((base, greedy(e, TINY_PROMPTS, 4, 0.8, refs)))
-            assert e.target.engine.graphs.replays > 0 and e.draft.engine.graphs.replays > 0
+            assert e.target.engine.runner.graphs.replays > 0 and e.draft.engine.runner.graphs.replays > 0
         finally:
             e.close()
     assert outs[0] == outs[1] == outs[2]

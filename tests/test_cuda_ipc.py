@@ -9,7 +9,7 @@ import traceback
 import pytest
 import torch
 
-from specsplit.handoff import RingAllocator, open_reader, open_writer
+from specsplit.transport.handoff import RingAllocator, open_reader, open_writer
 
 pytestmark = pytest.mark.gpu
 

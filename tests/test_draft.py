@@ -10,8 +10,8 @@ import torch
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
 from specsplit.checkpoints.eagle_head import load_head
-from specsplit.handoff import open_writer
 from specsplit.ops import Code, ExtendPropose, HiddenRef, Release
+from specsplit.transport.handoff import open_writer
 
 SPECFORGE_KEYS = {
     "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",

@@ -1,4 +1,4 @@
-"""The fused steps (specsplit.models.fused_decode): one-token decode and multi-row verify
+"""The fused steps (specsplit.models.fused): one-token decode and multi-row verify
 (chains and trees), their logits, features and KV entries against the static path's from CUDA
 graphs, with and without programmatic dependent launch; the target engine serving them; and the
 configurations they refuse."""
@@ -16,12 +16,12 @@ from gateway.local import LocalEngines
 from gateway.scheduler import GenerationRequest
 from specsplit.checkpoints.shapes import SHAPES
 from specsplit.checkpoints.tiny import tiny_config
-from specsplit.models.cuda_graphs import GraphCache
-from specsplit.models.fused_decode import FusedDecode, fused_decode_unsupported
-from specsplit.models.layers import tree_layout
+from specsplit.models.batch import Batch, tree_layout
+from specsplit.models.fused import FusedLlama, fused_decode_unsupported
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
 from specsplit.ops import Sampling
+from specsplit.runner.graphs import GraphCache
 from target_service.config import TargetConfig
 from tests.test_gpu_services import TINY_PROMPTS, needs_gpus
 
@@ -47,31 +47,28 @@ def test_models_the_fused_step_cannot_run_are_refused_with_the_reason() -> None:
     assert "power-of-two head_dim" in str(fused_decode_unsupported(model(head_dim=24)))
     assert "head_dim in 16..256" in str(fused_decode_unsupported(model(head_dim=8)))
     with pytest.raises(ValueError, match="biases"):
-        FusedDecode(model(attention_bias=True))
+        FusedLlama(model(attention_bias=True))
 
 
-class StaticAsFused:
-    """Stands in for FusedDecode on the CPU (no Triton): the inputs the engine packs for a fused
-    step — tokens, rotary positions, KV entries, slot, the [T, T] mask — turned back into the
-    static path's tree forward, so the packing is checked wherever the tests run."""
+class PaddedAsFused:
+    """Stands in for FusedLlama on the CPU (no Triton): the batch the runner packs for a fused
+    step (tokens, rotary positions, KV entries, slot, the [T, T] mask) run by the model itself
+    as a padded batch, so the packing is checked wherever the tests run."""
 
     max_rows = 64
 
     def __init__(self, model: LlamaModel) -> None:
         self.model, self.rows = model, []
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: int, cache: object,
-                 capture: bool = False, entries: torch.Tensor | None = None, mask: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        t = tokens.shape[-1]
+    def forward(self, tokens: torch.Tensor, batch: Batch, cache: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = tokens.shape[0]
         self.rows.append(t)
-        entries = positions if entries is None else entries
-        start = int(entries[0, 0])
-        assert entries.tolist() == [list(range(start, start + t))]
-        visible = torch.zeros(1, t, start + t, dtype=torch.bool)
-        visible[:, :, :start] = True
-        visible[0, :, start:] = torch.ones(t, t, dtype=torch.bool).tril() if mask is None else mask.bool()
-        return self.model.static_forward(tokens, positions, slots, start + t, cache, capture, entries, visible)
+        assert batch.entries is not None and batch.slots is not None and batch.tree_mask is not None
+        start = int(batch.entries[0, 0])
+        assert batch.entries.tolist() == [list(range(start, start + t))] and batch.tree_mask.shape == (1, t, t)
+        padded = Batch.padded(batch.positions.view(1, t), batch.slots, batch.entries, start + t, batch.tree_mask,
+                              capture=batch.capture)
+        return self.model(tokens, padded, cache)  # type: ignore[arg-type]
 
 
 def test_engine_packs_fused_steps_as_the_static_path_runs_them(tiny_target: Path, tiny_head: Path) -> None:
@@ -82,14 +79,14 @@ def test_engine_packs_fused_steps_as_the_static_path_runs_them(tiny_target: Path
                      DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
     try:
         assert e.draft is not None
-        e.target.engine.use_static = e.draft.engine.use_static = True
+        e.target.engine.runner.padded = e.draft.engine.runner.padded = True
 
         def run(steps: int, topk: int = 1) -> list[list[int]]:
             return [e.generate([GenerationRequest(p, 16, Sampling(), set(), steps, topk, 8 if topk > 1 else 0)]
                                )[0].tokens for p in TINY_PROMPTS[:2]]
 
         static = run(0)
-        fused = e.target.engine.fused = StaticAsFused(e.target.model)  # type: ignore[assignment]
+        fused = e.target.engine.runner.fused = PaddedAsFused(e.target.model)  # type: ignore[assignment]
         assert run(0) == run(3) == run(3, topk=3) == static
         assert {1, 4, 8} <= set(fused.rows)
         fused.rows.clear()
@@ -122,25 +119,27 @@ def test_fused_step_matches_the_static_path(dtype: torch.dtype, pdl: bool) -> No
     model = _random_model(cfg, dtype)
     ref_cache, cache = model.new_cache(2, 256), model.new_cache(2, 256)
     prompt = torch.randint(0, cfg.vocab_size, (100,), device="cuda")
-    logits, _ = model(prompt, 0, ref_cache, 1)
-    model(prompt, 0, cache, 1)
-    fused, graphs = FusedDecode(model, pdl), GraphCache(torch.device("cuda"))
+    logits, _ = model(prompt, Batch.sequence(prompt, slot=1), ref_cache)
+    model(prompt, Batch.sequence(prompt, slot=1), cache)
+    fused, graphs = FusedLlama(model, pdl), GraphCache(torch.device("cuda"))
     slots = torch.ones(1, dtype=torch.long, device="cuda")
-    tok = logits[-1].argmax().view(1, 1)
+    tok = logits[-1].argmax().view(1)
     tol = 1e-4 if dtype == torch.float32 else 4e-2
     same = 0
     for pos in range(100, 140):
         positions = torch.full((1, 1), pos, dtype=torch.long, device="cuda")
-        ref, ref_aux = model.forward_static(tok, positions, slots, 128 if pos < 128 else 256, ref_cache, True)
-        got, aux = graphs.run((), lambda tokens, positions, slots: fused(tokens, positions, slots, 256, cache, True),
-                              tokens=tok, positions=positions, slots=slots)  # one graph: any position
-        assert got.shape == ref.shape == (1, 1, cfg.vocab_size) and got.dtype == torch.float32
+        ctx = 128 if pos < 128 else 256
+        ref, ref_aux = model(tok, Batch.padded(positions, slots, positions, ctx, capture=True), ref_cache)
+        got, aux = graphs.run((), lambda tokens, positions, slots: fused.forward(
+            tokens, Batch.padded(positions, slots, positions, 0, capture=True), cache),
+            tokens=tok, positions=positions, slots=slots)  # one graph: any position
+        assert got.shape == ref.shape == (1, cfg.vocab_size) and got.dtype == torch.float32
         assert aux is not None and ref_aux is not None and aux.shape == ref_aux.shape
         scale = ref.abs().max().item()
         assert (got - ref).abs().max().item() <= tol * scale
         assert (aux.float() - ref_aux.float()).abs().max().item() <= tol * ref_aux.float().abs().max().item()
         same += int(got.argmax() == ref.argmax())
-        tok = ref[0, -1].argmax().view(1, 1)  # both follow the reference's tokens
+        tok = ref[-1].argmax().view(1)  # both follow the reference's tokens
     assert len(graphs.graphs) == 1 and graphs.replays == 40
     assert same == 40 if dtype == torch.float32 else same >= 36
     kv_tol = 1e-5 if dtype == torch.float32 else 5e-2
@@ -171,9 +170,9 @@ def test_fused_verify_matches_the_static_path(dtype: torch.dtype, pdl: bool, sha
     model = _random_model(cfg, dtype)
     ref_cache, cache = model.new_cache(2, 256), model.new_cache(2, 256)
     prompt = torch.randint(0, cfg.vocab_size, (160,), device="cuda")
-    model(prompt, 0, ref_cache, 1)
-    model(prompt, 0, cache, 1)
-    fused, graphs = FusedDecode(model, pdl), GraphCache(torch.device("cuda"))
+    model(prompt, Batch.sequence(prompt, slot=1), ref_cache)
+    model(prompt, Batch.sequence(prompt, slot=1), cache)
+    fused, graphs = FusedLlama(model, pdl), GraphCache(torch.device("cuda"))
     slots = torch.ones(1, dtype=torch.long, device="cuda")
     tol = 1e-4 if dtype == torch.float32 else 4e-2
     for start in (100, 130, 160):
@@ -183,13 +182,13 @@ def test_fused_verify_matches_the_static_path(dtype: torch.dtype, pdl: bool, sha
         visible = torch.zeros(1, t, 256, dtype=torch.bool, device="cuda")
         visible[:, :, :start] = True
         visible[0, rows, cols] = True
-        mask = visible[0, :, start : start + t].contiguous()
-        tokens = torch.randint(0, cfg.vocab_size, (1, t), device="cuda")
-        ref, ref_aux = model.static_forward(tokens, pos, slots, 256, ref_cache, True, entries, visible)
-        got, aux = graphs.run((), lambda tokens, positions, slots, entries, mask: fused(
-            tokens, positions, slots, 0, cache, True, entries, mask), tokens=tokens, positions=pos, slots=slots,
-            entries=entries, mask=mask)
-        assert got.shape == ref.shape == (1, t, cfg.vocab_size) and got.dtype == torch.float32
+        mask = visible[:, :, start : start + t].contiguous()  # [1, T, T]
+        tokens = torch.randint(0, cfg.vocab_size, (t,), device="cuda")
+        ref, ref_aux = model(tokens, Batch.padded(pos, slots, entries, 256, visible=visible, capture=True), ref_cache)
+        got, aux = graphs.run((), lambda tokens, positions, slots, entries, mask: fused.forward(
+            tokens, Batch.padded(positions, slots, entries, 0, mask, capture=True), cache), tokens=tokens,
+            positions=pos, slots=slots, entries=entries, mask=mask)
+        assert got.shape == ref.shape == (t, cfg.vocab_size) and got.dtype == torch.float32
         assert aux is not None and ref_aux is not None and aux.shape == ref_aux.shape
         assert (got - ref).abs().max().item() <= tol * ref.abs().max().item()
         assert (aux.float() - ref_aux.float()).abs().max().item() <= tol * ref_aux.float().abs().max().item()
@@ -208,11 +207,12 @@ def test_fused_verify_matches_the_static_path(dtype: torch.dtype, pdl: bool, sha
 def test_fused_step_refuses_more_rows_than_it_takes() -> None:
     cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=3, vocab_size=256)
     model = _random_model(cfg, torch.float32)
-    fused = FusedDecode(model)
+    fused = FusedLlama(model)
     t = fused.max_rows + 1
     tokens = torch.zeros(1, t, dtype=torch.long, device="cuda")
+    batch = Batch.padded(tokens, torch.ones(1, dtype=torch.long, device="cuda"), tokens, 0)
     with pytest.raises(ValueError, match=f"at most {fused.max_rows} tokens"):
-        fused(tokens, tokens, torch.ones(1, dtype=torch.long, device="cuda"), 0, model.new_cache(2, 256))
+        fused.forward(tokens.view(t), batch, model.new_cache(2, 256))
 
 
 @pytest.mark.gpu
@@ -233,7 +233,7 @@ def test_engine_serves_decode_and_verify_through_the_fused_step(tiny_target: Pat
                                    )[0].tokens for p in TINY_PROMPTS]
 
             runs[fused] = (run(0), run(4), run(3, topk=3))
-            keys = list(e.target.engine.graphs.graphs)
+            keys = list(e.target.engine.runner.graphs.graphs)
             fused_rows = sorted(k[1] for k in keys if k[0] == "fused")
             if fused == "off":
                 assert not fused_rows

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specsplit.client import GatewayClient, make_request
-from specsplit.launcher import ServiceStack, StackConfig
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.v1 import gateway_pb2, target_pb2, target_pb2_grpc
 
 INT32 = st.integers(-(2**31), 2**31 - 1)

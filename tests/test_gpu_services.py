@@ -23,9 +23,9 @@ from gateway.local import LocalEngines
 from gateway.scheduler import GenerationRequest
 from specsplit.checkpoints.eagle_head import resolve_head_dir
 from specsplit.checkpoints.target_checkpoint import resolve_target_dir
-from specsplit.client import GatewayClient, make_request
-from specsplit.launcher import ServiceStack, StackConfig, free_port
-from specsplit.models.layers import Segment
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig, free_port
+from specsplit.models.batch import Batch
 from specsplit.models.parallel import TensorParallel
 from specsplit.ops import Sampling
 from specsplit.tokenizer import TextCodec
@@ -60,7 +60,7 @@ def near_greedy_gaps(model: str | Path, dtype: str, device: str, prompt: list[in
     m = build_model(cfg.validate(), TensorParallel())
     cache = m.new_cache(1, cfg.max_context)
     seq = torch.tensor(prompt + tokens[:-1], dtype=torch.long, device=m.embed_tokens.weight.device)
-    logits, _ = m.forward(seq, 0, cache, 0)  # [T, V] float32
+    logits, _ = m(seq, Batch.sequence(seq), cache)  # [T, V] float32
     rows = logits[len(prompt) - 1 :]
     picked = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
     return (rows.max(-1).values - picked).tolist()
@@ -123,7 +123,8 @@ def _tp_rank(rank: int, world: int, port: int, model: str, dtype: str, device: s
                                      max_context=len(tokens) + 1).validate(), tp)
         dev = m.embed_tokens.weight.device
         cache = m.new_cache(1, len(tokens) + 1)
-        logits, aux = m.forward_batch(torch.tensor(tokens, device=dev), [Segment(0, 0, len(tokens))], cache, True)
+        ids = torch.tensor(tokens, device=dev)
+        logits, aux = m(ids, Batch.sequence(ids, capture=True), cache)
         if world > 1:
             torch.distributed.destroy_process_group()
         q.put({"rank": rank, "device": str(dev), "logits": logits.cpu().numpy(), "aux": aux.float().cpu().numpy()})
@@ -224,7 +225,7 @@ def test_target_tp1_on_cuda1_keeps_everything_on_gpu1(tiny_target: Path, tiny_he
     try:
         rt = engines.target
         gpu1 = torch.device("cuda", 1)
-        tensors = [*rt.model.parameters(), *rt.model.buffers(), rt.engine.cache.k, rt.engine.cache.v,
+        tensors = [*rt.model.parameters(), *rt.model.buffers(), rt.engine.runner.cache.k, rt.engine.runner.cache.v,
                    rt.writer.ring]  # type: ignore[union-attr]
         assert {t.device for t in tensors} == {gpu1}
         out = engines.generate([GenerationRequest(p, 16, Sampling(), {511}, 3) for p in TINY_PROMPTS[:2]])

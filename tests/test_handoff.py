@@ -7,10 +7,10 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from specsplit import wire
-from specsplit.handoff import RingAllocator, open_reader, open_writer
-from specsplit.handoff.base import Descriptor
-from specsplit.handoff.factory import BACKENDS
+from specsplit.transport import wire
+from specsplit.transport.handoff import RingAllocator, open_reader, open_writer
+from specsplit.transport.handoff.base import Descriptor
+from specsplit.transport.handoff.factory import BACKENDS
 from specsplit.v1 import common_pb2
 
 

@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from specsplit.serving import LAUNCHER_PID_ENV
+from specsplit.transport.serving import LAUNCHER_PID_ENV
 
-SERVICE = "from specsplit.serving import exit_with_launcher; exit_with_launcher(); import time; time.sleep(120)"
+SERVICE = ("from specsplit.transport.serving import exit_with_launcher; exit_with_launcher(); "
+           "import time; time.sleep(120)")
 LAUNCHER = f"""
 import os, subprocess, sys, time
 env = dict(os.environ, {LAUNCHER_PID_ENV}=str(os.getpid()))
@@ -59,7 +60,7 @@ def test_a_service_whose_launcher_is_gone_exits_at_once() -> None:
 
 def test_without_the_variable_nothing_changes() -> None:
     env = {k: v for k, v in os.environ.items() if k != LAUNCHER_PID_ENV}
-    code = "from specsplit.serving import exit_with_launcher; exit_with_launcher(); print('ran')"
+    code = "from specsplit.transport.serving import exit_with_launcher; exit_with_launcher(); print('ran')"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ran"
 

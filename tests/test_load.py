@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specsplit.client import GatewayClient, Generation, make_request
-from specsplit.launcher import ServiceStack, StackConfig
+from specsplit.cli.client import GatewayClient, Generation, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 PROMPTS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in French.",

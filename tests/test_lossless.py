@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.replay import ReplayDraft, Replayer
 from draft_service.config import DraftConfig
 from gateway.clients import LocalDraft
 from gateway.local import LocalEngines
 from gateway.scheduler import GenerationRequest
 from specsplit.ops import Sampling
-from specsplit.replay import ReplayDraft, Replayer
 from specsplit.tokenizer import TextCodec
 from target_service.config import TargetConfig
 

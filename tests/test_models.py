@@ -10,6 +10,7 @@ import torch
 from specsplit.checkpoints.gguf_file import unpermute_rope
 from specsplit.checkpoints.target_checkpoint import load_safetensors_dir, load_target_config
 from specsplit.checkpoints.tiny import tiny_config
+from specsplit.models.batch import Batch
 from specsplit.models.config import LlamaConfig
 from specsplit.models.llama import LlamaModel, random_llama_weights
 from specsplit.models.parallel import TensorParallel, shard_heads
@@ -34,11 +35,11 @@ def test_cached_decoding_matches_full_forward(variant: str) -> None:
                             "original_max_position_embeddings": 64}
     m = build(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(0))
-    full, _ = m(tokens, 0, m.new_cache(1, 64), 0)
+    full, _ = m(tokens, Batch.sequence(tokens), m.new_cache(1, 64))
     cache = m.new_cache(1, 64)
-    m(tokens[:12], 0, cache, 0)
-    part, _ = m(tokens[12:15], 12, cache, 0)  # a 3-token chunk, as a verify of 2 drafts
-    last, _ = m(tokens[15:], 15, cache, 0)
+    m(tokens[:12], Batch.sequence(tokens[:12]), cache)
+    part, _ = m(tokens[12:15], Batch.sequence(tokens[12:15], 12), cache)  # a 3-token chunk, as a verify of 2 drafts
+    last, _ = m(tokens[15:], Batch.sequence(tokens[15:], 15), cache)
     torch.testing.assert_close(torch.cat([part, last]), full[12:], rtol=1e-4, atol=1e-4)
 
 
@@ -49,7 +50,7 @@ def test_aux_capture_is_the_output_of_the_named_layers() -> None:
     tokens = torch.arange(10)
     outputs = []
     hooks = [layer.register_forward_hook(lambda mod, inp, out: outputs.append(out)) for layer in m.layers]
-    _, aux = m(tokens, 0, m.new_cache(1, 16), 0, capture=True)
+    _, aux = m(tokens, Batch.sequence(tokens, capture=True), m.new_cache(1, 16))
     for h in hooks:
         h.remove()
     assert aux is not None and aux.shape == (10, 3 * cfg.hidden_size)
@@ -89,10 +90,10 @@ def test_smollm2_conversion_answers_sensibly(smollm2_dir: Path) -> None:
     codec = TextCodec.from_checkpoint(smollm2_dir)
     ids = codec.encode(codec.render_chat("What is the capital of France?"))
     cache = m.new_cache(1, 128)
-    logits, _ = m(torch.tensor(ids), 0, cache, 0)
+    logits, _ = m(torch.tensor(ids), Batch.sequence(torch.tensor(ids)), cache)
     out, n = [], len(ids)
     for _ in range(8):
         out.append(int(logits[-1].argmax()))
-        logits, _ = m(torch.tensor(out[-1:]), n, cache, 0)
+        logits, _ = m(torch.tensor(out[-1:]), Batch.sequence(torch.tensor(out[-1:]), n), cache)
         n += 1
     assert "Paris" in codec.decode(out)

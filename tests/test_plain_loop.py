@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.plain_loop import generate
+from bench.replay import Replayer
 from draft_service.config import DraftConfig
 from gateway.local import LocalEngines
-from specsplit.replay import Replayer
 from target_service.config import TargetConfig
 
 

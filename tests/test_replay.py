@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import statistics
 
+from bench.replay import Replayer
 from specsplit.ops import ExtendPropose, HiddenRef
-from specsplit.replay import Replayer
 
 REFS = [list(range(1, 4001)), list(range(5001, 9001))]
 

@@ -14,6 +14,7 @@ from gateway.scheduler import GenerationRequest
 from specsplit.checkpoints.eagle_head import random_head, save_head
 from specsplit.checkpoints.target_checkpoint import load_target_config
 from specsplit.checkpoints.tiny import tiny_config, write_tiny_target
+from specsplit.models.batch import Batch
 from specsplit.models.llama import LlamaModel
 from specsplit.ops import Sampling
 from specsplit.sampling import probs_from_logits, verify_chain
@@ -99,10 +100,12 @@ def test_end_to_end_sampling_follows_target_distribution(tmp_path: Path) -> None
         # exact joint of the first two generated tokens from the target model
         model: LlamaModel = engines.target.model
         cache = model.new_cache(1, 16)
-        p1 = probs_from_logits(model(torch.tensor(prompt), 0, cache, 0)[0][-1:], sampling)[0]
+        p1 = probs_from_logits(model(torch.tensor(prompt), Batch.sequence(torch.tensor(prompt)), cache)[0][-1:],
+                              sampling)[0]
         joint = torch.zeros(16, 16)
         for t1 in range(16):
-            p2 = probs_from_logits(model(torch.tensor(prompt + [t1]), 0, cache, 0)[0][-1:], sampling)[0]
+            ids = torch.tensor(prompt + [t1])
+            p2 = probs_from_logits(model(ids, Batch.sequence(ids), cache)[0][-1:], sampling)[0]
             joint[t1] = p1[t1] * p2
         observed = torch.zeros(16, 16)
         for a, b in seq[:, :2].tolist():

@@ -13,8 +13,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specsplit.client import GatewayClient, make_request
-from specsplit.launcher import ServiceStack, StackConfig
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
 
 TOKEN = "s3cret-token-for-tests"
 

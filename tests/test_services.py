@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specsplit.client import GatewayClient, make_request
-from specsplit.launcher import ServiceStack, StackConfig
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.tokenizer import TextCodec
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 

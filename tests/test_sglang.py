@@ -23,8 +23,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as sgl
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sgl_grpc
 from test_services import service_stats, wait_idle
 
-from specsplit.client import GatewayClient, make_request
-from specsplit.launcher import ServiceStack, StackConfig, free_port
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig, free_port
 from specsplit.tokenizer import TextCodec
 
 PROMPT = "What is the capital of France?"

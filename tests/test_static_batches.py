@@ -11,7 +11,7 @@ import torch
 from draft_service.config import DraftConfig
 from gateway.local import LocalEngines
 from specsplit.checkpoints.target_checkpoint import load_safetensors_dir, load_target_config
-from specsplit.models.layers import Segment
+from specsplit.models.batch import Batch, Segment
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
 from specsplit.ops import Sampling
@@ -26,7 +26,7 @@ def tiny_model(tiny_target: Path) -> LlamaModel:
     return model.eval()
 
 
-def test_static_forward_equals_segment_forward(tiny_target: Path) -> None:
+def test_padded_batch_equals_ragged_batch(tiny_target: Path) -> None:
     """Two sequences of different lengths in slots 2 and 0, padded to T=4 in a batch of 4
     (padding rows in spare slot 3), against the same step run per segment."""
     model = tiny_model(tiny_target)
@@ -36,16 +36,17 @@ def test_static_forward_equals_segment_forward(tiny_target: Path) -> None:
     caches = [model.new_cache(4, 64), model.new_cache(4, 64)]
     for cache in caches:
         for slot, p in prompts.items():
-            model.forward(p, 0, cache, slot)
-    ref_logits, ref_aux = model.forward_batch(torch.cat([chains[2], chains[0]]),
-                                              [Segment(2, 9, 4), Segment(0, 5, 2)], caches[0], capture=True)
+            model(p, Batch.sequence(p, slot=slot), cache)
+    ragged = Batch.ragged([Segment(2, 9, 4), Segment(0, 5, 2)], "cpu", capture=True)
+    ref_logits, ref_aux = model(torch.cat([chains[2], chains[0]]), ragged, caches[0])
     tokens = torch.zeros(4, 4, dtype=torch.long)
     tokens[0], tokens[1, :2] = chains[2], chains[0]
     positions = torch.arange(4).repeat(4, 1)
     positions[0] += 9
     positions[1] += 5
     slots = torch.tensor([2, 0, 3, 3])
-    logits, aux = model.forward_static(tokens, positions, slots, 16, caches[1], capture=True)  # [4, 4, V]
+    logits, aux = model(tokens.view(-1), Batch.padded(positions, slots, positions, 16, capture=True), caches[1])
+    logits, aux = logits.view(4, 4, -1), aux.view(4, 4, -1)
     torch.testing.assert_close(logits[0], ref_logits[:4], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits[1, :2], ref_logits[4:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(aux[0], ref_aux[:4], rtol=1e-4, atol=1e-4)
@@ -61,7 +62,7 @@ def static_engines(tiny_target: Path, tiny_head: Path) -> LocalEngines:
     engines = LocalEngines(TargetConfig(model=str(tiny_target), max_context=256),
                            DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
     assert engines.draft is not None
-    engines.target.engine.use_static = engines.draft.engine.use_static = True
+    engines.target.engine.runner.padded = engines.draft.engine.runner.padded = True
     yield engines
     engines.close()
 

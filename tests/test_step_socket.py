@@ -1,4 +1,4 @@
-"""The Step stream over a Unix socket (specsplit/step_socket.py): the same messages and
+"""The Step stream over a Unix socket (specsplit/transport/step_socket.py): the same messages and
 servicer as the gRPC stream, its errors, its bounds, and the services using it."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 import grpc
 import pytest
 
-from specsplit import step_socket, wire
-from specsplit.client import GatewayClient, make_request
-from specsplit.launcher import ServiceStack, StackConfig
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.ops import StepTiming, TargetResult, Verify
-from specsplit.step_socket import (
+from specsplit.transport import step_socket, wire
+from specsplit.transport.step_socket import (
     MAGIC,
     BlockingSocketStream,
     SocketStream,
@@ -26,7 +26,7 @@ from specsplit.step_socket import (
     StepSocketServer,
     check_step_socket,
 )
-from specsplit.step_stream import MAX_OPS_PER_STEP, StepCodec, answer_step
+from specsplit.transport.step_stream import MAX_OPS_PER_STEP, StepCodec, answer_step
 from specsplit.v1 import target_pb2
 
 _CODEC = StepCodec(wire.target_op_from_proto, wire.target_result_to_proto, TargetResult, target_pb2.TargetStepResponse)

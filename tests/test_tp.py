@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.client import GatewayClient, make_request
-from specsplit.launcher import ServiceStack, StackConfig
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
 
 
 def run_stack(cfg: StackConfig, requests: list) -> list[list[int]]:  # noqa: ANN001

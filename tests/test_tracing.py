@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.client import GatewayClient, Generation, make_request
-from specsplit.launcher import ServiceStack, StackConfig, free_port
-from specsplit.trace_report import load_jsonl
+from specsplit.cli.client import GatewayClient, Generation, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig, free_port
+from specsplit.observability.trace_report import load_jsonl
 
 PROMPTS = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3], [42] * 10]
 

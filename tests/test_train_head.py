@@ -16,7 +16,7 @@ from draft_service.config import DraftConfig
 from gateway.local import LocalEngines
 from gateway.scheduler import GenerationRequest
 from specsplit.checkpoints.tiny import tiny_config, write_tiny_target
-from specsplit.cli import main as cli_main
+from specsplit.cli.main import main as cli_main
 from specsplit.ops import Sampling
 from specsplit.training.config import TrainConfig
 from specsplit.training.pipeline import run

@@ -13,7 +13,7 @@ from draft_service.config import DraftConfig
 from draft_service.runtime import build_head
 from specsplit.checkpoints.eagle_head import load_head, save_head
 from specsplit.checkpoints.target_checkpoint import load_safetensors_dir, load_target_config
-from specsplit.models.layers import Segment
+from specsplit.models.batch import Batch
 from specsplit.models.llama import LlamaModel, random_llama_weights
 from specsplit.models.parallel import TensorParallel
 from specsplit.training.distill import generate_batch
@@ -56,11 +56,13 @@ def test_trained_checkpoint_matches_inference_head_at_every_step(tiny_target: Pa
         for i in [0, 3, 11, n - STEPS]:
             cache = inf.new_cache(1, 64)
             # extend: draft positions 0..i hold tokens x[1..i+1] with features 0..i
-            logits, pre = inf.forward_batch(x[s, 1:i + 2], feats[s, :i + 1], [Segment(0, 0, i + 1)], cache)
+            toks = x[s, 1:i + 2]
+            logits, pre = inf(toks, Batch.sequence(toks, hidden=feats[s, :i + 1]), cache)
             torch.testing.assert_close(logits[-1], train_logits[0][s, i], rtol=1e-4, atol=1e-4)
             hidden = pre[-1:]
             for k in range(1, STEPS):  # proposal k at draft position i + k, fed the data token x[i+1+k]
-                logits, hidden = inf.forward_batch(x[s, i + 1 + k:i + 2 + k], hidden, [Segment(0, i + k, 1)], cache)
+                toks = x[s, i + 1 + k:i + 2 + k]
+                logits, hidden = inf(toks, Batch.sequence(toks, i + k, hidden=hidden), cache)
                 torch.testing.assert_close(logits[0], train_logits[k][s, i], rtol=1e-4, atol=1e-4,
                                            msg=lambda m, k=k, i=i: f"step {k} position {i}: {m}")
 
@@ -103,12 +105,12 @@ def test_batched_target_matches_serving_model(tiny_target: Path, variant: str) -
     samples = generate_batch(bt, prompts, 12, [])
     for p, s in zip(prompts, samples, strict=True):
         cache, ids = ref.new_cache(1, 64), list(p)
-        logits, _ = ref(torch.tensor(ids), 0, cache, 0)
+        logits, _ = ref(torch.tensor(ids), Batch.sequence(torch.tensor(ids)), cache)
         for _ in range(12):
             ids.append(int(logits[-1].argmax()))
-            logits, _ = ref(torch.tensor(ids[-1:]), len(ids) - 1, cache, 0)
+            logits, _ = ref(torch.tensor(ids[-1:]), Batch.sequence(torch.tensor(ids[-1:]), len(ids) - 1), cache)
         assert s.ids.tolist() == ids and s.prompt_len == len(p)
         aux_b, normed = bt.features(s.ids[None])
-        logits_ref, aux_ref = ref(s.ids, 0, ref.new_cache(1, 64), 0, capture=True)
+        logits_ref, aux_ref = ref(s.ids, Batch.sequence(s.ids, capture=True), ref.new_cache(1, 64))
         torch.testing.assert_close(aux_b[0], aux_ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(bt.logits(normed)[0], logits_ref, rtol=1e-4, atol=1e-4)

@@ -3,6 +3,7 @@ compaction, the draft's tree, request validation, and losslessness in process an
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -10,16 +11,16 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
-from draft_service.tree import DraftTree, grow_trees_static, static_tree_result
+from draft_service.tree import grow_trees, tree_result
 from gateway.config import GatewayConfig
 from gateway.local import LocalEngines
 from gateway.requests import InvalidRequest, ModelLimits, tree_shape
 from gateway.scheduler import GenerationRequest
-from specsplit.handoff.factory import open_reader
-from specsplit.models.layers import Segment, tree_segment
+from specsplit.models.batch import Segment, tree_segment
 from specsplit.ops import Code, ExtendPropose, HiddenRef, Prefill, Release, Sampling, Verify
 from specsplit.sampling import verify_tree
 from specsplit.tokenizer import TextCodec
+from specsplit.transport.handoff.factory import open_reader
 from target_service.config import TargetConfig
 from tests.test_lossless import CHAT_PROMPTS, TINY_PROMPTS
 from tests.test_target_engine import runtime
@@ -141,6 +142,66 @@ def test_draft_tree_of_topk_1_is_the_chain(tiny_engines: LocalEngines) -> None:
     target.step([Release(40)], [ref.generation])
 
 
+@dataclass
+class DraftTree:
+    """One tree kept on the host, a level at a time: the reference grow_trees must match."""
+
+    slot: int
+    length: int  # committed draft entries; the tree's nodes follow
+    topk: int
+    keep: int  # draft tokens to keep (num_draft_tokens - 1)
+    tokens: list[int] = field(default_factory=list)  # target ids, one per candidate node
+    scores: list[float] = field(default_factory=list)  # cumulative log-probabilities
+    parents: list[int] = field(default_factory=list)  # candidate index, -1 at depth 1
+    depths: list[int] = field(default_factory=list)
+    entries: dict[int, list[int]] = field(default_factory=dict)  # expanded node -> KV entries of it and its ancestors
+    frontier: list[int] = field(default_factory=list)  # nodes to expand next
+    next_entry: int = 0
+
+    def __post_init__(self) -> None:
+        self.next_entry = self.length
+
+    def add(self, parent: int, tokens: list[int], logprobs: list[float]) -> None:
+        """Candidates under `parent` (-1: the sequence) with their own log-probabilities."""
+        base = self.scores[parent] if parent >= 0 else 0.0
+        depth = self.depths[parent] + 1 if parent >= 0 else 1
+        for t, lp in zip(tokens, logprobs, strict=True):
+            self.tokens.append(t)
+            self.scores.append(base + min(lp, 0.0))
+            self.parents.append(parent)
+            self.depths.append(depth)
+
+    def choose_frontier(self, first: int) -> None:
+        """Expand next the topk best of the candidates added since index `first`."""
+        fresh = range(first, len(self.tokens))
+        self.frontier = sorted(fresh, key=lambda i: (-self.scores[i], i))[: self.topk]
+
+    def frontier_segment(self, device: torch.device | str = "cpu") -> Segment:
+        """The frontier's nodes as one segment: written side by side after the entries used so
+        far, at position length + depth - 1 (the chain's position for that depth); its tensors
+        moved to `device` once."""
+        n, start = len(self.frontier), self.next_entry
+        visible = torch.zeros(n, start + n, dtype=torch.bool)  # [n, start + n]
+        visible[:, : self.length] = True
+        for j, node in enumerate(self.frontier):
+            parent = self.parents[node]
+            own = [*(self.entries[parent] if parent >= 0 else []), start + j]
+            self.entries[node] = own
+            visible[j, own] = True
+        self.next_entry += n
+        positions = torch.tensor([self.length + self.depths[i] - 1 for i in self.frontier])
+        return Segment(self.slot, start, n, positions.to(device), visible.to(device))
+
+    def result(self) -> tuple[list[int], list[int]]:
+        """The kept draft tokens in creation order (parents first) and their parents' indices
+        in that list (-1: a child of the sequence)."""
+        best = sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], self.depths[i], i))[: self.keep]
+        kept = sorted(best)
+        index = {node: j for j, node in enumerate(kept)}
+        parents = [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in kept]
+        return [self.tokens[i] for i in kept], parents
+
+
 class FakeHead:
     """A deterministic stand-in for the head's static forward over a 40-token vocabulary:
     logits from the token and the hidden input, a new hidden from both. Records each level's
@@ -164,7 +225,7 @@ class FakeHead:
 
 def host_tree(head: FakeHead, logits: torch.Tensor, hidden: torch.Tensor, length: int, topk: int, steps: int,
               keep: int) -> tuple[DraftTree, list[Segment]]:
-    """The eager path's bookkeeping (DraftEngine._grow_trees) for one sequence, on FakeHead."""
+    """DraftTree grown for one sequence on FakeHead."""
     tree, segments = DraftTree(0, length, topk, keep), []
     top = torch.log_softmax(logits, -1).topk(topk)
     tree.add(-1, head.to_target_ids(top.indices).tolist(), top.values.tolist())
@@ -187,12 +248,12 @@ def host_tree(head: FakeHead, logits: torch.Tensor, hidden: torch.Tensor, length
 
 @pytest.mark.parametrize("topk,steps", [(1, 4), (2, 1), (3, 4), (4, 5)])
 def test_static_tree_growth_builds_the_host_trees(topk: int, steps: int) -> None:
-    """grow_trees_static (tensors only, what one CUDA graph captures) gives DraftTree's trees:
+    """grow_trees (tensors only, what one CUDA graph captures) gives DraftTree's trees:
     the same candidates, parents, order, rotary positions, KV entries and attention masks."""
     head, g = FakeHead(), torch.Generator().manual_seed(topk * 10 + steps)
     lengths, ctx = torch.tensor([5, 9, 1]), 40
     logits, hidden = torch.randn(3, 40, generator=g), torch.randn(3, 6, generator=g)
-    tokens, parents, order = grow_trees_static(head.forward, head.to_target_ids, logits, hidden, lengths,
+    tokens, parents, order = grow_trees(head.forward, head.to_target_ids, logits, hidden, lengths,
                                                torch.tensor([2, 0, 1]), topk, steps, ctx)
     assert tokens.shape == parents.shape == order.shape == (3, topk + (steps - 1) * topk * topk)
     levels = head.seen
@@ -202,7 +263,7 @@ def test_static_tree_growth_builds_the_host_trees(topk: int, steps: int) -> None
             assert tokens[b].tolist() == tree.tokens and parents[b].tolist() == tree.parents
             for cut in range(1, steps + 1):  # a row of a batch grown deeper than its own num_steps
                 short, _ = host_tree(head, logits[b], hidden[b], length, topk, cut, keep)
-                assert static_tree_result(tokens[b].tolist(), parents[b].tolist(), order[b].tolist(), topk, cut,
+                assert tree_result(tokens[b].tolist(), parents[b].tolist(), order[b].tolist(), topk, cut,
                                           keep) == short.result()
         for (positions, entries, visible), seg in zip(levels, segments, strict=True):
             assert positions[b].tolist() == seg.positions.tolist()
@@ -222,7 +283,7 @@ def test_static_and_eager_drafts_grow_the_same_trees(tiny_engines: LocalEngines)
               dict(num_steps=4), dict(topk=4, num_draft_tokens=9, num_steps=2)]
     proposals = []
     for static, base in ((False, 71), (True, 81)):
-        draft.engine.use_static = static
+        draft.engine.runner.padded = static
         try:
             ops = [ExtendPropose(base + i, tokens, HiddenRef(ref.offset, ref.rows, ref.generation), **kw)
                    for i, kw in enumerate(shapes)]
@@ -230,26 +291,26 @@ def test_static_and_eager_drafts_grow_the_same_trees(tiny_engines: LocalEngines)
             assert all(r.code == Code.OK for r in results), [r.message for r in results]
             proposals.append([(r.draft_ids, r.draft_parents) for r in results])
         finally:
-            draft.engine.use_static = False
+            draft.engine.runner.padded = False
             draft.step([Release(base + i) for i in range(len(shapes))])
-    draft.engine.use_static = True
+    draft.engine.runner.padded = True
     try:  # a sampled chain in the batch (its own loop on the host) leaves the others' proposals as they were
         ops = [ExtendPropose(91 + i, tokens, HiddenRef(ref.offset, ref.rows, ref.generation), **kw)
                for i, kw in enumerate([*shapes, dict(num_steps=3, sampling=Sampling(temperature=0.8, seed=5))])]
         results, _ = draft.step(ops)
     finally:
-        draft.engine.use_static = False
+        draft.engine.runner.padded = False
         draft.step([Release(91 + i) for i in range(len(ops))])
     # batches of one topk take the fused path (extend and growth in one function): the same proposals
     fused = []
     for group in ([shapes[0]], [shapes[2]], [shapes[0], shapes[3]]):
-        draft.engine.use_static = True
+        draft.engine.runner.padded = True
         try:
             ops = [ExtendPropose(101 + i, tokens, HiddenRef(ref.offset, ref.rows, ref.generation), **kw)
                    for i, kw in enumerate(group)]
             fused.append([(r.draft_ids, r.draft_parents) for r in draft.step(ops)[0]])
         finally:
-            draft.engine.use_static = False
+            draft.engine.runner.padded = False
             draft.step([Release(101 + i) for i in range(len(group))])
     target.step([Release(70)], [ref.generation])
     assert proposals[0] == proposals[1] == [(r.draft_ids, r.draft_parents) for r in results[:-1]]
@@ -360,7 +421,7 @@ def test_static_tree_verify_equals_the_segment_path(tiny_target: Path) -> None:
     outs = []
     for static in (False, True):
         rt = runtime(tiny_target, max_context=64, max_draft_tokens=8, max_sequences=2)
-        rt.engine.use_static = static
+        rt.engine.runner.padded = static
         try:
             rt.step([Prefill(1, prompt), Prefill(2, [7, 7, 7])], [])
             (t, c), _ = rt.step([Verify(1, [wrong, g[1], g[3], g[2], g[3]], draft_parents=[-1, -1, 0, 1, 3]),
@@ -380,7 +441,7 @@ def test_static_engines_trees_are_lossless(tiny_target: Path, tiny_head: Path) -
                            DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
     try:
         assert engines.draft is not None
-        engines.target.engine.use_static = engines.draft.engine.use_static = True
+        engines.target.engine.runner.padded = engines.draft.engine.runner.padded = True
         base = engines.generate([GenerationRequest(p, 30, Sampling(), {511}, 0) for p in TINY_PROMPTS])
         mixed = engines.generate([GenerationRequest(p, 30, Sampling(), {511}, s, k, n) for p, s, k, n in
                                   zip(TINY_PROMPTS, [3, 5, 2, 4], [4, 1, 2, 8], [16, 0, 5, 32], strict=True)])

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from specsplit.models.config import LlamaConfig
 
@@ -107,6 +108,26 @@ class GGUFCheckpoint:
         return {hf_name(t.name): self._convert(t) for t in self.reader.tensors}
 
     def tokenizer_json(self) -> str:
-        from specsplit.tokenizer import gguf_tokenizer_json
-
         return gguf_tokenizer_json(self)
+
+
+_CONTROL = 3  # llama.cpp token type of special tokens
+
+
+def gguf_tokenizer_json(ckpt: GGUFCheckpoint) -> str:
+    """Build a byte-level BPE tokenizer (GPT-2 style, as SmolLM2 and Llama 3 use)."""
+    if ckpt.meta("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer model {ckpt.meta('tokenizer.ggml.model')!r}")
+    tokens: list[str] = list(ckpt.meta("tokenizer.ggml.tokens"))
+    types = list(ckpt.meta("tokenizer.ggml.token_type"))
+    merges = [tuple(m.split(" ", 1)) for m in ckpt.meta("tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if ckpt.meta("tokenizer.ggml.pre") == "smollm":  # digits split one by one, then GPT-2 regex
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL])
+    return tok.to_str()

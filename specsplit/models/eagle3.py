@@ -6,19 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specsplit.models.batch import Batch
 from specsplit.models.config import Eagle3Config
-from specsplit.models.layers import (
-    MLP,
-    Attention,
-    Batch,
-    KVCache,
-    RMSNorm,
-    RopeTables,
-    Rotary,
-    Segment,
-    StaticBatch,
-    segment_positions,
-)
+from specsplit.models.layers import MLP, Attention, KVCache, RMSNorm, RopeTables, Rotary
 from specsplit.models.parallel import ParallelLMHead, TensorParallel, shard_heads
 
 
@@ -46,57 +36,28 @@ class Eagle3Head(nn.Module):
         tp = tp or TensorParallel()
         self.cfg = cfg
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
-        self.fc.requires_grad_(False)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # borrowed from the target
-        self.embed_tokens.weight.requires_grad_(False)
         self.midlayer = Eagle3MidLayer(cfg, tp)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.draft_vocab_size, tp)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long), persistent=False)
         self.kv_heads_local = self.midlayer.self_attn.shard.kv_count
+        self.requires_grad_(False)  # served, never trained here
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         p = self.fc.weight
         return KVCache(1, slots, max_len, self.kv_heads_local, self.cfg.head_dim, p.dtype, p.device)
 
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, cache: KVCache, slot: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence: see forward_batch."""
-        return self.forward_batch(tokens, hidden, [Segment(slot, start, tokens.shape[0])], cache)
-
-    @torch.inference_mode()
-    def forward_batch(self, tokens: torch.Tensor, hidden: torch.Tensor, segments: list[Segment], cache: KVCache
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [N], hidden [N, 3H] (target features) or [N, H] (own previous step)
-        -> draft-vocab logits [N, Vd], pre-norm hidden [N, H] for the next step."""
-        return self._forward(tokens, hidden, segment_positions(segments, tokens.device), segments, cache)
-
-    @torch.inference_mode()
-    def forward_static(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                       slots: torch.Tensor, ctx: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """A padded batch for CUDA graphs: tokens, positions [B, T], hidden [B, T, 3H or H],
-        slots [B] -> logits [B, T, Vd], pre-norm hidden [B, T, H]."""
-        return self.static_forward(tokens, hidden, positions, slots, ctx, cache)
-
-    def static_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                       slots: torch.Tensor, ctx: int, cache: KVCache, entries: torch.Tensor | None = None,
-                       visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward_static without the inference-mode wrapper (what torch.compile traces). Trees:
-        `entries` [B, T] are the KV entries written (positions are then rotary positions only)
-        and `visible` [B, T, ctx] what each token attends to."""
-        b, t = tokens.shape
-        batch = StaticBatch.build(slots, positions if entries is None else entries, ctx,
-                                  self.embed_tokens.weight.dtype, visible)
-        logits, prenorm = self._forward(tokens.reshape(-1), hidden.reshape(b * t, -1), positions.reshape(-1),
-                                        batch, cache)
-        return logits.view(b, t, -1), prenorm.view(b, t, -1)
-
-    def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, batch: Batch,
-                 cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [N] and batch.hidden: target features [N, 3H] or the head's own previous
+        pre-norm states [N, H] -> draft-vocab logits [N, Vd] float32, pre-norm states [N, H]
+        (the next step's hidden input)."""
+        hidden = batch.hidden
+        assert hidden is not None, "the head reads batch.hidden"
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden.to(self.fc.weight.dtype))
-        rope = self.rotary.tables(positions, hidden.dtype)
+        rope = self.rotary.tables(batch.positions, hidden.dtype)
         prenorm = self.midlayer(self.embed_tokens(tokens), hidden, rope, cache, batch)
         return self.lm_head(self.norm(prenorm)).float(), prenorm
 

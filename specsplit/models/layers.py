@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specsplit.models.batch import Batch
 from specsplit.models.parallel import (
     HeadShard,
     MergedColumnParallelLinear,
@@ -22,7 +22,7 @@ from specsplit.models.parallel import (
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,86 +74,6 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-@dataclass(frozen=True)
-class Segment:
-    """One sequence's tokens inside a flattened batch: `length` tokens written to KV slot
-    `slot` at entries start..start+length-1, at those positions and causally masked unless
-    `positions` and `visible` say otherwise (the nodes of a tree: see tree_segment)."""
-
-    slot: int
-    start: int
-    length: int
-    positions: torch.Tensor | None = None  # [length] rotary positions
-    visible: torch.Tensor | None = None  # [length, start + length] bool: the KV entries each token attends to
-
-
-def segment_positions(segments: list[Segment], device: torch.device | str) -> torch.Tensor:
-    return torch.cat([torch.arange(s.start, s.start + s.length, device=device) if s.positions is None
-                      else s.positions.to(device) for s in segments])  # [N]
-
-
-def tree_layout(start: int, parents: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """A tree of len(parents) tokens at entries start..: token i's parent is parents[i] (< i; -1
-    for none, i.e. it follows the committed entries). Returns each token's rotary position
-    (start + depth) and the (token, entry) pairs of the tree that each token sees: its
-    ancestors and itself. Plain lists: a whole tree's mask is then one indexed write."""
-    positions, rows, cols = [], [], []
-    seen: list[list[int]] = []
-    for i, p in enumerate(parents):
-        own = [*(seen[p] if p >= 0 else []), start + i]
-        seen.append(own)
-        positions.append(start + len(own) - 1)
-        rows += [i] * len(own)
-        cols += own
-    return positions, rows, cols
-
-
-def tree_segment(slot: int, start: int, parents: list[int], device: torch.device | str = "cpu") -> Segment:
-    """A tree (see tree_layout) as a segment: each token sees the committed entries, its
-    ancestors and itself. Built on the host, moved to `device` once (not in every layer)."""
-    n = len(parents)
-    positions, rows, cols = tree_layout(start, parents)
-    visible = torch.zeros(n, start + n, dtype=torch.bool)
-    visible[:, :start] = True
-    visible[rows, cols] = True
-    return Segment(slot, start, n, torch.tensor(positions, device=device), visible.to(device))
-
-
-@dataclass
-class StaticBatch:
-    """B sequences of T tokens each (padded), described by tensors only, so that one CUDA
-    graph serves every step of that shape: each sequence reads keys [0, ctx) of its slot."""
-
-    slots: torch.Tensor  # [B] KV slot of each sequence
-    positions: torch.Tensor  # [B, T] KV entries written (and, for chains, rotary positions)
-    ctx: int  # keys read per sequence: a bucket >= max(positions) + 1
-    allowed: torch.Tensor  # [B, 1, T, ctx] key s is visible to query t: s <= positions[b, t] for chains
-    dtype: torch.dtype = torch.float32  # of the additive masks
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    @staticmethod
-    def build(slots: torch.Tensor, positions: torch.Tensor, ctx: int, dtype: torch.dtype = torch.float32,
-              visible: torch.Tensor | None = None) -> StaticBatch:
-        """Causal over each row's entries, or as `visible` [B, T, ctx] says (trees)."""
-        if visible is None:
-            keys = torch.arange(ctx, device=positions.device)
-            visible = keys[None, None, :] <= positions[:, :, None]
-        return StaticBatch(slots, positions, ctx, visible[:, None], dtype)
-
-    def grouped_mask(self, group: int) -> torch.Tensor:
-        """Additive mask [B, 1, group*T, ctx] for queries grouped per KV head (rows: member, token),
-        made at the first layer and shared by the others (attention would convert a boolean
-        mask again in every layer)."""
-        if group not in self._masks:
-            bias = torch.zeros(self.allowed.shape, dtype=self.dtype, device=self.allowed.device)
-            bias.masked_fill_(~self.allowed, float("-inf"))
-            self._masks[group] = bias.repeat(1, 1, group, 1)
-        return self._masks[group]
-
-
-Batch = list[Segment] | StaticBatch
-
-
 class KVCache:
     """Preallocated per-sequence KV slots: [layers, slots, max_len, kv_heads, head_dim]."""
 
@@ -174,14 +94,20 @@ class KVCache:
         self.v[layer, slot, start:end] = v
         return self.k[layer, slot, :end], self.v[layer, slot, :end]
 
-    def write_and_gather(self, layer: int, batch: StaticBatch, k: torch.Tensor, v: torch.Tensor
+    def write_and_gather(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, T, kv_heads, head_dim] at each sequence's positions; return keys and
+        """Store k, v [B, T, kv_heads, head_dim] at a padded batch's entries; return keys and
         values [B, ctx, kv_heads, head_dim]. No host synchronisation: capturable."""
-        rows = batch.slots[:, None]  # [B, 1] broadcast against positions [B, T]
-        self.k[layer].index_put_((rows, batch.positions), k)
-        self.v[layer].index_put_((rows, batch.positions), v)
+        assert batch.slots is not None and batch.entries is not None
+        rows = batch.slots[:, None]  # [B, 1] broadcast against entries [B, T]
+        self.k[layer].index_put_((rows, batch.entries), k)
+        self.v[layer].index_put_((rows, batch.entries), v)
         return self.k[layer, batch.slots, : batch.ctx], self.v[layer, batch.slots, : batch.ctx]
+
+    def move(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the entries `src` of a slot to `dst` in every layer (a tree's accepted path)."""
+        for kv in (self.k, self.v):  # [layers, slots, entries, kv_heads, head_dim]
+            kv[:, slot, dst] = kv[:, slot, src]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
@@ -201,7 +127,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return out.transpose(0, 1).reshape(t, -1)
 
 
-def static_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
+def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
     """q [B, T, Hq, D] against k, v [B, ctx, Hkv, D] -> [B*T, Hq*D]. Grouped-query attention
     without copying keys per query head: the G query heads of a KV head become G*T query rows
     against that head's keys (q head h reads KV head h // G, as in Hugging Face's layout)."""
@@ -210,7 +136,7 @@ def static_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: S
     g = hq // hkv
     rows = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # [B, Hkv, G*T, D]
     out = F.scaled_dot_product_attention(rows, k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=batch.grouped_mask(g))  # [B, Hkv, G*T, D]
+                                         attn_mask=batch.grouped_mask(g, q.dtype))  # [B, Hkv, G*T, D]
     return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
 
 
@@ -241,12 +167,13 @@ class Attention(nn.Module):
         else:  # q and k rotated in one pass
             qk = apply_rope(qkv[:, : (hq + self.shard.kv_count) * d].view(n, -1, d), rope)  # [N, Hq + Hkv, D]
             q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + self.shard.kv_count) * d :].view(n, -1, d)
-        if isinstance(batch, StaticBatch):
-            b, t = batch.positions.shape
+        if batch.segments is None:
+            assert batch.entries is not None
+            b, t = batch.entries.shape
             k_all, v_all = cache.write_and_gather(layer, batch, k.view(b, t, -1, d), v.view(b, t, -1, d))
-            return self.o_proj(static_attention(q.view(b, t, -1, d), k_all, v_all, batch))
+            return self.o_proj(padded_attention(q.view(b, t, -1, d), k_all, v_all, batch))
         outs, off = [], 0
-        for seg in batch:
+        for seg in batch.segments:
             part = slice(off, off + seg.length)
             k_all, v_all = cache.write_and_read(layer, seg.slot, seg.start, k[part], v[part])
             outs.append(causal_attention(q[part], k_all, v_all, seg.start, seg.visible))

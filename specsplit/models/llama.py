@@ -5,19 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specsplit.models.batch import Batch
 from specsplit.models.config import LlamaConfig
-from specsplit.models.layers import (
-    MLP,
-    Attention,
-    Batch,
-    KVCache,
-    RMSNorm,
-    RopeTables,
-    Rotary,
-    Segment,
-    StaticBatch,
-    segment_positions,
-)
+from specsplit.models.layers import MLP, Attention, KVCache, RMSNorm, RopeTables, Rotary
 from specsplit.models.parallel import ParallelLMHead, TensorParallel, shard_heads
 
 
@@ -47,59 +37,28 @@ class LlamaModel(nn.Module):
             raise ValueError(f"aux layer ids {bad} outside 0..{cfg.num_layers - 1}")
         self.cfg, self.tp, self.aux_layer_ids = cfg, tp, list(aux_layer_ids)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated on every rank
-        self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
         self.kv_heads_local = self.layers[0].self_attn.shard.kv_count
+        self.requires_grad_(False)  # served, never trained here
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight
         return KVCache(self.cfg.num_layers, slots, max_len, self.kv_heads_local, self.cfg.head_dim, p.dtype, p.device)
 
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, slot: int,
-                capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One sequence: tokens [T] at positions start..start+T-1 -> logits [T, V], aux [T, 3H]."""
-        return self.forward_batch(tokens, [Segment(slot, start, tokens.shape[0])], cache, capture)
-
-    @torch.inference_mode()
-    def forward_batch(self, tokens: torch.Tensor, segments: list[Segment], cache: KVCache,
-                      capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Several sequences in one pass: tokens [N] (segments concatenated) -> logits [N, V],
-        aux [N, 3H] (the outputs of the capture layers) or None."""
-        return self._forward(tokens, segment_positions(segments, tokens.device), segments, cache, capture)
-
-    @torch.inference_mode()
-    def forward_static(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: int,
-                       cache: KVCache, capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A padded batch for CUDA graphs: tokens, positions [B, T], slots [B] -> logits [B, T, V],
-        aux [B, T, 3H] or None. Keys [0, ctx) of each slot are read; no host synchronisation."""
-        return self.static_forward(tokens, positions, slots, ctx, cache, capture)
-
-    def static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: int,
-                       cache: KVCache, capture: bool = False, entries: torch.Tensor | None = None,
-                       visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward_static without the inference-mode wrapper: what torch.compile traces (its
-        compiled code runs under no_grad, as inference tensors cannot be mutated in a graph).
-        Trees: `entries` [B, T] are the KV entries written (positions are then rotary positions
-        only) and `visible` [B, T, ctx] what each token attends to."""
-        b, t = tokens.shape
-        batch = StaticBatch.build(slots, positions if entries is None else entries, ctx,
-                                  self.embed_tokens.weight.dtype, visible)
-        logits, aux = self._forward(tokens.reshape(-1), positions.reshape(-1), batch, cache, capture)
-        return logits.view(b, t, -1), None if aux is None else aux.view(b, t, -1)
-
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: Batch, cache: KVCache,
-                 capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens [N] -> logits [N, V] float32, and with batch.capture the outputs of the capture
+        layers [N, 3H] (else None)."""
         h = self.embed_tokens(tokens)  # [N, H]
-        rope = self.rotary.tables(positions, h.dtype)
-        captured: list[torch.Tensor] = []
+        rope = self.rotary.tables(batch.positions, h.dtype)
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, cache, i, batch)
-            if capture and i in self.aux_layer_ids:
-                captured.append(h)
-        aux = torch.cat([captured[self.aux_layer_ids.index(i)] for i in self.aux_layer_ids], -1) if capture else None
+            if batch.capture and i in self.aux_layer_ids:
+                captured[i] = h
+        aux = torch.cat([captured[i] for i in self.aux_layer_ids], -1) if batch.capture else None
         return self.lm_head(self.norm(h)).float(), aux
 
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:

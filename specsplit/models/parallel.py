@@ -14,23 +14,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-_ONE_ROW_GEMV = False  # one-row projections through the Triton GEMV (specsplit.ops_triton) on CUDA
-
-
-def use_one_row_gemv(enabled: bool) -> None:
-    """Route one-row, bias-free projections on CUDA through the Triton GEMV (batch-1 decode)."""
-    global _ONE_ROW_GEMV
-    _ONE_ROW_GEMV = enabled
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the Triton GEMV for a single row when enabled."""
-    if _ONE_ROW_GEMV and bias is None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
-        from specsplit.ops_triton import gemv
-
-        return gemv(x, weight)
-    return F.linear(x, weight, bias)
-
 
 @dataclass
 class TensorParallel:
@@ -98,7 +81,7 @@ class MergedColumnParallelLinear(nn.Linear):
             self.bias.data.copy_(torch.cat([b[s:e] for b, (s, e) in zip(biases, self.parts, strict=True)]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.sizes, dim=-1)
@@ -115,7 +98,7 @@ class RowParallelLinear(nn.Linear):
         self.weight.data.copy_(weight[:, self.in_start : self.in_end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(x, self.weight))
+        return self.tp.all_reduce(F.linear(x, self.weight))
 
 
 class ParallelLMHead(nn.Module):
@@ -126,7 +109,7 @@ class ParallelLMHead(nn.Module):
         self.vocab, self.tp = vocab, tp
         self.shard = -(-vocab // tp.world_size)  # padded so all_gather gets equal parts
         self.start = tp.rank * self.shard
-        self.weight = nn.Parameter(torch.zeros(self.shard, hidden), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(self.shard, hidden))
 
     def load_full(self, weight: torch.Tensor) -> None:
         part = weight[self.start : self.start + self.shard]
@@ -134,5 +117,5 @@ class ParallelLMHead(nn.Module):
         self.weight.data[: part.shape[0]].copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last(linear(x, self.weight))  # [tokens, padded vocab]
+        logits = self.tp.all_gather_last(F.linear(x, self.weight))  # [tokens, padded vocab]
         return logits[..., : self.vocab]

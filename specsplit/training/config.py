@@ -54,7 +54,7 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         import torch
 
-        from specsplit.handoff.base import DTYPES
+        from specsplit.transport.handoff.base import DTYPES
 
         if not self.out:
             raise ValueError("out: an output directory is required")
@@ -97,7 +97,7 @@ class TrainConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        from specsplit.handoff.base import DTYPES
+        from specsplit.transport.handoff.base import DTYPES
 
         return DTYPES[self.dtype]
 

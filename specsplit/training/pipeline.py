@@ -15,8 +15,8 @@ import torch
 
 from specsplit.checkpoints.eagle_head import load_head, save_head
 from specsplit.checkpoints.target_checkpoint import resolve_target_dir
+from specsplit.models.batch import Batch
 from specsplit.models.eagle3 import Eagle3Head
-from specsplit.models.layers import Segment
 from specsplit.tokenizer import TextCodec
 from specsplit.training import prompts as prompt_set
 from specsplit.training.config import TrainConfig
@@ -47,7 +47,7 @@ def save(out: Path, head: TrainableHead, vocab: DraftVocab, cfg: TrainConfig) ->
 
 
 def cfg_dtype(name: str) -> torch.dtype:
-    from specsplit.handoff.base import DTYPES
+    from specsplit.transport.handoff.base import DTYPES
 
     return DTYPES[name]
 
@@ -64,7 +64,7 @@ def inference_check(out: Path, head: TrainableHead, target: BatchedTarget, sampl
     aux, _ = target.features(ids)
     n = ids.shape[1] - 1
     feats, toks = aux[0, :n].float().cpu(), sample.ids[1:]
-    logits_inf, _ = inf.forward_batch(toks, feats, [Segment(0, 0, n)], inf.new_cache(1, n + 1))
+    logits_inf, _ = inf(toks, Batch.sequence(toks, hidden=feats), inf.new_cache(1, n + 1))
     head_cpu = TrainableHead(head.cfg, target.embed.float().cpu())
     head_cpu.load_state_dict({k: v.float().cpu() for k, v in head.state_dict().items()})
     logits_train = next(head_cpu.unroll(feats[None], toks[None], 1))[0]

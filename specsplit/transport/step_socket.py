@@ -34,8 +34,8 @@ from typing import Any, BinaryIO
 import grpc
 from google.protobuf.message import DecodeError
 
-from specsplit.serving import MAX_MESSAGE_BYTES
-from specsplit.step_stream import StepAbort
+from specsplit.transport.serving import MAX_MESSAGE_BYTES
+from specsplit.transport.step_stream import StepAbort
 
 MAGIC = b"specsplit-step/1\n"
 _LEN = struct.Struct("<I")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from specsplit.handoff.base import Descriptor
 from specsplit.ops import (
     Code,
     DraftOp,
@@ -19,6 +18,7 @@ from specsplit.ops import (
     TargetResult,
     Verify,
 )
+from specsplit.transport.handoff.base import Descriptor
 from specsplit.v1 import common_pb2, draft_pb2, target_pb2
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import grpc
 
 from specsplit.ops import Code, StepTiming
-from specsplit.serving import log
-from specsplit.wire import timing_to_proto
+from specsplit.transport.serving import log
+from specsplit.transport.wire import timing_to_proto
 
 MAX_OPS_PER_STEP = 4096
 

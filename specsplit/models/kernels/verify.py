@@ -1,5 +1,5 @@
-"""Triton kernels of the fused multi-row step (specsplit.models.fused_decode, T > 1): the same
-five kernels a layer as the one-token decode (specsplit.decode_kernels), for the T tokens of one
+"""Triton kernels of the fused multi-row step (specsplit.models.fused, T > 1): the same
+five kernels a layer as the one-token decode (specsplit.models.kernels.decode), for the T tokens of one
 sequence that a verify sends through the target at once: a chain (causal) or a tree (each token
 sees the committed entries, its ancestors and itself).
 
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specsplit.decode_kernels import _launch, _tile, _wait
+from specsplit.models.kernels.decode import _launch, _tile, _wait
 
 MAX_ROWS = 64  # tokens a fused verify takes (register budget of tree_attention's [rows, head_dim] tiles)
 

@@ -4,7 +4,7 @@
 A decoder layer of the static path is ~20 kernels (norms, projections, rotary, KV writes,
 attention, SiLU·mul, residual adds); at batch 1 an 8B step is then ~640 short kernels on top
 of the weight streaming, ~1.6 ms a token on the H200 (docs/benchmarks.md, 3a). Here a layer
-is five (specsplit.decode_kernels for one token, specsplit.verify_kernels for T):
+is five (specsplit.models.kernels.decode for one token, specsplit.models.kernels.verify for T):
 
     qkv = W_qkv · rms_norm(h)                       norm_gemv / norm_mm
     o   = attention(rope(q), rope(k) → cache, v → cache)   rope_attention / tree_attention
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from specsplit.models.batch import Batch
 from specsplit.models.layers import KVCache
 from specsplit.models.llama import LlamaModel
 
@@ -47,45 +48,41 @@ def fused_decode_unsupported(model: LlamaModel) -> str | None:
     return None
 
 
-class FusedDecode:
-    """Callable like LlamaModel.static_forward, for the tokens of one sequence (1 to MAX_ROWS)."""
+class FusedLlama:
+    """LlamaModel's forward for the tokens of one sequence (1 to max_rows), as fused kernels."""
 
     def __init__(self, model: LlamaModel, pdl: bool = False) -> None:
         reason = fused_decode_unsupported(model)
         if reason:
             raise ValueError(reason)
-        from specsplit import decode_kernels, verify_kernels  # Triton: imported only when a fused step is made
+        from specsplit.models.kernels import decode, verify  # Triton: imported only when a fused step is made
 
-        self.model, self.pdl, self.k, self.rows = model, pdl, decode_kernels, verify_kernels
-        self.max_rows = verify_kernels.MAX_ROWS
+        self.model, self.pdl, self.k, self.rows = model, pdl, decode, verify
+        self.max_rows = verify.MAX_ROWS
 
-    @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: int,
-                 cache: KVCache, capture: bool = False, entries: torch.Tensor | None = None,
-                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens, positions [1, T] (rotary), slots [1]: device tensors, so a graph replays any
-        position -> logits [1, T, V] float32, aux [1, T, 3H] or None. T > 1 (a verify): the
-        tokens write KV entries `entries` [1, T] (consecutive; default: the positions) and see
-        the committed entries plus the new ones that `mask` [T, T] allows (default: causal).
-        `ctx` is unused: attention reads the slot's entries up to the step's own."""
-        t = tokens.shape[-1]
-        if tokens.shape != (1, t) or positions.shape != (1, t) or slots.shape != (1,):
-            raise ValueError(f"a fused step takes the tokens of one sequence, got {tuple(tokens.shape)}")
+    def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens [T] of a padded batch of one sequence (device tensors, so a graph replays any
+        position) -> logits [T, V] float32, aux [T, 3H] or None, as LlamaModel.forward. The
+        tokens write entries batch.entries [1, T] (consecutive) and see the committed entries
+        plus the step's own that batch.tree_mask [1, T, T] allows (default: causal)."""
+        t = tokens.shape[0]
+        if not batch.is_padded or batch.entries is None or batch.entries.shape != (1, t):
+            raise ValueError(f"a fused step takes a padded batch of one sequence, got {t} tokens")
         if t > self.max_rows:
             raise ValueError(f"a fused step takes at most {self.max_rows} tokens, got {t}")
+        assert batch.slots is not None
         if t == 1:
-            return self._decode(tokens, positions, slots, cache, capture)
-        if mask is None:
-            mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
-        return self._verify(tokens, positions, positions if entries is None else entries, slots, mask, cache,
-                            capture)
+            return self._decode(tokens, batch.positions, batch.slots, cache, batch.capture)
+        mask = (torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril() if batch.tree_mask is None
+                else batch.tree_mask[0])
+        return self._verify(tokens, batch.positions, batch.entries[0], batch.slots, mask, cache, batch.capture)
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
                 capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         m, cfg, pdl, k = self.model, self.model.cfg, self.pdl, self.k
         eps = cfg.rms_norm_eps
         cos, sin = m.rotary.cos, m.rotary.sin  # [max_pos, D] float32, sin signed
-        h = m.embed_tokens(tokens.view(1)).view(-1)  # [H]
+        h = m.embed_tokens(tokens).view(-1)  # [H]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -98,27 +95,26 @@ class FusedDecode:
             if capture and i in m.aux_layer_ids:
                 captured[i] = h
         logits = k.norm_gemv(h, m.lm_head.weight, m.norm.weight, eps, pdl, torch.float32)[: m.lm_head.vocab]  # [V]
-        aux = torch.cat([captured[i] for i in m.aux_layer_ids]).view(1, 1, -1) if capture else None
-        return logits.view(1, 1, -1), aux
+        aux = torch.cat([captured[i] for i in m.aux_layer_ids]).view(1, -1) if capture else None
+        return logits.view(1, -1), aux
 
     def _verify(self, tokens: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor, cache: KVCache, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         m, cfg, pdl, k = self.model, self.model.cfg, self.pdl, self.rows
-        eps, t = cfg.rms_norm_eps, tokens.shape[-1]
+        eps = cfg.rms_norm_eps
         cos, sin = m.rotary.cos, m.rotary.sin
-        pos, ent = positions.view(t), entries.view(t)
-        h = m.embed_tokens(tokens.view(t))  # [T, H]
+        h = m.embed_tokens(tokens)  # [T, H]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = k.norm_mm(h, attn.qkv_proj.weight, layer.input_layernorm.weight, eps, pdl)  # [T, (Hq+2Hkv)*D]
-            o = k.tree_attention(qkv, cos, sin, pos, ent, slots, mask, cache.k[i], cache.v[i], attn.shard.q_count,
-                                 attn.shard.kv_count, pdl)  # [T, Hq*D]
+            o = k.tree_attention(qkv, cos, sin, positions, entries, slots, mask, cache.k[i], cache.v[i],
+                                 attn.shard.q_count, attn.shard.kv_count, pdl)  # [T, Hq*D]
             h = k.mm_residual(o, attn.o_proj.weight, h, pdl)  # [T, H]
             a = k.gate_up_silu(h, mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight, eps, pdl)  # [T, I]
             h = k.mm_residual(a, mlp.down_proj.weight, h, pdl)
             if capture and i in m.aux_layer_ids:
                 captured[i] = h
         logits = k.norm_mm(h, m.lm_head.weight, m.norm.weight, eps, pdl, torch.float32)[:, : m.lm_head.vocab]
-        aux = torch.cat([captured[i] for i in m.aux_layer_ids], -1).view(1, t, -1) if capture else None
-        return logits.view(1, t, -1), aux
+        aux = torch.cat([captured[i] for i in m.aux_layer_ids], -1) if capture else None
+        return logits, aux

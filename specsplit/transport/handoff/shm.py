@@ -7,7 +7,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from specsplit.handoff.base import DTYPES, Allocation, Descriptor, RingAllocator, dtype_name
+from specsplit.transport.handoff.base import DTYPES, Allocation, Descriptor, RingAllocator, dtype_name
 
 _OWNED: set[str] = set()  # segments this process created
 

@@ -40,7 +40,7 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from specsplit.handoff.base import DTYPES, Allocation, Descriptor, RingAllocator, dtype_name
+from specsplit.transport.handoff.base import DTYPES, Allocation, Descriptor, RingAllocator, dtype_name
 
 HANDLE_VERSION = 1
 

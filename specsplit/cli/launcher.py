@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specsplit.serving import LAUNCHER_PID_ENV
+from specsplit.transport.serving import LAUNCHER_PID_ENV
 
 
 def free_port() -> int:
@@ -70,6 +70,7 @@ class StackConfig:
     env: dict[str, str] = field(default_factory=dict)  # added to every service's environment
     gateway_tls: bool = False  # the gateway serves TLS (its --tls-cert is also the CA to trust)
     step_sockets: bool = True  # the gateway's Steps over Unix sockets (in a private temp dir), not gRPC streams
+    gateway_module: str = "gateway"  # benchmarks: bench.replay_gateway
 
 
 class ServiceStack:
@@ -126,7 +127,7 @@ class ServiceStack:
             wait_serving(self.addr("target"), self.procs["target"], timeout, "target_service")
             if c.with_draft:
                 wait_serving(self.addr("draft"), self.procs["draft"], timeout, "draft_service")
-            self._spawn("gateway", "gateway", ["--target", self.addr("target"),
+            self._spawn("gateway", c.gateway_module, ["--target", self.addr("target"),
                                                "--draft", self.addr("draft") if c.with_draft else "",
                                                "--model", c.model, "--port", str(self.ports["gateway"]),
                                                "--num-steps", str(c.num_steps), *c.extra_gateway_args])

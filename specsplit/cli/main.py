@@ -52,7 +52,7 @@ def _gen_args(p: argparse.ArgumentParser, per_request_steps: bool = True) -> Non
 
 
 def _stack(a: argparse.Namespace):  # noqa: ANN202
-    from specsplit.launcher import ServiceStack, StackConfig
+    from specsplit.cli.launcher import ServiceStack, StackConfig
 
     return ServiceStack(StackConfig(model=a.model, head=a.head, tp_size=a.tp_size, num_steps=a.num_steps,
                                     max_context=a.max_context, max_sequences=a.max_sequences,
@@ -61,7 +61,7 @@ def _stack(a: argparse.Namespace):  # noqa: ANN202
 
 
 def _request(a: argparse.Namespace, prompt: str, speculation: bool | None = None):  # noqa: ANN202
-    from specsplit.client import make_request
+    from specsplit.cli.client import make_request
 
     spec = False if a.no_spec else speculation
     return make_request(prompt, raw=a.raw, max_new_tokens=a.max_new_tokens, num_steps=getattr(a, "gen_num_steps", None),
@@ -79,7 +79,7 @@ def _summary_line(s: dict) -> str:
 
 
 def _stream(addr: str, req, as_json: bool, token: str | None = None, tls_ca: bytes | None = None) -> dict:  # noqa: ANN001
-    from specsplit.client import GatewayClient
+    from specsplit.cli.client import GatewayClient
 
     client = GatewayClient(addr, token=token, tls_ca=tls_ca)
     try:
@@ -181,7 +181,7 @@ def cmd_tiny_target(a: argparse.Namespace) -> int:
 
 
 def cmd_trace_report(a: argparse.Namespace) -> int:
-    from specsplit import trace_report as tr
+    from specsplit.observability import trace_report as tr
 
     if a.listen:
         spans = tr.receive_otlp(a.listen, a.duration, a.idle)

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from specsplit.serving import channel_options
+from specsplit.transport.serving import channel_options
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 
 

@@ -8,7 +8,7 @@ generation has been acknowledged. Backends: "shm" (POSIX shared memory, CPU),
 (a ring in the target's GPU memory, mapped by the draft through CUDA IPC, same host).
 """
 
-from specsplit.handoff.base import Allocation, HiddenReader, HiddenWriter, RingAllocator
-from specsplit.handoff.factory import open_reader, open_writer
+from specsplit.transport.handoff.base import Allocation, HiddenReader, HiddenWriter, RingAllocator
+from specsplit.transport.handoff.factory import open_reader, open_writer
 
 __all__ = ["Allocation", "HiddenReader", "HiddenWriter", "RingAllocator", "open_reader", "open_writer"]

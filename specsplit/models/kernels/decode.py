@@ -1,4 +1,4 @@
-"""Triton kernels of the fused one-token decode step (specsplit.models.fused_decode): a decoder
+"""Triton kernels of the fused one-token decode step (specsplit.models.fused): a decoder
 layer in five kernels instead of ~20, which is what keeps a batch-1 decode near the HBM bound.
 
   norm_gemv      y = W · rms_norm(x)          the q|k|v projection, and the final norm + lm_head
@@ -19,7 +19,7 @@ kernel's programs start while the previous kernel's last wave runs, load their f
 tile (which depends on nothing computed), then wait (griddepcontrol.wait) for the previous
 kernel before reading its output or writing anything; attention likewise reads the step's
 position, the rotary tables and the first block of earlier keys and values first. CPU builds
-of torch come without Triton, so only specsplit.models.fused_decode imports this module, when
+of torch come without Triton, so only specsplit.models.fused imports this module, when
 a fused step is made (TRITON_INTERPRET=1 runs these kernels on the CPU).
 """
 

@@ -61,11 +61,11 @@ def install_uvloop() -> None:
         log.warning("uvloop not available; using the default asyncio loop")
 
 
-LAUNCHER_PID_ENV = "SPECSPLIT_LAUNCHER_PID"  # set by specsplit.launcher for the services it starts
+LAUNCHER_PID_ENV = "SPECSPLIT_LAUNCHER_PID"  # set by specsplit.cli.launcher for the services it starts
 
 
 def exit_with_launcher() -> None:
-    """A service started by specsplit.launcher gets SIGTERM when the launching process dies (Linux
+    """A service started by specsplit.cli.launcher gets SIGTERM when the launching process dies (Linux
     PR_SET_PDEATHSIG). Set here, after exec: a subprocess preexec_fn is unsafe in a launcher with threads
     (gRPC's), where the child can deadlock between fork and exec and block the launcher for ever."""
     value = os.environ.get(LAUNCHER_PID_ENV)

@@ -30,7 +30,7 @@ class Descriptor:
     capacity_rows: int
     width: int
     dtype: str
-    handle: bytes = b""  # cuda_ipc: the exported ring (see specsplit.handoff.cuda_ipc); empty otherwise
+    handle: bytes = b""  # cuda_ipc: the exported ring (see specsplit.transport.handoff.cuda_ipc); empty otherwise
     device: int = -1  # cuda_ipc: the writer's CUDA device index; -1 for the CPU backends
 
 

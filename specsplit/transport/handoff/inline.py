@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specsplit.handoff.base import DTYPES, Allocation, Descriptor, RingAllocator, dtype_name
+from specsplit.transport.handoff.base import DTYPES, Allocation, Descriptor, RingAllocator, dtype_name
 
 
 class InlineWriter:

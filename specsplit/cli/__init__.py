@@ -1,0 +1,1 @@
+"""The command line (`specsplit`), the service launcher and the gateway client."""

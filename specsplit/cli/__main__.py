@@ -1,0 +1,7 @@
+"""python -m specsplit.cli: the `specsplit` command."""
+
+import sys
+
+from specsplit.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Traces and metrics: OpenTelemetry setup and the trace report."""

@@ -1,0 +1,1 @@
+"""The engine runner: KV slots, buckets and padding, CUDA graphs, and the execution path of each step."""
