@@ -72,7 +72,7 @@ class InstantDraft:
 
 async def measure(batch: int, cycles: int, num_steps: int, noop_spans: bool = False) -> dict:
     s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=batch, max_queue=batch)
-    s.tracing = noop_spans  # True: build every cycle's span and trace context with the no-op tracer (as before a539efe)
+    s.spans.enabled = noop_spans  # True: build every cycle's span and trace context with the no-op tracer
     s.draft_restored()
     s.start()
     tokens = cycles * (num_steps + 1)

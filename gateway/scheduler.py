@@ -22,27 +22,32 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
 
 from gateway.clients import DraftClient, TargetClient
-from gateway.observe import NOOP_METRICS, NOOP_TRACER, GatewayMetrics
-from specsplit.observability.telemetry import inject
+from gateway.observe import NOOP_METRICS, NOOP_TRACER, CycleSpans, GatewayMetrics
+from gateway.sequence import (
+    Failed,
+    Finished,
+    GenerationRequest,
+    LoopTotals,
+    QueueFull,
+    SeqStats,
+    Sequence,
+    Unavailable,
+)
 from specsplit.ops import (
     Code,
     DraftOp,
     DraftResult,
     ExtendPropose,
-    HiddenRef,
     Prefill,
     Recapture,
     Release,
-    Sampling,
-    SparseDist,
     TargetOp,
     TargetResult,
     Verify,
@@ -50,98 +55,7 @@ from specsplit.ops import (
 
 log = logging.getLogger("specsplit.gateway")
 MAX_DRAFT_FAILURES = 3  # consecutive per-sequence draft errors before the sequence goes on target-only
-
-
-@dataclass
-class GenerationRequest:
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: Sampling
-    stop_ids: set[int]
-    num_steps: int  # 0: speculation off (target-only decoding); a tree's depth
-    topk: int = 1  # > 1: a tree of drafts (greedy only)
-    num_draft_tokens: int = 0  # a tree's size counting the root; a chain: num_steps + 1 (0 means that)
-
-    def __post_init__(self) -> None:
-        if self.topk == 1:
-            self.num_draft_tokens = self.num_steps + 1 if self.num_steps else 0
-
-
-@dataclass
-class Finished:
-    reason: str  # "stop", "length", "abort"
-    matched_stop: int | None = None
-
-
-@dataclass
-class Failed:
-    code: grpc.StatusCode
-    message: str
-
-
-@dataclass
-class SeqStats:
-    cycles: int = 0
-    histogram: Counter[int] = field(default_factory=Counter)
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    draft_compute_ms: float = 0.0
-    verify_compute_ms: float = 0.0
-    first_token_at: float = 0.0
-    draft_tokens: int = 0  # draft tokens sent to verify
-    accepted_drafts: int = 0  # of those, accepted
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return sum(k * v for k, v in self.histogram.items()) / self.cycles if self.cycles else 0.0
-
-
-@dataclass
-class LoopTotals:
-    """Counts since the gateway started (the SGLang GetLoads report reads them)."""
-
-    verify_cycles: int = 0
-    verify_tokens: int = 0  # tokens emitted by verifies, bonus included: verify_tokens / verify_cycles is tau
-    draft_tokens: int = 0
-    accepted_drafts: int = 0
-    output_tokens: int = 0
-
-
-class Sequence:
-    def __init__(self, seq_id: int, req: GenerationRequest, span: trace.Span | None = None) -> None:
-        self.seq_id, self.req = seq_id, req
-        self.span = span or trace.INVALID_SPAN  # the request span; cycles are its children
-        self.cycle_span: trace.Span = trace.INVALID_SPAN
-        self.trace = ""  # traceparent of the current cycle span, sent with every op
-        self.sent_drafts = 0
-        self.events: asyncio.Queue[list[int] | Finished | Failed] = asyncio.Queue()
-        self.generated: list[int] = []
-        self.spec = req.num_steps > 0  # speculation asked for
-        self.synced = False  # the draft holds this sequence's state up to the target's
-        self.prefilled = False
-        self.committed = 0  # positions in the target's KV cache
-        self.in_draft = False  # the draft may hold state for it
-        self.pending: tuple[list[int], HiddenRef, int] | None = None  # (tokens, rows, position) not yet extended
-        self.drafts: list[int] = []
-        self.dists: list[SparseDist] = []
-        self.parents: list[int] = []  # a tree's shape (empty: a chain)
-        self.draft_failures = 0  # in a row
-        self.stats = SeqStats()
-        self.submitted_at = time.perf_counter()
-        self.done = False
-        self.cancelled = False
-        try:  # where the submitter reads `events`
-            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            self.loop = None
-
-
-class QueueFull(Exception):
-    pass
-
-
-class Unavailable(Exception):
-    pass
+__all__ = ["Failed", "Finished", "GenerationRequest", "QueueFull", "Scheduler", "SeqStats", "Sequence", "Unavailable"]
 
 
 class Scheduler:
@@ -162,8 +76,7 @@ class Scheduler:
         self.task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop (and thread) the cycles run on
         self.thread_id = 0
-        # spans and trace context cost ~10% of the loop's CPU even with a no-op tracer: skip them then
-        self.tracing = not isinstance(tracer, trace.NoOpTracer)
+        self.spans = CycleSpans(tracer)
         self.cycles = 0
         self.totals = LoopTotals()
         self.in_cycle = False
@@ -308,22 +221,13 @@ class Scheduler:
             seq.span.add_event("admitted", {"spec.seq_id": seq.seq_id,
                                             "spec.wait_ms": (time.perf_counter() - seq.submitted_at) * 1e3})
         t0, batch = time.perf_counter(), len(self.running)
-        traced = list(self.running) if self.tracing else []
-        for s in traced:
-            s.cycle_span = self.tracer.start_span(
-                "prefill" if s in newcomers else "cycle", context=trace.set_span_in_context(s.span),
-                attributes={"spec.cycle": 0 if s in newcomers else s.stats.cycles + 1, "spec.batch_size": batch,
-                            "spec.num_steps": s.req.num_steps if s.spec else 0, "spec.seq_id": s.seq_id,
-                            "spec.topk": s.req.topk})
-            s.trace = inject(s.cycle_span)
+        traced = self.spans.open(self.running, newcomers)
         try:
             await self._draft_phase()
             if not self.target_down:
                 await self._target_phase(newcomers)
         finally:
-            for s in traced:
-                s.cycle_span.end()
-                s.cycle_span, s.trace = trace.INVALID_SPAN, ""
+            self.spans.close(traced)
         if batch > len(newcomers):
             self.metrics.cycle_duration.record((time.perf_counter() - t0) * 1e3)
         self.cycles += 1
@@ -434,15 +338,8 @@ class Scheduler:
             else:
                 self.free_generations.append(r.hidden.generation)
         if isinstance(op, Verify):  # a verify cycle (the prefill's first token is not a cycle)
-            s.stats.cycles += 1
-            s.stats.histogram[len(r.tokens)] += 1
-            s.stats.verify_ms += ms
-            s.stats.verify_compute_ms += compute_ms
-            s.stats.draft_tokens += s.sent_drafts
-            s.stats.accepted_drafts += r.num_accepted
-            t = self.totals
-            t.verify_cycles, t.verify_tokens = t.verify_cycles + 1, t.verify_tokens + len(r.tokens)
-            t.draft_tokens, t.accepted_drafts = t.draft_tokens + s.sent_drafts, t.accepted_drafts + r.num_accepted
+            s.stats.record_verify(len(r.tokens), ms, compute_ms, s.sent_drafts, r.num_accepted)
+            self.totals.record_verify(len(r.tokens), s.sent_drafts, r.num_accepted)
             self.metrics.accepted_length.record(len(r.tokens))
             s.cycle_span.set_attributes({"spec.draft_tokens": s.sent_drafts, "spec.accepted_length": len(r.tokens),
                                          "spec.num_accepted": r.num_accepted, "spec.bonus_token": r.tokens[-1],

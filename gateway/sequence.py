@@ -1,0 +1,120 @@
+"""A request as the speculation loop holds it: what was asked, its state between cycles, its
+statistics, and the events its stream reads."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry import trace
+
+from specsplit.ops import HiddenRef, Sampling, SparseDist
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    stop_ids: set[int]
+    num_steps: int  # 0: speculation off (target-only decoding); a tree's depth
+    topk: int = 1  # > 1: a tree of drafts (greedy only)
+    num_draft_tokens: int = 0  # a tree's size counting the root; a chain: num_steps + 1 (0 means that)
+
+    def __post_init__(self) -> None:
+        if self.topk == 1:
+            self.num_draft_tokens = self.num_steps + 1 if self.num_steps else 0
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop", "length", "abort"
+    matched_stop: int | None = None
+
+
+@dataclass
+class Failed:
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass
+class SeqStats:
+    cycles: int = 0
+    histogram: Counter[int] = field(default_factory=Counter)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    draft_compute_ms: float = 0.0
+    verify_compute_ms: float = 0.0
+    first_token_at: float = 0.0
+    draft_tokens: int = 0  # draft tokens sent to verify
+    accepted_drafts: int = 0  # of those, accepted
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(k * v for k, v in self.histogram.items()) / self.cycles if self.cycles else 0.0
+
+    def record_verify(self, emitted: int, ms: float, compute_ms: float, drafts: int, accepted: int) -> None:
+        self.cycles += 1
+        self.histogram[emitted] += 1
+        self.verify_ms += ms
+        self.verify_compute_ms += compute_ms
+        self.draft_tokens += drafts
+        self.accepted_drafts += accepted
+
+
+@dataclass
+class LoopTotals:
+    """Counts since the gateway started (the SGLang GetLoads report reads them)."""
+
+    verify_cycles: int = 0
+    verify_tokens: int = 0  # tokens emitted by verifies, bonus included: verify_tokens / verify_cycles is tau
+    draft_tokens: int = 0
+    accepted_drafts: int = 0
+    output_tokens: int = 0
+
+    def record_verify(self, emitted: int, drafts: int, accepted: int) -> None:
+        self.verify_cycles += 1
+        self.verify_tokens += emitted
+        self.draft_tokens += drafts
+        self.accepted_drafts += accepted
+
+
+class Sequence:
+    def __init__(self, seq_id: int, req: GenerationRequest, span: trace.Span | None = None) -> None:
+        self.seq_id, self.req = seq_id, req
+        self.span = span or trace.INVALID_SPAN  # the request span; cycles are its children
+        self.cycle_span: trace.Span = trace.INVALID_SPAN
+        self.trace = ""  # traceparent of the current cycle span, sent with every op
+        self.sent_drafts = 0
+        self.events: asyncio.Queue[list[int] | Finished | Failed] = asyncio.Queue()
+        self.generated: list[int] = []
+        self.spec = req.num_steps > 0  # speculation asked for
+        self.synced = False  # the draft holds this sequence's state up to the target's
+        self.prefilled = False
+        self.committed = 0  # positions in the target's KV cache
+        self.in_draft = False  # the draft may hold state for it
+        self.pending: tuple[list[int], HiddenRef, int] | None = None  # (tokens, rows, position) not yet extended
+        self.drafts: list[int] = []
+        self.dists: list[SparseDist] = []
+        self.parents: list[int] = []  # a tree's shape (empty: a chain)
+        self.draft_failures = 0  # in a row
+        self.stats = SeqStats()
+        self.submitted_at = time.perf_counter()
+        self.done = False
+        self.cancelled = False
+        try:  # where the submitter reads `events`
+            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Unavailable(Exception):
+    pass
