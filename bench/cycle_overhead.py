@@ -1,4 +1,4 @@
-"""Cycle overhead of the services (issue 3b): the same draft and target (i) in one process
+"""Cycle overhead of the services: the same draft and target (i) in one process
 with a plain loop (bench.plain_loop) and (ii) as the three services (gRPC streams + the
 hidden-state ring), batch 1, num_steps 1..7, greedy. Random weights accept nothing, so the
 draft's proposals are replaced by the target's own continuation with mistakes at

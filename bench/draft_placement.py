@@ -1,4 +1,4 @@
-"""Where the draft runs (issue 3c, 3d), at the Llama-3.1-8B shape with random bf16 weights.
+"""Where the draft runs, at the Llama-3.1-8B shape with random bf16 weights.
 
 c. One EAGLE-3 proposal step (batch 1, one token) of the head on its own GPU (TP1) against
    the same head sharded TP2 over both GPUs with NCCL, as SGLang runs it inside the target's

@@ -1,4 +1,4 @@
-"""End to end at batch 1 (issue 4): a target and its trained EAGLE-3 head, greedy, every prompt
+"""End to end at batch 1: a target and its trained EAGLE-3 head, greedy, every prompt
 generating exactly --max-new-tokens (ignore_eos), decode tokens/s of
   - target-only in one process (the target runtime with CUDA graphs, a plain loop, no gRPC):
     the baseline speculation must beat;

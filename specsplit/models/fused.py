@@ -1,10 +1,10 @@
 """The fused steps of a Llama target for one sequence on one GPU: decode (one token) and verify
-(a chain or tree of up to verify_kernels.MAX_ROWS tokens).
+(a chain or tree of up to kernels.verify.MAX_ROWS tokens).
 
-A decoder layer of the static path is ~20 kernels (norms, projections, rotary, KV writes,
+A decoder layer of the padded path is ~20 kernels (norms, projections, rotary, KV writes,
 attention, SiLU·mul, residual adds); at batch 1 an 8B step is then ~640 short kernels on top
-of the weight streaming, ~1.6 ms a token on the H200 (docs/benchmarks.md, 3a). Here a layer
-is five (specsplit.models.kernels.decode for one token, specsplit.models.kernels.verify for T):
+of the weight streaming. Here a layer is five (kernels.decode for one token, kernels.verify
+for T):
 
     qkv = W_qkv · rms_norm(h)                       norm_gemv / norm_mm
     o   = attention(rope(q), rope(k) → cache, v → cache)   rope_attention / tree_attention
@@ -13,16 +13,13 @@ is five (specsplit.models.kernels.decode for one token, specsplit.models.kernels
     h   = h + W_down · a                            gemv_residual / mm_residual
 
 plus the embedding lookup and one more norm + GEMM for the final norm and lm_head. At batch 1
-attention is latency-bound (~10 µs a layer at the 8B shape, a third of the gap to the bound,
-until it read everything that does not depend on the previous kernel — position, slot,
-rotary tables, the first block of earlier keys and values — before waiting for it). A verify
-of T tokens streams the same weights once for all its rows, so it costs about what a decode
-costs (at SmolLM2's size both are a few hundred microseconds of kernel latency).
+attention is latency-bound: its kernel reads everything that does not depend on the previous
+kernel (position, slot, rotary tables, the first block of committed keys and values) before
+waiting for it. A verify of T tokens streams the same weights once for all its rows.
 
-Same signature and outputs as LlamaModel.static_forward for tokens [1, T], plus a [T, T] mask
-for trees, so the target engine captures it in a CUDA graph like any static step
-(`--fused-decode`); anything else (several sequences, tensor parallelism, biases, q/k norms)
-keeps the static path.
+`FusedLlama.forward` takes what LlamaModel.forward takes, for a padded batch of one sequence,
+so the runner captures it in a CUDA graph like any step (`--fused-decode`); anything else
+(several sequences, tensor parallelism, biases, q/k norms) keeps the padded path.
 """
 
 from __future__ import annotations

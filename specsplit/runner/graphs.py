@@ -1,8 +1,9 @@
-"""CUDA graphs for static-shape forwards, one per shape bucket, captured on first use.
+"""CUDA graphs for static-shape functions, one per key, captured on first use.
 
-A forward with static shapes (see `forward_static`) is captured once per key, e.g.
-(batch bucket, tokens per sequence, context bucket); later steps of that key copy their
-inputs into the graph's input buffers and replay it: one launch instead of hundreds.
+A function of static shapes (the runner's padded forward, the fused step, the draft's tree
+growth) is captured once per key, e.g. (batch bucket, tokens per sequence, context bucket);
+later steps of that key copy their inputs into the graph's input buffers and replay it: one
+launch instead of hundreds.
 With graphs disabled (or off CUDA) the same function runs eagerly on the same shapes, so
 the two modes compute the same kernels and give identical results.
 """

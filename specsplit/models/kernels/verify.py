@@ -15,10 +15,9 @@ tensor cores), so a verify of 16 tokens streams the same bytes as a decode of on
 is folded in as in decode_kernels (rstd per row, its sum of squares accumulated in the same pass).
 fp32 models multiply in IEEE fp32 (no TF32), so they agree with the unfused model to fp32 rounding.
 
-Measured on an H200 at SmolLM2's shape (docs/benchmarks.md, tenth session): a 16-token verify
-takes 1.17 ms against 2.32 on the static path, but 2.3x a fused decode: tl.dot's tiles of 16
-output columns leave ~36 programs for a 576-wide projection, each looping over K with one tile
-in flight, so the kernels are latency-bound (more programs per projection is the next step).
+At SmolLM2's shape on an H200 a 16-token verify costs ~2.3x a fused decode (docs/benchmarks.md):
+tl.dot's tiles of 16 output columns leave ~36 programs for a 576-wide projection, each looping
+over K with one tile in flight, so the kernels are latency-bound.
 """
 
 from __future__ import annotations
