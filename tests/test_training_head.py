@@ -75,7 +75,17 @@ def test_export_is_specforge_format(tiny_target: Path, tmp_path: Path) -> None:
     assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
     assert torch.equal(torch.arange(200) + w["d2t"], torch.nonzero(w["t2d"]).flatten())
     assert w["lm_head.weight"].shape == (200, cfg.hidden_size) and w["fc.weight"].dtype == torch.bfloat16
-    assert not any(k.startswith(("embed", "cos", "sin")) for k in w)
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"fc.weight": (h, 3 * h), "midlayer.self_attn.q_proj.weight": (q, 2 * h),
+              "midlayer.self_attn.k_proj.weight": (kv, 2 * h), "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+              "midlayer.self_attn.o_proj.weight": (h, q), "midlayer.mlp.gate_proj.weight": (i, h),
+              "midlayer.mlp.up_proj.weight": (i, h), "midlayer.mlp.down_proj.weight": (h, i),
+              "midlayer.input_layernorm.weight": (h,), "midlayer.hidden_norm.weight": (h,),
+              "midlayer.post_attention_layernorm.weight": (h,), "norm.weight": (h,), "lm_head.weight": (200, h),
+              "d2t": (200,), "t2d": (cfg.vocab_size,)}
+    assert {k: tuple(v.shape) for k, v in w.items()} == shapes  # exactly the SpecForge keys: merged layers split
+    merged = head.midlayer.self_attn.qkv_proj.weight.detach().to(torch.bfloat16)
+    assert torch.equal(torch.cat([w[f"midlayer.self_attn.{p}_proj.weight"] for p in "qkv"]), merged)
 
 
 def test_vocab_by_frequency_and_maps() -> None:

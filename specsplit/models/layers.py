@@ -154,19 +154,23 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(d, qk_norm_eps) if qk_norm_eps is not None else None
 
-    def forward(self, x: torch.Tensor, rope: RopeTables, cache: KVCache, layer: int, batch: Batch) -> torch.Tensor:
-        """x [N, in]: the tokens of every sequence, flattened. Projections run once for the
-        whole batch; attention runs per segment against its own KV slot, or for a static
-        batch in one padded call."""
+    def project(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, in] -> q [N, Hq, D] and k [N, Hkv, D] (normed where the model does, rotated), v [N, Hkv, D]."""
         n, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)  # [N, (Hq + 2 Hkv) * D]
         hq = self.shard.q_count
         if self.q_norm is not None and self.k_norm is not None:
             q, k, v = (y.reshape(n, -1, d) for y in self.qkv_proj.split(qkv))
-            q, k = apply_rope(self.q_norm(q), rope), apply_rope(self.k_norm(k), rope)
-        else:  # q and k rotated in one pass
-            qk = apply_rope(qkv[:, : (hq + self.shard.kv_count) * d].view(n, -1, d), rope)  # [N, Hq + Hkv, D]
-            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + self.shard.kv_count) * d :].view(n, -1, d)
+            return apply_rope(self.q_norm(q), rope), apply_rope(self.k_norm(k), rope), v
+        qk = apply_rope(qkv[:, : (hq + self.shard.kv_count) * d].view(n, -1, d), rope)  # [N, Hq + Hkv, D], one pass
+        return qk[:, :hq], qk[:, hq:], qkv[:, (hq + self.shard.kv_count) * d :].view(n, -1, d)
+
+    def forward(self, x: torch.Tensor, rope: RopeTables, cache: KVCache, layer: int, batch: Batch) -> torch.Tensor:
+        """x [N, in]: the tokens of every sequence, flattened. Projections run once for the
+        whole batch; attention runs per segment against its own KV slot, or for a static
+        batch in one padded call."""
+        d = self.head_dim
+        q, k, v = self.project(x, rope)
         if batch.segments is None:
             assert batch.entries is not None
             b, t = batch.entries.shape

@@ -1,8 +1,10 @@
 """The trainable EAGLE-3 head, unrolled for training-time test (TTT).
 
-Module names are the SGLang / SpecForge checkpoint keys, so `export()` is the state dict
-(plus d2t / t2d). The computation is the inference head's (specsplit.models.eagle3), made
-batched over [B, N] and unrolled over K steps. Alignment, for training position i:
+The modules are the inference head's (specsplit.models.eagle3.Eagle3MidLayer: its norms,
+merged qkv_proj, o_proj and gate_up_proj / down_proj MLP; RMSNorm and Rotary), so the
+computation is the inference head's, made batched over [B, N] and unrolled over K steps;
+only the attention pattern is this module's. `export()` splits the merged projections back
+into the SGLang / SpecForge checkpoint keys. Alignment, for training position i:
 
 - step 0: token x[i+1], target features f[i], RoPE position i -> predicts the target's
   distribution at i+1. This is the draft's extend: draft position p pairs token p+1 with
@@ -28,49 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.models.config import Eagle3Config, LlamaConfig
-from specsplit.training.target import apply_rope, rms_norm, rope_tables
+from specsplit.models.eagle3 import Eagle3MidLayer
+from specsplit.models.layers import RMSNorm, Rotary
+from specsplit.models.parallel import MergedColumnParallelLinear, TensorParallel
 from specsplit.training.vocab import DraftVocab
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: Eagle3Config) -> None:
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(2 * h, cfg.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * h, cfg.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * h, cfg.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: Eagle3Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class MidLayer(nn.Module):
-    def __init__(self, cfg: Eagle3Config) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+# merged projections of the serving layers -> the checkpoint's separate ones, in row order
+CHECKPOINT_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
@@ -100,13 +66,11 @@ class TrainableHead(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
-        self.midlayer = MidLayer(cfg)
+        self.midlayer = Eagle3MidLayer(cfg, TensorParallel())  # the serving layer's modules; not its forward
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("embed", embed.detach(), persistent=False)  # the target's, frozen [V, H]
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
 
     def init_from_target(self, lm_head: torch.Tensor, final_norm: torch.Tensor, vocab: DraftVocab) -> None:
         """Start the output layer where the target's is: its lm_head rows of the draft vocabulary."""
@@ -114,19 +78,27 @@ class TrainableHead(nn.Module):
             self.lm_head.weight.copy_(lm_head[vocab.ids.to(lm_head.device)].float())
             self.norm.weight.copy_(final_norm.float())
 
+    @staticmethod
+    def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """norm(x) in the weights' dtype: in fp32 under autocast (fp32 master weights), whatever the
+        device's autocast policy for rms_norm, and with no input / weight dtype mismatch."""
+        return norm(x.to(norm.weight.dtype))
+
     def _step(self, hidden: torch.Tensor, tokens: torch.Tensor, pos0: int, keys: list[torch.Tensor],
               values: list[torch.Tensor]) -> torch.Tensor:
-        """One unrolled step: hidden [B, N, H], tokens [B, N] at RoPE positions pos0.. -> pre-norm [B, N, H]."""
-        m, a, c = self.midlayer, self.midlayer.self_attn, self.cfg
+        """One unrolled step: hidden [B, N, H], tokens [B, N] at RoPE positions pos0.. -> pre-norm [B, N, H].
+        The serving midlayer's computation over the B * N tokens flattened, with ttt_attention."""
+        m, a = self.midlayer, self.midlayer.self_attn
         b, n, _ = hidden.shape
-        x = torch.cat([m.input_layernorm(self.embed[tokens]), m.hidden_norm(hidden)], dim=-1)  # [B, N, 2H]
-        cos, sin = self.cos[pos0:pos0 + n], self.sin[pos0:pos0 + n]
-        q = apply_rope(a.q_proj(x).view(b, n, -1, c.head_dim).transpose(1, 2), cos, sin)  # [B, Hq, N, D]
-        keys.append(apply_rope(a.k_proj(x).view(b, n, -1, c.head_dim).transpose(1, 2), cos, sin))
-        values.append(a.v_proj(x).view(b, n, -1, c.head_dim).transpose(1, 2))
-        out = ttt_attention(q, keys, values).transpose(1, 2).reshape(b, n, -1)
-        h = hidden + a.o_proj(out)
-        return h + m.mlp(m.post_attention_layernorm(h))
+        h = hidden.reshape(b * n, -1)
+        x = torch.cat([self._norm(m.input_layernorm, self.embed[tokens.flatten()]), self._norm(m.hidden_norm, h)],
+                      dim=-1)  # [B * N, 2H]
+        rope = self.rotary.tables(torch.arange(pos0, pos0 + n, device=h.device).repeat(b), h.dtype)
+        q, k, v = (y.view(b, n, -1, a.head_dim).transpose(1, 2) for y in a.project(x, rope))  # [B, heads, N, D]
+        keys.append(k)
+        values.append(v)
+        h = h + a.o_proj(ttt_attention(q, keys, values).transpose(1, 2).reshape(b * n, -1))
+        return (h + m.mlp(self._norm(m.post_attention_layernorm, h))).view(b, n, -1)
 
     def unroll(self, feats: torch.Tensor, inputs: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
         """feats [B, N, 3H] (target features of positions 0..N-1); inputs [B, N + steps - 1] with
@@ -139,11 +111,22 @@ class TrainableHead(nn.Module):
         values: list[torch.Tensor] = []
         for k in range(steps):
             hidden = self._step(hidden, inputs[:, k:k + n], k, keys, values)
-            yield self.lm_head(self.norm(hidden))
+            yield self.lm_head(self._norm(self.norm, hidden))
 
     def export(self, vocab: DraftVocab, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """SGLang / SpecForge weights: fc, midlayer.*, norm, lm_head in `dtype`; d2t, t2d."""
-        out = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
+        """SGLang / SpecForge weights: fc, midlayer.*, norm, lm_head in `dtype` (merged projections
+        split back into q/k/v_proj and gate/up_proj); d2t, t2d."""
+        out = {}
+        for name, value in self.state_dict().items():
+            module, _, leaf = name.rpartition(".")  # e.g. midlayer.self_attn.qkv_proj, weight
+            parent, _, short = module.rpartition(".")
+            merged = self.get_submodule(module) if short in CHECKPOINT_PARTS else None
+            if isinstance(merged, MergedColumnParallelLinear):
+                for part, rows in zip(CHECKPOINT_PARTS[short], value.split(merged.sizes), strict=True):
+                    out[f"{parent}.{part}.{leaf}"] = rows
+            else:
+                out[name] = value
+        out = {k: v.detach().to("cpu", dtype).contiguous() for k, v in out.items()}
         out["d2t"], out["t2d"] = vocab.d2t.clone(), vocab.t2d.clone()
         return out
 

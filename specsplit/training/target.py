@@ -2,14 +2,17 @@
 left-padded KV cache (generation), and one causal pass that returns the EAGLE-3 features
 and the final normed state (training targets).
 
-Built from the Hugging Face-named weights that the serving target loads (same RMSNorm,
-RoPE and capture semantics as specsplit.models.llama, checked by the tests), but with
-[batch, time] tensors and no per-sequence Python loop, so a few hundred sequences decode
-together. Inference only: every method runs under torch.inference_mode.
+The serving LlamaModel (specsplit.models.llama) holds the weights and computes every layer
+but the attention: its norms, merged q/k/v projection, rotary, o_proj and MLP run over the
+[batch, time] tokens flattened, and this module's attention patterns (causal, left-padded,
+static cache) replace its per-sequence KV-cache attention, so a few hundred sequences decode
+together with no per-sequence Python loop. Inference only: every method runs under
+torch.inference_mode.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,40 +20,11 @@ import torch.nn.functional as F
 
 from specsplit.checkpoints.target_checkpoint import load_safetensors_dir, load_target_config, resolve_target_dir
 from specsplit.models.config import LlamaConfig
-from specsplit.models.layers import rope_inv_freq
+from specsplit.models.layers import RopeTables
+from specsplit.models.llama import LlamaModel
+from specsplit.models.parallel import TensorParallel
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The serving RMSNorm: normalise in fp32, cast back, then scale."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def rope_tables(head_dim: int, theta: float, scaling: dict | None, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_pos, head_dim] in fp32, rotate_half layout (as the serving Rotary)."""
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), rope_inv_freq(head_dim, theta, scaling))
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float(), emb.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, D]; cos, sin broadcastable to it (cast to x's dtype unless they have it)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-
-
-@dataclass
-class Layer:
-    ln1: torch.Tensor
-    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
-    bqkv: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    wo: torch.Tensor
-    ln2: torch.Tensor
-    w_gate_up: torch.Tensor  # [2 I, H]
-    w_down: torch.Tensor
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (layer, q, k, v) -> out
 
 
 @dataclass
@@ -66,27 +40,24 @@ class BatchedTarget:
         if len(aux_layer_ids) != 3 or bad:
             raise ValueError(f"need 3 aux layer ids in 0..{cfg.num_layers - 1}, got {aux_layer_ids}")
         self.cfg, self.aux_layer_ids, self.device, self.dtype = cfg, list(aux_layer_ids), torch.device(device), dtype
+        cuda = [self.device] if self.device.type == "cuda" else []
+        # built as the target service builds it; its random init, overwritten next, leaves the caller's RNG as it was
+        with torch.random.fork_rng(cuda), torch.device(self.device):
+            self.model = LlamaModel(cfg, TensorParallel(), self.aux_layer_ids).to(dtype)
+        self.model.load_full_weights(weights)
+        self.model.eval()
 
-        def w(name: str) -> torch.Tensor:
-            return weights[name].to(self.device, dtype)
+    @property
+    def embed(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight  # [V, H]
 
-        self.embed = w("model.embed_tokens.weight")  # [V, H]
-        self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed
-        self.norm = w("model.norm.weight")
-        self.layers = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}"
-            names = [f"{p}.self_attn.{n}_proj" for n in "qkv"]
-            bias = torch.cat([w(f"{n}.bias") for n in names]) if cfg.attention_bias else None
-            self.layers.append(Layer(
-                ln1=w(f"{p}.input_layernorm.weight"), wqkv=torch.cat([w(f"{n}.weight") for n in names]), bqkv=bias,
-                q_norm=w(f"{p}.self_attn.q_norm.weight") if cfg.qk_norm else None,
-                k_norm=w(f"{p}.self_attn.k_norm.weight") if cfg.qk_norm else None,
-                wo=w(f"{p}.self_attn.o_proj.weight"), ln2=w(f"{p}.post_attention_layernorm.weight"),
-                w_gate_up=torch.cat([w(f"{p}.mlp.gate_proj.weight"), w(f"{p}.mlp.up_proj.weight")]),
-                w_down=w(f"{p}.mlp.down_proj.weight")))
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
-        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.model.lm_head.weight  # [V, H]
+
+    @property
+    def norm(self) -> torch.Tensor:
+        return self.model.norm.weight  # [H]
 
     @classmethod
     def load(cls, spec: str, device: str | torch.device, dtype: torch.dtype,
@@ -96,27 +67,27 @@ class BatchedTarget:
         cfg = load_target_config(model_dir)
         return cls(cfg, load_safetensors_dir(model_dir), aux_layer_ids or cfg.default_aux_layer_ids(), device, dtype)
 
-    # -- one decoder layer; `attend(layer, q, k, v)` owns the attention pattern and the cache
+    # -- one decoder layer over [B, T] tokens flattened; `attend` owns the attention pattern and the cache
 
-    def _layer(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:  # noqa: ANN001
-        c, L = self.cfg, self.layers[i]
-        b, t, _ = h.shape
-        qkv = F.linear(rms_norm(h, L.ln1, c.rms_norm_eps), L.wqkv, L.bqkv)  # [B, T, (Hq + 2 Hkv) D]
-        q, k, v = qkv.view(b, t, -1, c.head_dim).transpose(1, 2).split(
-            [c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)  # [B, heads, T, D]
-        if L.q_norm is not None and L.k_norm is not None:
-            q, k = rms_norm(q, L.q_norm, c.rms_norm_eps), rms_norm(k, L.k_norm, c.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(i, q, k, v.contiguous())  # [B, Hq, T, D]
-        h = h + F.linear(out.transpose(1, 2).reshape(b, t, -1), L.wo)
-        gate, up = F.linear(rms_norm(h, L.ln2, c.rms_norm_eps), L.w_gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, L.w_down)
+    def _rope(self, positions: torch.Tensor) -> RopeTables:
+        """positions [N] -> cos, signed sin [N, 1, D] in the model dtype, looked up once per forward."""
+        return self.model.rotary.tables(positions, self.dtype)
+
+    def _layer(self, i: int, h: torch.Tensor, rope: RopeTables, b: int, attend: Attend) -> torch.Tensor:
+        """h [B * T, H] -> [B * T, H]; attend(i, q, k, v) on [B, heads, T, D] -> [B, Hq, T, D]."""
+        layer = self.model.layers[i]
+        a = layer.self_attn
+        q, k, v = (y.view(b, -1, y.shape[1], a.head_dim).transpose(1, 2)
+                   for y in a.project(layer.input_layernorm(h), rope))  # [B, heads, T, D]
+        out = attend(i, q, k, v.contiguous())
+        h = h + a.o_proj(out.transpose(1, 2).reshape(h.shape[0], -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def _groups(self) -> int:
         return self.cfg.num_heads // self.cfg.num_kv_heads
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        return F.linear(normed, self.lm_head)  # [..., V] in the model dtype
+        return self.model.lm_head(normed)  # [..., V] in the model dtype
 
     # -- training: one causal pass over right-padded sequences
 
@@ -124,22 +95,22 @@ class BatchedTarget:
     def features(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] -> aux [B, T, 3H] (outputs of the capture layers), normed final state [B, T, H].
         Right padding is harmless: position t only sees positions <= t."""
-        t = tokens.shape[1]
-        cos, sin = self.cos[:t].to(self.dtype), self.sin[:t].to(self.dtype)  # cast once, not per layer
+        b, t = tokens.shape
+        rope = self._rope(torch.arange(t, device=self.device).repeat(b))
         g = self._groups()
 
         def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        h = self.embed[tokens]
+        h = self.model.embed_tokens(tokens.flatten())  # [B * T, H]
         captured = {}
         for i in range(self.cfg.num_layers):
-            h = self._layer(i, h, cos, sin, attend)
+            h = self._layer(i, h, rope, b, attend)
             if i in self.aux_layer_ids:
                 captured[i] = h
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
-        return aux, rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        return aux.view(b, t, -1), self.model.norm(h).view(b, t, -1)
 
     # -- generation: static cache, left padding, every sequence writes the same column
 
@@ -155,7 +126,7 @@ class BatchedTarget:
         b, p = tokens.shape
         col = torch.arange(p, device=self.device)
         pos = (col[None, :] - pad[:, None]).clamp(min=0)  # [B, P]
-        cos, sin = self.cos[pos][:, None].to(self.dtype), self.sin[pos][:, None].to(self.dtype)  # [B, 1, P, D]
+        rope = self._rope(pos.flatten())
         causal = col[None, :] <= col[:, None]  # [P, P]
         valid = col[None, :] >= pad[:, None]  # [B, P] real keys
         mask = (causal & valid[:, None, :]) | torch.eye(p, dtype=torch.bool, device=self.device)  # pads see themselves
@@ -167,10 +138,10 @@ class BatchedTarget:
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-        h = self.embed[tokens]
+        h = self.model.embed_tokens(tokens.flatten())  # [B * P, H]
         for i in range(self.cfg.num_layers):
-            h = self._layer(i, h, cos, sin, attend)
-        return rms_norm(h[:, -1], self.norm, self.cfg.rms_norm_eps)
+            h = self._layer(i, h, rope, b, attend)
+        return self.model.norm(h.view(b, p, -1)[:, -1])
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, column: int, key_mask: torch.Tensor,
@@ -179,8 +150,7 @@ class BatchedTarget:
         key_mask [B, S] says which cache columns each sequence attends to -> normed state [B, H]."""
         b = tokens.shape[0]
         g, hkv, d = self._groups(), self.cfg.num_kv_heads, self.cfg.head_dim
-        cos = self.cos[positions][:, None, None].to(self.dtype)  # [B, 1, 1, D]
-        sin = self.sin[positions][:, None, None].to(self.dtype)
+        rope = self._rope(positions)
         mask = key_mask[:, None, None, :]  # [B, 1, 1, S]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -190,7 +160,7 @@ class BatchedTarget:
             out = F.scaled_dot_product_attention(qg, cache.k[i], cache.v[i], attn_mask=mask)  # [B, Hkv, G, D]
             return out.reshape(b, hkv * g, 1, d)
 
-        h = self.embed[tokens][:, None]  # [B, 1, H]
+        h = self.model.embed_tokens(tokens)  # [B, H]: one token each
         for i in range(self.cfg.num_layers):
-            h = self._layer(i, h, cos, sin, attend)
-        return rms_norm(h[:, 0], self.norm, self.cfg.rms_norm_eps)
+            h = self._layer(i, h, rope, b, attend)
+        return self.model.norm(h)
