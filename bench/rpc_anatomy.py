@@ -7,8 +7,8 @@ process, all with nothing to compute:
   - framework_inline: the same with steps on the event loop (`--inline-steps`);
   - socket: the services' Unix step socket (specsplit/transport/step_socket.py): the connection's
     own thread reads a request, steps and writes the reply;
-  - socket_loop: the step socket's first design, kept here for the comparison: the socket
-    read on the event loop, the step handed to an engine thread and back.
+  - socket_loop: the other design of a step socket, for comparison: the socket read on the
+    event loop, the step handed to an engine thread and back.
 The client is the gateway's own GrpcTarget (op encoding, the stream exchange, result
 decoding), on its event loop; against the socket server also as the gateway's loop thread
 runs it (`socket_blocking`: a blocking socket, no event-loop wake-up). One JSON line: µs

@@ -93,7 +93,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="also print each step's kernels by GPU time (stderr)")
     p.add_argument("--attention-blocks", default="",
                    help="committed keys per iteration x warps of the fused verify's attention to try, e.g. "
-                        "64x4,128x8 (each a mode of its own; default: verify_kernels.ATTENTION_BLOCK only)")
+                        "64x4,128x8 (each a mode of its own; default: kernels.verify.ATTENTION_BLOCK only)")
     a = p.parse_args()
     model, _ = random_model(SHAPES[a.shape])
     ctx = a.start + 128

@@ -12,7 +12,7 @@ sees the committed entries, its ancestors and itself).
 
 A weight is read once for all T rows (a program's tile of W times the rows padded to 16, on the
 tensor cores), so a verify of 16 tokens streams the same bytes as a decode of one. The RMS norm
-is folded in as in decode_kernels (rstd per row, its sum of squares accumulated in the same pass).
+is folded in as in kernels.decode (rstd per row, its sum of squares accumulated in the same pass).
 fp32 models multiply in IEEE fp32 (no TF32), so they agree with the unfused model to fp32 rounding.
 
 At SmolLM2's shape on an H200 a 16-token verify costs ~2.3x a fused decode (docs/benchmarks.md):
