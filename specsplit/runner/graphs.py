@@ -91,10 +91,16 @@ class GraphCache:
         return _Captured(graph, static, outputs)
 
 
+RECOMPILE_LIMIT = 64  # variants of one compiled function: runners (target, draft) x capture x masks x inputs
+
+
 def compile_static(fn: Callable[..., tuple]) -> Callable[..., tuple]:
-    """torch.compile (inductor) of a static forward: norms, rotary, SiLU·mul, residual adds and the
-    KV index ops fused into a few generated kernels per layer. Shapes are symbolic (one compile
-    serves many buckets); no duck sizing, so a batch that happens to equal the KV-head count
-    does not force a recompile."""
+    """torch.compile (inductor) of a static-shape forward: norms, rotary, SiLU·mul, residual adds
+    and the KV index ops fused into a few generated kernels per layer. Shapes are symbolic (one
+    compile serves many buckets); no duck sizing, so a batch that happens to equal the KV-head
+    count does not force a recompile. Each runner of a process compiles the same method, once
+    per combination of its inputs' kinds (capture, tree mask or visibility, hidden width):
+    more than dynamo's default limit of 8."""
     torch.fx.experimental._config.use_duck_shape = False
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(fn, dynamic=True, fullgraph=True)
