@@ -50,7 +50,7 @@ def main() -> None:
     a = p.parse_args()
     streams = [int(x) for x in a.streams.split(",")]
     t_start = time.time()
-    with ServiceStack(StackConfig(model=a.model, head=a.head, max_context=512, max_sequences=max(streams))) as st:
+    with ServiceStack(StackConfig.of(model=a.model, head=a.head, max_context=512, max_sequences=max(streams))) as st:
         addr = st.addr("gateway")
         run(addr, 1, False, 4, 0)  # warm-up
         for steps in [int(x) for x in a.num_steps.split(",")]:

@@ -144,14 +144,14 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
     engine_flags = (["--inline-steps"] if a.inline_steps else []) + (["--compile"] if a.compile else [])
     trees = ["--max-num-draft-tokens", str(max(16, tree_size(a)))]
     gateway_extra, service_extra = variant_args(variant, a.spin_us)
-    cfg = StackConfig(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
-                      hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
-                      extra_target_args=[*engine_flags, *service_extra, "--max-draft-tokens",
-                                         str(max(16, tree_size(a))), "--fused-decode", a.fused_decode],
-                      extra_draft_args=[*engine_flags, *service_extra, "--max-topk", str(max(8, tree_topk(a)))],
-                      extra_gateway_args=[*replay, *trees, *gateway_extra],
-                      gateway_module="bench.replay_gateway" if replay else "gateway",
-                      step_sockets=not a.grpc_steps)
+    cfg = StackConfig.of(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
+                         hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
+                         extra_target_args=[*engine_flags, *service_extra, "--max-draft-tokens",
+                                            str(max(16, tree_size(a))), "--fused-decode", a.fused_decode],
+                         extra_draft_args=[*engine_flags, *service_extra, "--max-topk", str(max(8, tree_topk(a)))],
+                         extra_gateway_args=[*replay, *trees, *gateway_extra],
+                         gateway_module="bench.replay_gateway" if replay else "gateway",
+                         step_sockets=not a.grpc_steps)
     rows = {}
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))

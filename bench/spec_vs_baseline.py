@@ -86,7 +86,7 @@ def main() -> None:
     if a.addr:
         rows = run(a.addr, prompts, a.max_new_tokens, steps, a.warmup)
     else:
-        with ServiceStack(StackConfig(model=a.model, head=a.head, max_context=2048)) as stack:
+        with ServiceStack(StackConfig.of(model=a.model, head=a.head, max_context=2048)) as stack:
             rows = run(stack.addr("gateway"), prompts, a.max_new_tokens, steps, a.warmup)
     base = rows[0]["tokens_per_s"]
     print(json.dumps({

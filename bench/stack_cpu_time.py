@@ -57,10 +57,10 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
 def run(model: Path, head: Path, sockets: bool, steps: int, tokens: int, requests: int, interval: int = 1,
         variant: str = "thread", spin_us: float = 0.0) -> dict:
     gateway_extra, service_extra = variant_args(variant, spin_us)
-    cfg = StackConfig(model=str(model), head=str(head), num_steps=steps, threads=1, step_sockets=sockets,
-                      log_dir=Path(tempfile.mkdtemp(prefix="stack-cpu-")),
-                      extra_gateway_args=["--stream-interval", str(interval), *gateway_extra],
-                      extra_target_args=service_extra, extra_draft_args=service_extra)
+    cfg = StackConfig.of(model=str(model), head=str(head), num_steps=steps, threads=1, step_sockets=sockets,
+                         log_dir=Path(tempfile.mkdtemp(prefix="stack-cpu-")),
+                         extra_gateway_args=["--stream-interval", str(interval), *gateway_extra],
+                         extra_target_args=service_extra, extra_draft_args=service_extra)
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
         client.generate(make_request(token_ids=[1, 2, 3], max_new_tokens=16, num_steps=steps))  # warm-up

@@ -35,7 +35,7 @@ def main() -> None:
     base = dict(model=a.model, head=a.head, max_context=1024, max_sequences=2)
     t0 = time.time()
     totals = {"off": [0, 0.0], "on": [0, 0.0]}  # tokens, seconds
-    with ServiceStack(StackConfig(**base)) as off, ServiceStack(StackConfig(**base, env=traced_env)) as on:
+    with ServiceStack(StackConfig.of(**base)) as off, ServiceStack(StackConfig.of(**base, env=traced_env)) as on:
         clients = {"off": GatewayClient(off.addr("gateway")), "on": GatewayClient(on.addr("gateway"))}
         for c in clients.values():  # warm-up
             c.generate(make_request(CHAT_PROMPTS[0], max_new_tokens=4))

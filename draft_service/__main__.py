@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 
 import torch
 
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
 from draft_service.server import DraftServicer
+from specsplit.flags import config_parser, from_args
 from specsplit.observability.telemetry import setup_telemetry
 from specsplit.transport.serving import (
     configure_logging,
@@ -21,43 +21,16 @@ from specsplit.transport.serving import (
     serve_until_signal,
     set_serving,
 )
-from specsplit.transport.step_socket import SERVICE_SPIN_HELP, StepSocketServer, resolve_spin_s
+from specsplit.transport.step_socket import StepSocketServer, resolve_spin_s
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return config_parser(DraftConfig, prog="draft_service", description=__doc__)
+
+
 def parse_args(argv: list[str] | None = None) -> DraftConfig:
-    d = DraftConfig()
-    p = argparse.ArgumentParser(prog="draft_service", description=__doc__)
-    p.add_argument("--head", default=os.environ.get("SPECSPLIT_HEAD", d.head))
-    p.add_argument("--target", default=os.environ.get("SPECSPLIT_MODEL", d.target))
-    p.add_argument("--dtype", default=d.dtype)
-    p.add_argument("--device", default=d.device)
-    p.add_argument("--max-context", type=int, default=d.max_context)
-    p.add_argument("--max-sequences", type=int, default=d.max_sequences)
-    p.add_argument("--max-steps", type=int, default=d.max_steps)
-    p.add_argument("--max-topk", type=int, default=d.max_topk, help="widest tree branching proposed")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--threads", type=int, default=d.threads)
-    p.add_argument("--inline-steps", dest="engine_thread", action="store_false",
-                   help="run gRPC Step calls on the event loop thread instead of an engine thread (less latency "
-                        "per step; health checks wait while a step runs); the step socket always steps on its "
-                        "own connection thread")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="run the head eagerly on CUDA (default: CUDA graphs per shape bucket)")
-    p.add_argument("--step-socket", default=os.environ.get("SPECSPLIT_DRAFT_STEP_SOCKET", d.step_socket),
-                   help="also serve Step on this Unix socket, for a gateway on the same host "
-                        "(env SPECSPLIT_DRAFT_STEP_SOCKET; default: gRPC only)")
-    p.add_argument("--step-socket-spin-us", type=float, default=d.step_socket_spin_us, help=SERVICE_SPIN_HELP)
-    p.add_argument("--compile", action="store_true",
-                   help="experimental: fuse the head's static forward with torch.compile (inductor) before the "
-                        "CUDA graphs capture it; compiles on first use of each shape")
-    a = p.parse_args(argv)
-    return DraftConfig(head=a.head, target=a.target, dtype=a.dtype, device=a.device, max_context=a.max_context,
-                       max_sequences=a.max_sequences, max_steps=a.max_steps, max_topk=a.max_topk, host=a.host,
-                       port=a.port, threads=a.threads, cuda_graphs=a.cuda_graphs, compile=a.compile,
-                       engine_thread=a.engine_thread, step_socket=a.step_socket,
-                       step_socket_spin_us=a.step_socket_spin_us).validate()
+    return from_args(DraftConfig, build_parser().parse_args(argv)).validate()
 
 
 async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:

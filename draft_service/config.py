@@ -1,35 +1,49 @@
-"""Draft service configuration, validated at start."""
+"""Draft service configuration: each field's flag, help and environment variable are
+declared here (specsplit.flags builds the service's parser from them); validated at start."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specsplit.transport.handoff.base import DTYPES
-from specsplit.transport.step_socket import check_spin_us, check_step_socket
+from specsplit.flags import flag
+
+SPIN_HELP = ("after each reply, poll the step socket this many µs for the next request before a blocking read (a core "
+             "kept busy while serving, no wake-up from idle; 0: block at once; -1, the default: 20000 on CUDA, 0 on "
+             "CPU)")
+INLINE_HELP = ("run gRPC Step calls on the event loop thread instead of an engine thread (less latency per step; "
+               "health checks wait while a step runs); the step socket always steps on its own connection thread")
 
 
 @dataclass
 class DraftConfig:
-    # an EAGLE-3 head directory, a shipped head's name (`smollm2-eagle3`), `default` (the shipped head trained
-    # for the target, else random) or `random` (made for the target, cached)
-    head: str = "default"
-    target: str = "smollm2"  # the target model: the head borrows its embedding table
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_context: int = 2048
-    max_sequences: int = 8
-    max_steps: int = 8  # draft tokens proposed per cycle (a chain), or levels of a tree, at most
-    max_topk: int = 8  # a tree's branching per expanded node, at most (KV room: max_steps * max_topk entries)
-    host: str = "127.0.0.1"
-    port: int = 50062
-    threads: int = 0
-    engine_thread: bool = True  # gRPC steps on a dedicated thread; False: on the event loop (the socket: its own)
-    cuda_graphs: bool = True  # extend and proposal steps in CUDA graphs (on CUDA devices only)
-    compile: bool = False  # experimental: fuse the static forward's kernels with torch.compile before capture
-    step_socket: str = ""  # also serve Step on this Unix socket (same host gateways); "": gRPC only
-    step_socket_spin_us: float = -1.0  # poll the step socket this long for the next request before blocking; -1: auto
+    head: str = flag("default", "--head", "the EAGLE-3 head: a directory, a shipped head's name (smollm2-eagle3), "
+                     "default (the shipped head trained for the target, else random) or random (made for the "
+                     "target, cached)", env="SPECSPLIT_HEAD")
+    target: str = flag("smollm2", "--target", "the target model: the head borrows its embedding table",
+                       env="SPECSPLIT_MODEL")
+    dtype: str = flag("float32", "--dtype", "float32, bfloat16 or float16")
+    device: str = flag("cpu", "--device", "torch device")
+    max_context: int = flag(2048, "--max-context", "tokens per sequence")
+    max_sequences: int = flag(8, "--max-sequences", "preallocated KV slots")
+    max_steps: int = flag(8, "--max-steps", "draft tokens proposed per cycle (a chain), or levels of a tree, at most")
+    max_topk: int = flag(8, "--max-topk", "widest tree branching proposed (KV room: max-steps * max-topk entries)")
+    host: str = flag("127.0.0.1", "--host", "address to serve on")
+    port: int = flag(50062, "--port", "port to serve on")
+    threads: int = flag(0, "--threads", "torch intra-op threads (0: torch's default)")
+    engine_thread: bool = flag(True, "--inline-steps", INLINE_HELP)
+    cuda_graphs: bool = flag(True, "--no-cuda-graphs", "run the head eagerly on CUDA (default: CUDA graphs per shape "
+                             "bucket)")
+    compile: bool = flag(False, "--compile", "experimental: fuse the head's static forward with torch.compile "
+                         "(inductor) before the CUDA graphs capture it; compiles on first use of each shape")
+    step_socket: str = flag("", "--step-socket", "also serve Step on this Unix socket, for a gateway on the same host "
+                            "(default: gRPC only)", env="SPECSPLIT_DRAFT_STEP_SOCKET")
+    step_socket_spin_us: float = flag(-1.0, "--step-socket-spin-us", SPIN_HELP)
 
     def validate(self) -> DraftConfig:
+        # torch comes with these: imported here, so that building a parser from this class stays light
+        from specsplit.transport.handoff.base import DTYPES
+        from specsplit.transport.step_socket import check_spin_us, check_step_socket
+
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
         for name in ("max_context", "max_sequences", "max_steps", "max_topk"):

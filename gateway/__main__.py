@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -18,10 +17,11 @@ from gateway.observe import GatewayMetrics
 from gateway.recovery import Recovery
 from gateway.requests import ModelLimits
 from gateway.scheduler import Scheduler
-from gateway.security import BearerTokenInterceptor, read_token, server_credentials
+from gateway.security import BearerTokenInterceptor, server_credentials
 from gateway.server import GatewayServicer
 from gateway.sglang_scheduler import SglangSchedulerServicer, WorkerModel
 from specsplit.checkpoints.target_checkpoint import resolve_target_dir
+from specsplit.flags import config_parser, from_args
 from specsplit.observability.telemetry import Telemetry, setup_telemetry
 from specsplit.tokenizer import TextCodec
 from specsplit.transport.serving import (
@@ -39,58 +39,12 @@ from specsplit.v1 import gateway_pb2_grpc, target_pb2
 T = TypeVar("T")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return config_parser(GatewayConfig, prog="gateway", description=__doc__)
+
+
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
-    d = GatewayConfig()
-    p = argparse.ArgumentParser(prog="gateway", description=__doc__)
-    p.add_argument("--target", default=os.environ.get("SPECSPLIT_TARGET_ADDR", d.target_addr))
-    p.add_argument("--draft", default=os.environ.get("SPECSPLIT_DRAFT_ADDR", d.draft_addr),
-                   help="draft service address; empty for target-only decoding")
-    p.add_argument("--model", default=os.environ.get("SPECSPLIT_MODEL", d.model))
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--num-steps", type=int, default=d.default_num_steps)
-    p.add_argument("--max-num-steps", type=int, default=d.max_num_steps)
-    p.add_argument("--topk", type=int, default=d.default_topk,
-                   help="default tree branching for greedy requests (1: chain drafts)")
-    p.add_argument("--max-topk", type=int, default=d.max_topk)
-    p.add_argument("--num-draft-tokens", type=int, default=d.default_num_draft_tokens,
-                   help="default tree size counting the root (trees only)")
-    p.add_argument("--max-num-draft-tokens", type=int, default=d.max_num_draft_tokens)
-    p.add_argument("--max-new-tokens", type=int, default=d.default_max_new_tokens)
-    p.add_argument("--max-new-tokens-cap", type=int, default=d.max_new_tokens_cap)
-    p.add_argument("--max-queue", type=int, default=d.max_queue)
-    p.add_argument("--max-streams", type=int, default=d.max_streams)
-    p.add_argument("--stream-interval", type=int, default=d.stream_interval,
-                   help="tokens gathered per streamed message after the first one (1: every cycle's tokens at once)")
-    p.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
-                   help="seconds: a draft step slower than this suspends speculation (streams go on target-only), "
-                        "a target step slower than this ends the streams with UNAVAILABLE")
-    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
-    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
-    p.add_argument("--tls-cert", default=os.environ.get("SPECSPLIT_TLS_CERT", ""))
-    p.add_argument("--tls-key", default=os.environ.get("SPECSPLIT_TLS_KEY", ""))
-    p.add_argument("--no-step-sockets", dest="step_sockets", action="store_false",
-                   help="always send Steps over the gRPC streams, even where a service offers a Unix step socket")
-    p.add_argument("--no-loop-thread", dest="loop_thread", action="store_false",
-                   help="run the speculation loop on the server's event loop instead of a thread of its own "
-                        "(whose step sockets are read blocking)")
-    p.add_argument("--step-spin-us", type=float, default=d.step_spin_us,
-                   help="with the loop thread: poll a step socket this many µs for the reply before a blocking read "
-                        "(no wake-up from idle when the reply comes; 0: block at once; default: 20000 when the target "
-                        "hands hidden states over CUDA IPC, else 0)")
-    p.add_argument("--auth-token-file", default=None, help="file holding the bearer token (or SPECSPLIT_AUTH_TOKEN)")
-    a = p.parse_args(argv)
-    return GatewayConfig(target_addr=a.target, draft_addr=a.draft, model=a.model, host=a.host, port=a.port,
-                         default_num_steps=a.num_steps, max_num_steps=a.max_num_steps,
-                         default_topk=a.topk, max_topk=a.max_topk, default_num_draft_tokens=a.num_draft_tokens,
-                         max_num_draft_tokens=a.max_num_draft_tokens,
-                         default_max_new_tokens=a.max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
-                         max_queue=a.max_queue, max_streams=a.max_streams, stream_interval=a.stream_interval,
-                         step_timeout_s=a.step_timeout,
-                         max_prompt_tokens=a.max_prompt_tokens,
-                         max_prompt_chars=a.max_prompt_chars, tls_cert=a.tls_cert, tls_key=a.tls_key,
-                         step_sockets=a.step_sockets, loop_thread=a.loop_thread, step_spin_us=a.step_spin_us,
-                         auth_token=read_token(a.auth_token_file, os.environ.get("SPECSPLIT_AUTH_TOKEN"))).validate()
+    return from_args(GatewayConfig, build_parser().parse_args(argv)).validate()
 
 
 @dataclass

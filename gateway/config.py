@@ -1,42 +1,59 @@
-"""Gateway configuration, validated at start."""
+"""Gateway configuration: each field's flag, help and environment variable are declared
+here (specsplit.flags builds the gateway's parser from them); validated at start."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specsplit.transport.step_socket import check_spin_us
+from specsplit.flags import flag
+
+STEP_TIMEOUT_HELP = ("seconds: a draft step slower than this suspends speculation (streams go on target-only), a "
+                     "target step slower than this ends the streams with UNAVAILABLE")
+SPIN_HELP = ("with the loop thread: poll a step socket this many µs for the reply before a blocking read (no wake-up "
+             "from idle when the reply comes; 0: block at once; -1, the default: 20000 when the target hands hidden "
+             "states over CUDA IPC, else 0)")
 
 
 @dataclass
 class GatewayConfig:
-    target_addr: str = "127.0.0.1:50061"
-    draft_addr: str = "127.0.0.1:50062"  # empty: no draft, target-only decoding
-    model: str = "smollm2"  # for the tokenizer and chat template (same spec as the target)
-    host: str = "127.0.0.1"
-    port: int = 50051
-    default_num_steps: int = 4  # speculation on by default; 0 turns it off by default
-    max_num_steps: int = 8
-    default_topk: int = 1  # > 1: greedy requests draft a tree by default (sampled ones always draft a chain)
-    max_topk: int = 8
-    default_num_draft_tokens: int = 16  # a tree's size counting the root, unless a request says
-    max_num_draft_tokens: int = 16  # at most the target's max_draft_tokens + 1
-    default_max_new_tokens: int = 128
-    max_new_tokens_cap: int = 4096
-    max_prompt_chars: int = 1_000_000  # bound before tokenizing
-    max_queue: int = 256  # requests waiting for a KV slot; beyond: RESOURCE_EXHAUSTED
-    max_prompt_tokens: int = 0  # 0: the target's context window
-    max_streams: int = 512  # concurrent Generate calls; beyond: RESOURCE_EXHAUSTED
-    stream_interval: int = 1  # tokens gathered per streamed message after the first (SGLang's --stream-interval)
-    tls_cert: str = ""  # PEM files: serve TLS on the public port
-    tls_key: str = ""
-    auth_token: str | None = None  # bearer token clients must send (from a file or SPECSPLIT_AUTH_TOKEN)
-    draft_retry_s: float = 2.0  # how often a lost draft or target is tried again
-    step_timeout_s: float = 60.0  # a draft or target step slower than this counts as a failure
-    step_sockets: bool = True  # Steps over a service's Unix socket when it offers one on this host
-    loop_thread: bool = True  # the speculation loop on a thread of its own (its step sockets read blocking)
-    step_spin_us: float = -1.0  # loop thread: poll a step socket this long for the reply before blocking; -1: auto
+    target_addr: str = flag("127.0.0.1:50061", "--target", "target service address", env="SPECSPLIT_TARGET_ADDR")
+    draft_addr: str = flag("127.0.0.1:50062", "--draft", "draft service address; empty for target-only decoding",
+                           env="SPECSPLIT_DRAFT_ADDR")
+    model: str = flag("smollm2", "--model", "the target model, for the tokenizer and chat template: the target's "
+                      "spec", env="SPECSPLIT_MODEL")
+    host: str = flag("127.0.0.1", "--host", "address to serve on")
+    port: int = flag(50051, "--port", "port to serve on")
+    default_num_steps: int = flag(4, "--num-steps", "default draft steps per cycle (0: speculation off by default)")
+    max_num_steps: int = flag(8, "--max-num-steps", "most draft steps per cycle a request may ask for")
+    default_topk: int = flag(1, "--topk", "default tree branching for greedy requests (1: chain drafts; sampled "
+                             "requests always draft a chain)")
+    max_topk: int = flag(8, "--max-topk", "widest tree branching a request may ask for")
+    default_num_draft_tokens: int = flag(16, "--num-draft-tokens", "default tree size counting the root (trees only)")
+    max_num_draft_tokens: int = flag(16, "--max-num-draft-tokens", "largest tree a request may ask for (at most the "
+                                     "target's max-draft-tokens + 1)")
+    default_max_new_tokens: int = flag(128, "--max-new-tokens", "default max_new_tokens (lowered to the cap)")
+    max_new_tokens_cap: int = flag(4096, "--max-new-tokens-cap", "largest max_new_tokens a request may ask for")
+    max_prompt_chars: int = flag(1_000_000, "--max-prompt-chars", "longest prompt text, bounded before tokenizing")
+    max_queue: int = flag(256, "--max-queue", "requests waiting for a KV slot; beyond: RESOURCE_EXHAUSTED")
+    max_prompt_tokens: int = flag(0, "--max-prompt-tokens", "longest prompt in tokens (0: the target's context window)")
+    max_streams: int = flag(512, "--max-streams", "concurrent Generate calls; beyond: RESOURCE_EXHAUSTED")
+    stream_interval: int = flag(1, "--stream-interval", "tokens gathered per streamed message after the first one "
+                                "(1: every cycle's tokens at once)")
+    tls_cert: str = flag("", "--tls-cert", "PEM certificate: serve TLS on the public port", env="SPECSPLIT_TLS_CERT")
+    tls_key: str = flag("", "--tls-key", "PEM private key of --tls-cert", env="SPECSPLIT_TLS_KEY")
+    auth_token: str | None = flag(None, "--auth-token-file", "file holding the bearer token clients must send",
+                                  env="SPECSPLIT_AUTH_TOKEN", secret=True)
+    draft_retry_s: float = flag(2.0, "--draft-retry", "seconds between attempts to reach a lost draft or target")
+    step_timeout_s: float = flag(60.0, "--step-timeout", STEP_TIMEOUT_HELP)
+    step_sockets: bool = flag(True, "--no-step-sockets", "always send Steps over the gRPC streams, even where a "
+                              "service offers a Unix step socket")
+    loop_thread: bool = flag(True, "--no-loop-thread", "run the speculation loop on the server's event loop instead "
+                             "of a thread of its own (whose step sockets are read blocking)")
+    step_spin_us: float = flag(-1.0, "--step-spin-us", SPIN_HELP)
 
     def validate(self) -> GatewayConfig:
+        from specsplit.transport.step_socket import check_spin_us  # torch comes with it: imported when validating
+
         if not self.target_addr:
             raise ValueError("target_addr is required")
         if not 0 <= self.default_num_steps <= self.max_num_steps:
@@ -54,6 +71,8 @@ class GatewayConfig:
             raise ValueError("stream_interval must be within 1..4096")
         if not 0.0 < self.step_timeout_s <= 3600.0:
             raise ValueError("step_timeout_s must be within (0, 3600] seconds")
+        if not 0.0 < self.draft_retry_s <= 3600.0:
+            raise ValueError("draft_retry_s must be within (0, 3600] seconds")
         check_spin_us(self.step_spin_us)
         if self.max_queue < 1 or self.max_streams < 1:
             raise ValueError("max_queue and max_streams must be >= 1")

@@ -58,11 +58,3 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(Path(key_file).read_bytes(), Path(cert_file).read_bytes())])
 
-
-def read_token(token_file: str | None, env_token: str | None) -> str | None:
-    if token_file:
-        token = Path(token_file).read_text().strip()
-        if not token:
-            raise ValueError(f"{token_file} is empty")
-        return token
-    return env_token or None

@@ -1,23 +1,33 @@
-"""Validation of SGLang scheduler Generate requests (sglang.grpc.scheduler, as smg sends
-them): token ids in, our GenerationRequest out. Every problem is an InvalidRequest with a
-message fit for the client (mapped to INVALID_ARGUMENT); features the gateway does not
-have are refused by name rather than ignored."""
+"""Parsing of SGLang scheduler Generate requests (sglang.grpc.scheduler, as smg sends them):
+token ids in, our GenerationRequest out, checked by gateway.validation. Every problem is an
+InvalidRequest with a message fit for the client (mapped to INVALID_ARGUMENT); features the
+gateway does not have are refused by name rather than ignored."""
 
 from __future__ import annotations
 
-import math
 import secrets
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as sgl
 
 from gateway.config import GatewayConfig
-from gateway.requests import InvalidRequest, ModelLimits, draft_room, tree_shape
 from gateway.scheduler import GenerationRequest
-from specsplit.ops import Sampling
+from gateway.validation import (
+    InvalidRequest,
+    ModelLimits,
+    check_fits,
+    check_prompt_tokens,
+    check_stop_count,
+    check_stop_ids,
+    check_token_ids,
+    draft_room,
+    num_steps,
+    sampling,
+    tree_shape,
+    with_eos,
+)
 from specsplit.tokenizer import TextCodec
 
 MAX_REQUEST_ID_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS = 16
 
 
@@ -47,12 +57,6 @@ def _refuse_unsupported(req: sgl.GenerateRequest) -> None:
         raise InvalidRequest(f"not supported by this worker: {', '.join(names)}")
 
 
-def _finite(name: str, value: float) -> float:
-    if not math.isfinite(value):
-        raise InvalidRequest(f"{name} must be a finite number, got {value}")
-    return value
-
-
 def stop_ids_of(stops: list[str], codec: TextCodec | None) -> set[int]:
     """Stop strings of exactly one token become stop token ids; longer ones are refused
     (smg matches stop strings itself and does not send them, measured with smg 1.13.0)."""
@@ -76,11 +80,8 @@ def parse_sglang(req: sgl.GenerateRequest, codec: TextCodec | None, cfg: Gateway
     ids = list(req.tokenized.input_ids)
     if not ids:
         raise InvalidRequest("tokenized.input_ids is empty (this worker takes token ids only)")
-    bad = [t for t in ids if t >= limits.vocab_size]
-    if bad:
-        raise InvalidRequest(f"unknown token id {bad[0]} (vocabulary is 0..{limits.vocab_size - 1})")
-    if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
-        raise InvalidRequest(f"prompt of {len(ids)} tokens exceeds the limit of {limits.max_prompt_tokens}")
+    check_token_ids(ids, limits)
+    check_prompt_tokens(len(ids), limits)
     p = req.sampling_params
     kept = draft_room(cfg)
     room = limits.max_context - len(ids) - kept
@@ -91,29 +92,17 @@ def parse_sglang(req: sgl.GenerateRequest, codec: TextCodec | None, cfg: Gateway
         max_new = p.max_new_tokens
         if not 1 <= max_new <= cfg.max_new_tokens_cap:
             raise InvalidRequest(f"max_new_tokens must be within 1..{cfg.max_new_tokens_cap}, got {max_new}")
-        if max_new > room:
-            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) does not fit the context "
-                                 f"window of {limits.max_context} (with {kept} tokens of draft room)")
+        check_fits(len(ids), max_new, cfg, limits)
     else:  # unset: the gateway's default, lowered to what the context has room for
         max_new = min(cfg.default_max_new_tokens, room)
-    temperature = _finite("temperature", p.temperature)
-    if temperature < 0:
-        raise InvalidRequest(f"temperature must be >= 0, got {temperature}")
-    top_p = _finite("top_p", p.top_p) if p.top_p != 0.0 else 1.0  # 0 is proto3's unset
-    if not 0 < top_p <= 1:
-        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
+    # top_p 0 is proto3's unset; top_k -1 is SGLang's "off"
+    sample = sampling(p.temperature, p.top_p if p.top_p != 0.0 else 1.0, max(p.top_k, 0), secrets.randbits(63))
     if p.top_k < -1:
         raise InvalidRequest(f"top_k must be -1 (off) or >= 0, got {p.top_k}")
-    top_k = max(p.top_k, 0)
-    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+    check_stop_count(len(p.stop_token_ids))
     stops = set(p.stop_token_ids) | stop_ids_of(list(p.stop), codec)
-    bad = [t for t in stops if t >= limits.vocab_size]
-    if bad:
-        raise InvalidRequest(f"unknown stop token id {bad[0]}")
-    if not p.ignore_eos:
-        stops |= set(limits.eos_token_ids)
-    steps = cfg.default_num_steps if limits.draft_available else 0
-    topk, num_draft_tokens = tree_shape(None, None, cfg, limits, steps, temperature)  # the gateway's defaults
-    return GenerationRequest(ids, max_new, Sampling(temperature, top_p, top_k, secrets.randbits(63)), stops, steps,
-                             topk, num_draft_tokens)
+    check_stop_ids(stops, limits)
+    steps = num_steps(None, None, cfg, limits)  # the gateway's defaults
+    topk, num_draft_tokens = tree_shape(None, None, cfg, limits, steps, sample.temperature)
+    return GenerationRequest(ids, max_new, sample, with_eos(stops, limits, p.ignore_eos), steps, topk,
+                             num_draft_tokens)

@@ -26,10 +26,10 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as sgl
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sgl_grpc
 
 from gateway.config import GatewayConfig
-from gateway.requests import InvalidRequest, ModelLimits
-from gateway.scheduler import Failed, Finished, QueueFull, Scheduler, Sequence, Unavailable
+from gateway.scheduler import Finished, Scheduler, Sequence
 from gateway.sglang_requests import MAX_REQUEST_ID_CHARS, parse_sglang
-from specsplit.observability.telemetry import extract
+from gateway.stream import Admission
+from gateway.validation import ModelLimits
 from specsplit.tokenizer import TextCodec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
@@ -85,9 +85,8 @@ class SglangSchedulerServicer(sgl_grpc.SglangSchedulerServicer):
     def __init__(self, cfg: GatewayConfig, scheduler: Scheduler, codec: TextCodec | None, limits: ModelLimits,
                  model: WorkerModel, tracer: trace.Tracer | None = None) -> None:
         self.cfg, self.scheduler, self.codec, self.limits, self.model = cfg, scheduler, codec, limits, model
-        self.tracer = tracer or scheduler.tracer
+        self.admission = Admission(scheduler, tracer or scheduler.tracer, cfg.max_streams)
         self.active: dict[str, Sequence] = {}  # request_id -> its sequence, for Abort
-        self.streams = 0
         self.started = time.time()
         self.last_loads = (time.monotonic(), 0)  # (when, output tokens) at the previous GetLoads
         self.tokenizer_bundle: tuple[bytes, str] | None = None
@@ -110,62 +109,28 @@ class SglangSchedulerServicer(sgl_grpc.SglangSchedulerServicer):
     async def Generate(self, request: sgl.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[sgl.GenerateResponse]:
         rid = request.request_id
-        incoming = dict(context.invocation_metadata() or ()).get("traceparent", "")
-        span = self.tracer.start_span("generate", context=extract(incoming), kind=trace.SpanKind.SERVER, attributes={
-            "gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.model.name,
-            "specsplit.api": "sglang", "specsplit.request_id": rid[:MAX_REQUEST_ID_CHARS]})
-        seq = None
-        self.streams += 1
-        try:
-            if self.streams > self.cfg.max_streams:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"server busy: more than {self.cfg.max_streams} concurrent streams")
-            try:
-                req = parse_sglang(request, self.codec, self.cfg, self.limits)
-            except InvalidRequest as e:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        attributes = {"gen_ai.request.model": self.model.name, "specsplit.api": "sglang",
+                      "specsplit.request_id": rid[:MAX_REQUEST_ID_CHARS]}
+        async with self.admission.call(context, attributes) as call:
+            req = await call.parse(lambda: parse_sglang(request, self.codec, self.cfg, self.limits))
             if rid in self.active:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running")
-            if self.scheduler.draft is None:
-                req.num_steps = 0
-            span.set_attributes({"gen_ai.request.max_tokens": req.max_new_tokens,
-                                 "gen_ai.request.temperature": req.sampling.temperature,
-                                 "gen_ai.usage.input_tokens": len(req.prompt_ids), "spec.num_steps": req.num_steps})
-            try:
-                seq = self.scheduler.submit(req, span)
-            except QueueFull as e:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {e}")
-            except Unavailable as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            seq = await call.submit(req)
             self.active[rid] = seq
-            prompt_tokens, completion_tokens = len(req.prompt_ids), 0
-            while True:
-                event = await seq.events.get()
-                if isinstance(event, list):
-                    # counted here: seq.generated belongs to the speculation loop, which may be a cycle ahead
-                    completion_tokens += len(event)
+            try:
+                # counted here: seq.generated belongs to the speculation loop, which may be a cycle ahead
+                prompt_tokens, completion_tokens = len(req.prompt_ids), 0
+                async for tokens in call.tokens(1):  # each cycle's tokens in a chunk of their own
+                    completion_tokens += len(tokens)
                     if request.stream:
                         yield sgl.GenerateResponse(request_id=rid, chunk=sgl.GenerateStreamChunk(
-                            token_ids=event, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens))
-                elif isinstance(event, Failed):
-                    span.set_status(trace.Status(trace.StatusCode.ERROR, event.message))
-                    await context.abort(event.code, event.message)
-                else:
-                    span.set_attributes({"gen_ai.usage.output_tokens": len(seq.generated),
-                                         "gen_ai.response.finish_reasons": [event.reason],
-                                         "spec.cycles": seq.stats.cycles})
-                    yield sgl.GenerateResponse(request_id=rid, complete=self._complete(seq, event))
-                    return
-        finally:
-            self.streams -= 1
-            if seq is not None:
+                            token_ids=tokens, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens))
+                yield sgl.GenerateResponse(request_id=rid, complete=self._complete(seq, call.finished))
+            finally:
                 if self.active.get(rid) is seq:
                     del self.active[rid]
                 if not seq.done:
                     log.info("sglang request %s: call ended by the client, releasing it", rid)
-                self.scheduler.cancel(seq)  # no-op when finished; releases state on a dropped call
-            span.end()
 
     @staticmethod
     def _complete(seq: Sequence, end: Finished) -> sgl.GenerateComplete:

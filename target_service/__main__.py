@@ -14,6 +14,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from specsplit.flags import config_parser, from_args
 from specsplit.observability.telemetry import setup_telemetry
 from specsplit.transport.serving import (
     configure_logging,
@@ -24,58 +25,19 @@ from specsplit.transport.serving import (
     serve_until_signal,
     set_serving,
 )
-from specsplit.transport.step_socket import SERVICE_SPIN_HELP, StepSocketServer, resolve_spin_s
+from specsplit.transport.step_socket import StepSocketServer, resolve_spin_s
 from specsplit.v1 import target_pb2, target_pb2_grpc
-from target_service.config import FUSED_DECODE, TargetConfig
+from target_service.config import TargetConfig
 from target_service.runtime import TargetRuntime, init_distributed, worker_loop
 from target_service.server import TargetServicer
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return config_parser(TargetConfig, prog="target_service", description=__doc__)
+
+
 def parse_args(argv: list[str] | None = None) -> TargetConfig:
-    d = TargetConfig()
-    p = argparse.ArgumentParser(prog="target_service", description=__doc__)
-    p.add_argument("--model", default=os.environ.get("SPECSPLIT_MODEL", d.model))
-    p.add_argument("--dtype", default=d.dtype)
-    p.add_argument("--device", default=d.device)
-    p.add_argument("--tp-size", type=int, default=d.tp_size)
-    p.add_argument("--max-context", type=int, default=d.max_context)
-    p.add_argument("--max-sequences", type=int, default=d.max_sequences)
-    p.add_argument("--max-draft-tokens", type=int, default=d.max_draft_tokens)
-    p.add_argument("--aux-layer-ids", default=None, help="comma-separated target layer ids to capture")
-    p.add_argument("--draft-config", default=os.environ.get("SPECSPLIT_DRAFT_CONFIG") or None,
-                   help="head config.json naming eagle_aux_hidden_state_layer_ids (env SPECSPLIT_DRAFT_CONFIG)")
-    p.add_argument("--hidden-backend", default=d.hidden_backend)
-    p.add_argument("--ring-rows", type=int, default=d.ring_rows)
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--dist-port", type=int, default=d.dist_port)
-    p.add_argument("--threads", type=int, default=d.threads)
-    p.add_argument("--inline-steps", dest="engine_thread", action="store_false",
-                   help="run gRPC Step calls on the event loop thread instead of an engine thread (less latency "
-                        "per step; health checks wait while a step runs); the step socket always steps on its "
-                        "own connection thread")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="run verify steps eagerly on CUDA (default: CUDA graphs per shape bucket)")
-    p.add_argument("--step-socket", default=os.environ.get("SPECSPLIT_TARGET_STEP_SOCKET", d.step_socket),
-                   help="also serve Step on this Unix socket, for a gateway on the same host "
-                        "(env SPECSPLIT_TARGET_STEP_SOCKET; default: gRPC only)")
-    p.add_argument("--step-socket-spin-us", type=float, default=d.step_socket_spin_us, help=SERVICE_SPIN_HELP)
-    p.add_argument("--compile", action="store_true",
-                   help="experimental: fuse the kernels of the static verify/decode forward with torch.compile "
-                        "(inductor) before the CUDA graphs capture it; compiles on first use of each shape")
-    p.add_argument("--fused-decode", choices=FUSED_DECODE, default=d.fused_decode,
-                   help="run the steps of a single sequence (batch-1 decodes, and verifies of chains and trees of "
-                        "up to 64 tokens) as the fused Triton step, five kernels a layer (CUDA, tp 1); pdl: also "
-                        "with programmatic dependent launch (Hopper+)")
-    a = p.parse_args(argv)
-    aux = [int(x) for x in a.aux_layer_ids.split(",")] if a.aux_layer_ids else None
-    return TargetConfig(model=a.model, dtype=a.dtype, device=a.device, tp_size=a.tp_size, max_context=a.max_context,
-                        max_sequences=a.max_sequences, max_draft_tokens=a.max_draft_tokens, aux_layer_ids=aux,
-                        draft_config=a.draft_config, hidden_backend=a.hidden_backend, ring_rows=a.ring_rows,
-                        host=a.host, port=a.port, dist_port=a.dist_port, threads=a.threads,
-                        cuda_graphs=a.cuda_graphs, compile=a.compile, fused_decode=a.fused_decode,
-                        engine_thread=a.engine_thread, step_socket=a.step_socket,
-                        step_socket_spin_us=a.step_socket_spin_us).validate()
+    return from_args(TargetConfig, build_parser().parse_args(argv)).validate()
 
 
 def free_port() -> int:

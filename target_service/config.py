@@ -1,4 +1,5 @@
-"""Target service configuration, validated at start."""
+"""Target service configuration: each field's flag, help and environment variable are
+declared here (specsplit.flags builds the service's parser from them); validated at start."""
 
 from __future__ import annotations
 
@@ -6,38 +7,57 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specsplit.transport.handoff.base import DTYPES
-from specsplit.transport.handoff.factory import BACKENDS
-from specsplit.transport.step_socket import check_spin_us, check_step_socket
+from specsplit.flags import flag
 
 FUSED_DECODE = ("off", "on", "pdl")
+SPIN_HELP = ("after each reply, poll the step socket this many µs for the next request before a blocking read (a core "
+             "kept busy while serving, no wake-up from idle; 0: block at once; -1, the default: 20000 on CUDA, 0 on "
+             "CPU)")
+INLINE_HELP = ("run gRPC Step calls on the event loop thread instead of an engine thread (less latency per step; "
+               "health checks wait while a step runs); the step socket always steps on its own connection thread")
 
 
 @dataclass
 class TargetConfig:
-    model: str = "smollm2"  # directory, .gguf file, or the embedded default
-    dtype: str = "float32"
-    device: str = "cpu"
-    tp_size: int = 1
-    max_context: int = 2048  # tokens per sequence, drafts included
-    max_sequences: int = 8  # preallocated KV slots
-    max_draft_tokens: int = 16  # per verify
-    aux_layer_ids: list[int] | None = None  # None: the draft config's, or the EAGLE-3 default
-    draft_config: str | None = None  # a head's config.json to read eagle_aux_hidden_state_layer_ids
-    hidden_backend: str = "shm"
-    ring_rows: int = 0  # 0: 2 * max_context
-    host: str = "127.0.0.1"
-    port: int = 50061
-    dist_port: int = 0  # gloo/NCCL rendezvous port for tp_size > 1 (0: pick a free one)
-    threads: int = 0  # torch intra-op threads per rank (0: torch's default)
-    engine_thread: bool = True  # gRPC steps on a dedicated thread; False: on the event loop (the socket: its own)
-    cuda_graphs: bool = True  # verify/decode steps in CUDA graphs (on CUDA devices only)
-    compile: bool = False  # experimental: fuse the static forward's kernels with torch.compile before capture
-    fused_decode: str = "off"  # steps of one sequence (decode, verify <= 64 tokens) in Triton kernels: off|on|pdl
-    step_socket: str = ""  # also serve Step on this Unix socket (same host gateways); "": gRPC only
-    step_socket_spin_us: float = -1.0  # poll the step socket this long for the next request before blocking; -1: auto
+    model: str = flag("smollm2", "--model", "the target: a directory, a .gguf file, smollm2 (the embedded default) "
+                      "or shape:NAME (random weights, timing only)",
+                      env="SPECSPLIT_MODEL")
+    dtype: str = flag("float32", "--dtype", "float32, bfloat16 or float16")
+    device: str = flag("cpu", "--device", "torch device of rank 0")
+    tp_size: int = flag(1, "--tp-size", "tensor-parallel ranks (spawned; under torchrun, WORLD_SIZE)")
+    max_context: int = flag(2048, "--max-context", "tokens per sequence, drafts included")
+    max_sequences: int = flag(8, "--max-sequences", "preallocated KV slots")
+    max_draft_tokens: int = flag(16, "--max-draft-tokens", "draft tokens per verify")
+    aux_layer_ids: list[int] | None = flag(None, "--aux-layer-ids", "comma-separated target layer ids to capture "
+                                           "(default: the draft config's, else the EAGLE-3 default)")
+    draft_config: str | None = flag(None, "--draft-config", "head config.json naming eagle_aux_hidden_state_layer_ids",
+                                    env="SPECSPLIT_DRAFT_CONFIG")
+    hidden_backend: str = flag("shm", "--hidden-backend", "hidden-state handoff: shm, cuda_ipc or inline")
+    ring_rows: int = flag(0, "--ring-rows", "hidden-state ring capacity in rows (0: 2 * max-context)")
+    host: str = flag("127.0.0.1", "--host", "address to serve on")
+    port: int = flag(50061, "--port", "port to serve on")
+    dist_port: int = flag(0, "--dist-port", "gloo/NCCL rendezvous port for tp-size > 1 (0: a free one)")
+    threads: int = flag(0, "--threads", "torch intra-op threads per rank (0: torch's default)")
+    engine_thread: bool = flag(True, "--inline-steps", INLINE_HELP)
+    cuda_graphs: bool = flag(True, "--no-cuda-graphs", "run verify steps eagerly on CUDA (default: CUDA graphs per "
+                             "shape bucket)")
+    compile: bool = flag(False, "--compile", "experimental: fuse the kernels of the static verify/decode forward with "
+                         "torch.compile (inductor) before the CUDA graphs capture it; compiles on first use of each "
+                         "shape")
+    fused_decode: str = flag("off", "--fused-decode", "run the steps of a single sequence (batch-1 decodes, and "
+                             "verifies of chains and trees of up to 64 tokens) as the fused Triton step, five kernels "
+                             "a layer (CUDA, tp 1); pdl: also with programmatic dependent launch (Hopper+)",
+                             choices=FUSED_DECODE)
+    step_socket: str = flag("", "--step-socket", "also serve Step on this Unix socket, for a gateway on the same host "
+                            "(default: gRPC only)", env="SPECSPLIT_TARGET_STEP_SOCKET")
+    step_socket_spin_us: float = flag(-1.0, "--step-socket-spin-us", SPIN_HELP)
 
     def validate(self) -> TargetConfig:
+        # torch comes with these: imported here, so that building a parser from this class stays light
+        from specsplit.transport.handoff.base import DTYPES
+        from specsplit.transport.handoff.factory import BACKENDS
+        from specsplit.transport.step_socket import check_spin_us, check_step_socket
+
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
         if self.hidden_backend not in BACKENDS:

@@ -190,9 +190,9 @@ def test_tp2_services_graphs_equal_eager(tiny_target: Path, tiny_head: Path, tmp
     reqs = [make_request(token_ids=p, max_new_tokens=24, num_steps=s) for p, s in specs]
     base = dict(model=str(tiny_target), head=str(tiny_head), max_context=256, dtype="bfloat16",
                 hidden_backend="cuda_ipc", draft_device="cuda:0", device="cuda", tp_size=2)
-    eager = run_stack(StackConfig(**base, extra_target_args=["--no-cuda-graphs"],
-                                  extra_draft_args=["--no-cuda-graphs"], log_dir=tmp_path / "eager"), reqs)
-    graphs = run_stack(StackConfig(**base, log_dir=tmp_path / "graphs"), reqs)
+    eager = run_stack(StackConfig.of(**base, extra_target_args=["--no-cuda-graphs"],
+                                     extra_draft_args=["--no-cuda-graphs"], log_dir=tmp_path / "eager"), reqs)
+    graphs = run_stack(StackConfig.of(**base, log_dir=tmp_path / "graphs"), reqs)
     assert all(len(t) == 24 for t in graphs)
     assert graphs == eager
 

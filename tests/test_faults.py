@@ -17,8 +17,8 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
 def stack_cfg(tiny_target: Path, tiny_head: Path, log_dir: Path) -> StackConfig:
-    return StackConfig(model=str(tiny_target), head=str(tiny_head), max_context=4096, max_sequences=4,
-                       log_dir=log_dir, extra_gateway_args=["--max-new-tokens-cap", "4000"])
+    return StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=4096, max_sequences=4,
+                          log_dir=log_dir, extra_gateway_args=["--max-new-tokens-cap", "4000"])
 
 
 def health(addr: str) -> int:

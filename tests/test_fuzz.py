@@ -24,8 +24,8 @@ ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> ServiceStack:
-    cfg = StackConfig(model="smollm2", max_context=256, max_sequences=2, num_steps=2,
-                      log_dir=tmp_path_factory.mktemp("fuzz"), extra_gateway_args=["--max-new-tokens-cap", "3"])
+    cfg = StackConfig.of(model="smollm2", max_context=256, max_sequences=2, num_steps=2,
+                         log_dir=tmp_path_factory.mktemp("fuzz"), extra_gateway_args=["--max-new-tokens-cap", "3"])
     with ServiceStack(cfg) as s:
         yield s
 

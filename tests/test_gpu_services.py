@@ -168,8 +168,8 @@ def service_tp2_vs_tp1(model: str, head: str, requests: list, prompts: list[list
         if on_gpu:
             gpu1["during"] = used_mib(1)
 
-    tp2 = run_stack(StackConfig(**base, device=device, tp_size=2, log_dir=tmp_path / "tp2"), requests, watch)
-    tp1 = run_stack(StackConfig(**base, device=tp1_device, tp_size=1, log_dir=tmp_path / "tp1"), requests)
+    tp2 = run_stack(StackConfig.of(**base, device=device, tp_size=2, log_dir=tmp_path / "tp2"), requests, watch)
+    tp1 = run_stack(StackConfig.of(**base, device=tp1_device, tp_size=1, log_dir=tmp_path / "tp1"), requests)
     if on_gpu:
         print(f"GPU 1 memory in use: {gpu1['before']:.0f} MiB before the TP2 stack, {gpu1['during']:.0f} MiB with it")
         assert gpu1["during"] - gpu1["before"] > 64, "rank 1 of the TP2 target is not on GPU 1"
@@ -246,8 +246,8 @@ def test_target_service_tp1_on_cuda1(tiny_target: Path, tmp_path: Path) -> None:
     def watch() -> None:
         seen.update({f"gpu{i}": used_mib(i) - base[i] for i in (0, 1)})
 
-    out = run_stack(StackConfig(model=str(tiny_target), with_draft=False, max_context=256, device="cuda:1",
-                                hidden_backend="cuda_ipc", log_dir=tmp_path), reqs, watch)
+    out = run_stack(StackConfig.of(model=str(tiny_target), with_draft=False, max_context=256, device="cuda:1",
+                                   hidden_backend="cuda_ipc", log_dir=tmp_path), reqs, watch)
     print(f"target --device cuda:1: GPU memory added {seen}")
     assert all(len(t) > 0 for t in out)
     assert seen["gpu1"] > 64 and seen["gpu0"] < 64

@@ -40,7 +40,7 @@ def run_all(addr: str, requests: list) -> list[Generation | grpc.RpcError]:  # n
 
 @pytest.mark.slow
 def test_32_concurrent_streams_equal_solo_runs(tmp_path: Path) -> None:
-    cfg = StackConfig(model="smollm2", max_context=512, max_sequences=32, num_steps=3, log_dir=tmp_path)
+    cfg = StackConfig.of(model="smollm2", max_context=512, max_sequences=32, num_steps=3, log_dir=tmp_path)
     with ServiceStack(cfg) as stack:
         addr = stack.addr("gateway")
         client = GatewayClient(addr)
@@ -66,8 +66,8 @@ def test_32_concurrent_streams_equal_solo_runs(tmp_path: Path) -> None:
 
 
 def test_admission_queue_is_bounded(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
-    cfg = StackConfig(model=str(tiny_target), head=str(tiny_head), max_context=4096, max_sequences=1,
-                      log_dir=tmp_path, extra_gateway_args=["--max-queue", "1", "--max-new-tokens-cap", "4000"])
+    cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=4096, max_sequences=1,
+                         log_dir=tmp_path, extra_gateway_args=["--max-queue", "1", "--max-new-tokens-cap", "4000"])
     with ServiceStack(cfg) as stack:
         long = make_request(token_ids=[1, 2, 3], max_new_tokens=400, ignore_eos=True, speculation=False)
         results = run_all(stack.addr("gateway"), [long] * 4)  # 1 running + 1 queued; the rest refused
@@ -79,8 +79,8 @@ def test_admission_queue_is_bounded(tiny_target: Path, tiny_head: Path, tmp_path
 
 
 def test_concurrent_stream_limit(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
-    cfg = StackConfig(model=str(tiny_target), head=str(tiny_head), max_context=4096, log_dir=tmp_path,
-                      extra_gateway_args=["--max-streams", "2", "--max-new-tokens-cap", "4000"])
+    cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=4096, log_dir=tmp_path,
+                         extra_gateway_args=["--max-streams", "2", "--max-new-tokens-cap", "4000"])
     with ServiceStack(cfg) as stack:
         long = make_request(token_ids=[1, 2, 3], max_new_tokens=400, ignore_eos=True, speculation=False)
         results = run_all(stack.addr("gateway"), [long] * 4)

@@ -40,10 +40,9 @@ def secure_stack(tiny_target: Path, tiny_head: Path, tmp_path_factory: pytest.Te
     folder = tmp_path_factory.mktemp("tls")
     cert, key = self_signed(folder)
     (folder / "token").write_text(TOKEN + "\n")
-    cfg = StackConfig(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=folder,
-                      extra_gateway_args=["--tls-cert", str(cert), "--tls-key", str(key), "--auth-token-file",
-                                          str(folder / "token"), "--max-prompt-tokens", "64",
-                                          "--max-new-tokens-cap", "100"], gateway_tls=True)
+    cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=folder,
+                         tls_cert=str(cert), tls_key=str(key), max_prompt_tokens=64, max_new_tokens_cap=100,
+                         extra_gateway_args=["--auth-token-file", str(folder / "token")])
     with ServiceStack(cfg) as stack:
         stack.ca = cert.read_bytes()  # type: ignore[attr-defined]
         yield stack

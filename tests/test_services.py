@@ -23,8 +23,8 @@ PROMPT = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> ServiceStack:
-    cfg = StackConfig(model="smollm2", head="random", max_context=512, max_sequences=4, num_steps=3,
-                      log_dir=tmp_path_factory.mktemp("logs"))
+    cfg = StackConfig.of(model="smollm2", head="random", max_context=512, max_sequences=4, num_steps=3,
+                         log_dir=tmp_path_factory.mktemp("logs"))
     with ServiceStack(cfg) as s:
         yield s
 
@@ -197,8 +197,8 @@ def test_logs_have_no_tracebacks(stack: ServiceStack) -> None:
 def test_stream_interval_gathers_tokens_and_loses_none(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
     """--stream-interval 5: the first token alone, then messages of at least 5 tokens (the last
     one may be shorter), the same tokens and text as streaming every cycle."""
-    cfg = StackConfig(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=tmp_path,
-                      extra_gateway_args=["--stream-interval", "5"])
+    cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=tmp_path,
+                         extra_gateway_args=["--stream-interval", "5"])
     with ServiceStack(cfg) as s:
         c = GatewayClient(s.addr("gateway"))
         try:
@@ -220,8 +220,8 @@ def test_stream_interval_gathers_tokens_and_loses_none(tiny_target: Path, tiny_h
 
 def test_inline_steps_give_the_same_tokens(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
     """--inline-steps (steps on the services' event loops, no engine thread) changes latency only."""
-    cfg = StackConfig(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=tmp_path,
-                      extra_target_args=["--inline-steps"], extra_draft_args=["--inline-steps"])
+    cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=tmp_path,
+                         extra_target_args=["--inline-steps"], extra_draft_args=["--inline-steps"])
     with ServiceStack(cfg) as s:
         c = GatewayClient(s.addr("gateway"))
         try:

@@ -242,8 +242,8 @@ def test_services_step_over_sockets_with_the_same_tokens(tiny_target: Path, tiny
     outputs = {}
     for sockets in (True, False):
         logs = tmp_path / f"logs-{sockets}"
-        cfg = StackConfig(model=str(tiny_target), head=str(tiny_head), num_steps=3, threads=1, log_dir=logs,
-                          step_sockets=sockets)
+        cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), num_steps=3, threads=1, log_dir=logs,
+                             step_sockets=sockets)
         with ServiceStack(cfg) as stack:
             client = GatewayClient(stack.addr("gateway"))
             outputs[sockets] = [client.generate(make_request(token_ids=p, max_new_tokens=24, ignore_eos=True)).token_ids

@@ -23,8 +23,8 @@ def test_tiny_tp2_equals_tp1(tiny_target: Path, tiny_head: Path, tmp_path: Path)
     reqs = [make_request(token_ids=p, max_new_tokens=24, num_steps=s)
             for p, s in [([1, 2, 3], 3), ([5] * 12, 0), (list(range(30, 70)), 5)]]
     base = dict(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=tmp_path)
-    tp1 = run_stack(StackConfig(**base), reqs)
-    tp2 = run_stack(StackConfig(**base, tp_size=2), reqs)
+    tp1 = run_stack(StackConfig.of(**base), reqs)
+    tp2 = run_stack(StackConfig.of(**base, tp_size=2), reqs)
     assert tp1 == tp2 and all(len(t) > 0 for t in tp1)
 
 
@@ -34,12 +34,12 @@ def test_smollm2_tp2_uneven_head_split_equals_tp1(tmp_path: Path) -> None:
     reqs = [make_request("What is the capital of France?", max_new_tokens=16, num_steps=2),
             make_request("Write a haiku about the sea.", max_new_tokens=16, speculation=False)]
     base = dict(model="smollm2", max_context=512, log_dir=tmp_path)
-    tp1 = run_stack(StackConfig(**base), reqs)
-    tp2 = run_stack(StackConfig(**base, tp_size=2), reqs)
+    tp1 = run_stack(StackConfig.of(**base), reqs)
+    tp2 = run_stack(StackConfig.of(**base, tp_size=2), reqs)
     assert tp1 == tp2
 
 
 def test_target_only_without_a_draft_service(tiny_target: Path, tmp_path: Path) -> None:
     reqs = [make_request(token_ids=[1, 2, 3], max_new_tokens=10, num_steps=4)]
-    out = run_stack(StackConfig(model=str(tiny_target), with_draft=False, max_context=256, log_dir=tmp_path), reqs)
+    out = run_stack(StackConfig.of(model=str(tiny_target), with_draft=False, max_context=256, log_dir=tmp_path), reqs)
     assert len(out[0]) > 0

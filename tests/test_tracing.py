@@ -41,7 +41,7 @@ def traced_run(tiny_target: Path, tiny_head: Path, tmp_path_factory: pytest.Temp
     folder = tmp_path_factory.mktemp("traces")
     env = {"OTEL_TRACES_EXPORTER": "jsonl", "OTEL_METRICS_EXPORTER": "jsonl", "SPECSPLIT_TRACE_DIR": str(folder),
            "OTEL_TRACES_SAMPLER": "always_on", "OTEL_METRIC_EXPORT_INTERVAL": "500"}
-    cfg = StackConfig(model=str(tiny_target), head=str(tiny_head), max_context=256, env=env, log_dir=folder)
+    cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=256, env=env, log_dir=folder)
     with ServiceStack(cfg) as stack:
         gens = run_concurrently(stack.addr("gateway"))
     return folder, gens  # the stack has stopped: every exporter flushed
@@ -120,7 +120,7 @@ def test_trace_report_listens_for_otlp(tiny_target: Path, tiny_head: Path, tmp_p
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
            "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_TRACES_SAMPLER": "always_on", "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    cfg = StackConfig(model=str(tiny_target), head=str(tiny_head), max_context=256, env=env, log_dir=tmp_path)
+    cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=256, env=env, log_dir=tmp_path)
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
         gen = client.generate(make_request(token_ids=[5, 6, 7], max_new_tokens=10, num_steps=3, ignore_eos=True))
@@ -134,7 +134,7 @@ def test_trace_report_listens_for_otlp(tiny_target: Path, tiny_head: Path, tmp_p
 def test_sampling_ratio_zero_records_nothing(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
     env = {"OTEL_TRACES_EXPORTER": "jsonl", "SPECSPLIT_TRACE_DIR": str(tmp_path),
            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}
-    cfg = StackConfig(model=str(tiny_target), head=str(tiny_head), max_context=256, env=env, log_dir=tmp_path)
+    cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=256, env=env, log_dir=tmp_path)
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
         client.generate(make_request(token_ids=[5, 6, 7], max_new_tokens=6, num_steps=2))

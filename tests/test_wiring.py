@@ -30,8 +30,8 @@ def describe(addr: str) -> target_pb2.TargetInfo:
 
 
 def test_target_captures_the_heads_layer_ids(tiny_target: Path, head_with_ids: Path, tmp_path: Path) -> None:
-    with ServiceStack(StackConfig(model=str(tiny_target), head=str(head_with_ids), max_context=256,
-                                  log_dir=tmp_path)) as stack:
+    with ServiceStack(StackConfig.of(model=str(tiny_target), head=str(head_with_ids), max_context=256,
+                                     log_dir=tmp_path)) as stack:
         assert list(describe(stack.addr("target")).aux_layer_ids) == [0, 2, 3]
         client = GatewayClient(stack.addr("gateway"))
         assert client.model_info().draft_available
@@ -41,8 +41,8 @@ def test_target_captures_the_heads_layer_ids(tiny_target: Path, head_with_ids: P
 
 
 def test_mismatched_layers_disable_speculation(tiny_target: Path, head_with_ids: Path, tmp_path: Path) -> None:
-    cfg = StackConfig(model=str(tiny_target), head=str(head_with_ids), max_context=256, log_dir=tmp_path,
-                      extra_target_args=["--aux-layer-ids", "1,2,3"])
+    cfg = StackConfig.of(model=str(tiny_target), head=str(head_with_ids), max_context=256, log_dir=tmp_path,
+                         extra_target_args=["--aux-layer-ids", "1,2,3"])
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
         assert not client.model_info().draft_available

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -10,13 +11,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from draft_service.config import DraftConfig
+from gateway.config import GatewayConfig
+from specsplit.flags import add_flags, from_args, to_argv
 from specsplit.transport.serving import LAUNCHER_PID_ENV
+from target_service.config import TargetConfig
+
+C = TypeVar("C")
 
 
 def free_port() -> int:
@@ -46,31 +54,62 @@ def wait_serving(addr: str, proc: subprocess.Popen[bytes] | None, timeout: float
     raise TimeoutError(f"{name} at {addr} not serving after {timeout:.0f} s")
 
 
+SERVICES = ("target", "draft", "gateway")
+
+
 @dataclass
 class StackConfig:
-    model: str = "smollm2"
-    head: str = "default"  # see specsplit.checkpoints.eagle_head.resolve_head_dir
-    dtype: str = "float32"
-    tp_size: int = 1
-    num_steps: int = 4
-    max_context: int = 2048
-    max_sequences: int = 8
-    hidden_backend: str = "shm"
-    device: str | None = None  # the target's --device (None: its default, the CPU); `cuda` puts rank r on GPU r
-    draft_device: str | None = None  # the draft's --device (None: `device`)
-    target_port: int = 0  # 0: a free port
-    draft_port: int = 0
-    gateway_port: int = 0
-    with_draft: bool = True
-    threads: int = 0
+    """The services the launcher starts, each described by its own config and started with
+    that config's flags (to_argv). Port 0: a free one. The gateway's target and draft
+    addresses, the step socket paths and the target's --draft-config (the head's config, for
+    its capture layers) are filled in at start."""
+
+    target: TargetConfig = field(default_factory=lambda: TargetConfig(port=0))
+    draft: DraftConfig | None = field(default_factory=lambda: DraftConfig(port=0))  # None: no draft service
+    gateway: GatewayConfig = field(default_factory=lambda: GatewayConfig(port=0))
     log_dir: Path | None = None  # None: inherit stdout/stderr
+    # raw flags after the rendered ones (a later flag wins), for tests and benchmarks
     extra_target_args: list[str] = field(default_factory=list)
     extra_draft_args: list[str] = field(default_factory=list)
     extra_gateway_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # added to every service's environment
-    gateway_tls: bool = False  # the gateway serves TLS (its --tls-cert is also the CA to trust)
-    step_sockets: bool = True  # the gateway's Steps over Unix sockets (in a private temp dir), not gRPC streams
+    step_sockets: bool = True  # target and draft also serve Steps on Unix sockets (in a private temp dir)
     gateway_module: str = "gateway"  # benchmarks: bench.replay_gateway
+
+    @classmethod
+    def of(cls, *, model: str | None = None, num_steps: int | None = None, draft_device: str | None = None,
+           with_draft: bool = True, **settings: Any) -> StackConfig:
+        """A stack whose services share settings: each goes to every service config with a field
+        of that name (max_context to the target and the draft, head to the draft, max_topk to the
+        draft and the gateway, ...), StackConfig's own fields to it. `model` is the target of all
+        three, `num_steps` the gateway's default, `draft_device` the draft's device (default:
+        `device`). A setting of None keeps the default."""
+        own = {f.name for f in fields(cls)} - set(SERVICES)
+        stack = {k: settings.pop(k) for k in list(settings) if k in own}
+        configs = (TargetConfig(port=0), DraftConfig(port=0), GatewayConfig(port=0))
+        target, draft, gateway = configs
+        if model is not None:
+            settings["model"] = draft.target = model
+        for name, value in settings.items():
+            if value is None:
+                continue
+            owners = [c for c in configs if name in {f.name for f in fields(c)}]
+            if not owners:
+                raise TypeError(f"no service has a setting {name!r}")
+            for c in owners:
+                setattr(c, name, value)
+        if num_steps is not None:
+            gateway.default_num_steps = num_steps
+        if draft_device is not None:
+            draft.device = draft_device
+        return cls(target, draft if with_draft else None, gateway, **stack)
+
+
+def _effective(cfg: C, extra: list[str]) -> C:
+    """The config a service gets from `cfg`'s flags followed by `extra` (unknown flags ignored)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_flags(p, type(cfg), environment=False)
+    return from_args(type(cfg), p.parse_known_args([*to_argv(cfg), *extra])[0])
 
 
 class ServiceStack:
@@ -78,63 +117,67 @@ class ServiceStack:
 
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
-        self.ports = {"target": cfg.target_port or free_port(), "draft": cfg.draft_port or free_port(),
-                      "gateway": cfg.gateway_port or free_port()}
+        self.ports = {"target": cfg.target.port or free_port(),
+                      "draft": (cfg.draft.port if cfg.draft is not None else 0) or free_port(),
+                      "gateway": cfg.gateway.port or free_port()}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.commands: dict[str, tuple[str, list[str]]] = {}
+        self.commands: dict[str, tuple[str, list[str], dict[str, str]]] = {}
         self.socket_dir: str | None = None  # owner-only (mkdtemp), removed by stop()
+        self.tls_ca: bytes | None = None  # the gateway's certificate, when it serves TLS
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen[bytes]:
-        self.commands[name] = (module, args)
+    def _spawn(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None
+               ) -> subprocess.Popen[bytes]:
+        self.commands[name] = (module, args, env or {})
         out = None
         if self.cfg.log_dir is not None:
             self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.cfg.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         # no preexec_fn (unsafe with threads): the service itself asks to die with us (exit_with_launcher)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())}, **self.cfg.env)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())}, **self.cfg.env,
+                   **(env or {}))
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT if out
                                 else None, env=env, start_new_session=True)
         self.procs[name] = proc
         return proc
 
-    def start(self, timeout: float = 300.0) -> ServiceStack:
+    def _configs(self) -> tuple[TargetConfig, DraftConfig | None, GatewayConfig]:
+        """The services' configs as started: ports, addresses, step sockets and the head's config filled in."""
         c = self.cfg
         from specsplit.checkpoints.eagle_head import trained_head_dir  # torch: imported only when starting
 
-        head_dir = trained_head_dir(c.head, c.model) if c.with_draft else None
-        if head_dir is not None and "--draft-config" not in c.extra_target_args:  # the capture layers it reads
-            c.extra_target_args = [*c.extra_target_args, "--draft-config", str(head_dir / "config.json")]
-        common = ["--dtype", c.dtype, "--max-context", str(c.max_context), "--max-sequences", str(c.max_sequences),
-                  "--threads", str(c.threads)]
-        target_device = ["--device", c.device] if c.device else []
-        draft_device = ["--device", c.draft_device or c.device] if c.draft_device or c.device else []
-        target_socket, draft_socket = [], []
+        target = replace(c.target, port=self.ports["target"])
+        draft = replace(c.draft, port=self.ports["draft"]) if c.draft is not None else None
+        head_dir = trained_head_dir(draft.head, draft.target) if draft is not None else None
+        if head_dir is not None and _effective(target, c.extra_target_args).draft_config is None:
+            target.draft_config = str(head_dir / "config.json")  # the capture layers it reads
         if c.step_sockets:
-            self.socket_dir = tempfile.mkdtemp(prefix="specsplit-")
-            target_socket = ["--step-socket", os.path.join(self.socket_dir, "target.sock")]
-            draft_socket = ["--step-socket", os.path.join(self.socket_dir, "draft.sock")]
-        self._spawn("target", "target_service", ["--model", c.model, "--tp-size", str(c.tp_size), "--port",
-                                                 str(self.ports["target"]), "--hidden-backend", c.hidden_backend,
-                                                 *target_device, *common, *target_socket, *c.extra_target_args])
-        if c.with_draft:
-            self._spawn("draft", "draft_service", ["--head", c.head, "--target", c.model, "--port",
-                                                   str(self.ports["draft"]), *common, *draft_device,
-                                                   *draft_socket, *c.extra_draft_args])
+            if self.socket_dir is None:
+                self.socket_dir = tempfile.mkdtemp(prefix="specsplit-")
+            target.step_socket = os.path.join(self.socket_dir, "target.sock")
+            if draft is not None:
+                draft.step_socket = os.path.join(self.socket_dir, "draft.sock")
+        gateway = replace(c.gateway, port=self.ports["gateway"], target_addr=self.addr("target"),
+                          draft_addr=self.addr("draft") if draft is not None else "")
+        return target, draft, gateway
+
+    def start(self, timeout: float = 300.0) -> ServiceStack:
+        c = self.cfg
+        target, draft, gateway = self._configs()
+        self._spawn("target", "target_service", [*to_argv(target), *c.extra_target_args])
+        if draft is not None:
+            self._spawn("draft", "draft_service", [*to_argv(draft), *c.extra_draft_args])
         try:
             wait_serving(self.addr("target"), self.procs["target"], timeout, "target_service")
-            if c.with_draft:
+            if draft is not None:
                 wait_serving(self.addr("draft"), self.procs["draft"], timeout, "draft_service")
-            self._spawn("gateway", c.gateway_module, ["--target", self.addr("target"),
-                                               "--draft", self.addr("draft") if c.with_draft else "",
-                                               "--model", c.model, "--port", str(self.ports["gateway"]),
-                                               "--num-steps", str(c.num_steps), *c.extra_gateway_args])
-            ca = None
-            if c.gateway_tls:
-                ca = Path(c.extra_gateway_args[c.extra_gateway_args.index("--tls-cert") + 1]).read_bytes()
-            wait_serving(self.addr("gateway"), self.procs["gateway"], timeout, "gateway", ca)
+            secret = {"SPECSPLIT_AUTH_TOKEN": gateway.auth_token} if gateway.auth_token else None
+            self._spawn("gateway", c.gateway_module, [*to_argv(gateway), *c.extra_gateway_args], secret)
+            tls_cert = _effective(gateway, c.extra_gateway_args).tls_cert
+            self.tls_ca = Path(tls_cert).read_bytes() if tls_cert else None
+            wait_serving(self.addr("gateway"), self.procs["gateway"], timeout, "gateway", self.tls_ca)
         except BaseException:
             self.stop()
             raise
@@ -149,8 +192,9 @@ class ServiceStack:
     def restart(self, name: str, timeout: float = 300.0) -> None:
         """Start a killed service again with its original command, and wait until it serves."""
         self.kill(name)
-        module, args = self.commands[name]
-        wait_serving(self.addr(name), self._spawn(name, module, args), timeout, name)
+        module, args, env = self.commands[name]
+        wait_serving(self.addr(name), self._spawn(name, module, args, env), timeout, name,
+                     self.tls_ca if name == "gateway" else None)
 
     def stop(self) -> None:
         """Gateway first (it closes its streams), then draft and target."""

@@ -21,16 +21,18 @@ DEFAULT_PROMPT = "Write a short Python function that checks whether a number is 
 
 
 def _stack_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="target: directory, .gguf, or smollm2 (embedded)")
-    p.add_argument("--head", default="default", help="EAGLE-3 head: a directory, a shipped head (smollm2-eagle3), "
-                   "default (the shipped head trained for --model, else random) or random")
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--num-steps", type=int, default=4, help="default draft steps per cycle (0: off)")
-    p.add_argument("--max-context", type=int, default=2048)
-    p.add_argument("--max-sequences", type=int, default=8)
-    p.add_argument("--gateway-port", type=int, default=50051)
-    p.add_argument("--target-port", type=int, default=50061)
-    p.add_argument("--draft-port", type=int, default=50062)
+    """The stack's settings, with the flags, defaults and help of the services' own configs."""
+    from draft_service.config import DraftConfig
+    from gateway.config import GatewayConfig
+    from specsplit.flags import add_flags
+    from target_service.config import TargetConfig
+
+    add_flags(p, TargetConfig, only=("model", "tp_size", "max_context", "max_sequences"), environment=False)
+    add_flags(p, DraftConfig, only=("head",), environment=False)
+    add_flags(p, GatewayConfig, only=("default_num_steps",), environment=False)
+    for name, cls in (("gateway", GatewayConfig), ("target", TargetConfig), ("draft", DraftConfig)):
+        add_flags(p, cls, only=("port",), names={"port": f"--{name}-port"}, prefix=f"{name}_", label=name,
+                  environment=False)
     p.add_argument("--no-draft", action="store_true", help="start no draft service")
     p.add_argument("--log-dir", default=None, help="write service logs here instead of the terminal")
 
@@ -54,10 +56,13 @@ def _gen_args(p: argparse.ArgumentParser, per_request_steps: bool = True) -> Non
 def _stack(a: argparse.Namespace):  # noqa: ANN202
     from specsplit.cli.launcher import ServiceStack, StackConfig
 
-    return ServiceStack(StackConfig(model=a.model, head=a.head, tp_size=a.tp_size, num_steps=a.num_steps,
-                                    max_context=a.max_context, max_sequences=a.max_sequences,
-                                    gateway_port=a.gateway_port, target_port=a.target_port, draft_port=a.draft_port,
-                                    with_draft=not a.no_draft, log_dir=Path(a.log_dir) if a.log_dir else None))
+    cfg = StackConfig.of(model=a.model, head=a.head, tp_size=a.tp_size, num_steps=a.default_num_steps,
+                         max_context=a.max_context, max_sequences=a.max_sequences, with_draft=not a.no_draft,
+                         log_dir=Path(a.log_dir) if a.log_dir else None)
+    cfg.target.port, cfg.gateway.port = a.target_port, a.gateway_port
+    if cfg.draft is not None:
+        cfg.draft.port = a.draft_port
+    return ServiceStack(cfg)
 
 
 def _request(a: argparse.Namespace, prompt: str, speculation: bool | None = None):  # noqa: ANN202
