@@ -89,11 +89,6 @@ def check_spin_us(spin_us: float) -> None:
         raise ValueError(f"spin of {spin_us} µs is outside 0..{MAX_SPIN_US:.0f} (or -1: automatic)")
 
 
-SERVICE_SPIN_HELP = ("after each reply, poll the step socket this many µs for the next request before a blocking "
-                     "read (a core kept busy while serving, no wake-up from idle; 0: block at once; default: 20000 on "
-                     "CUDA, 0 on CPU)")  # the target's and the draft's --step-socket-spin-us
-
-
 def resolve_spin_s(spin_us: float, on_gpu: bool) -> float:
     """A spin setting in seconds: automatic spins on GPU stacks, whose steps take milliseconds
     and whose hosts pay a wake-up from idle per message (bench/socket_wakeup.py; a core per
