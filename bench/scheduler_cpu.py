@@ -16,7 +16,7 @@ import platform
 import time
 
 from bench.spec_vs_baseline import git_commit
-from gateway.scheduler import Finished, GenerationRequest, Scheduler
+from gateway.scheduler import Finished, GenerationRequest, Limits, Scheduler
 from specsplit.ops import (
     DraftOp,
     DraftResult,
@@ -39,7 +39,8 @@ class InstantTarget:
     def __init__(self, suspend: bool = True) -> None:
         self.generation, self.hang, self.suspend = 0, False, suspend
 
-    async def step(self, ops: list[TargetOp], releases: list[int]) -> tuple[list[TargetResult], StepTiming]:
+    async def step(self, ops: list[TargetOp], releases: list[int], timeout: float = 0.0
+                   ) -> tuple[list[TargetResult], StepTiming]:
         if self.suspend:
             await asyncio.sleep(0)  # a real client suspends for its I/O (the in-process ones do not)
         if self.hang:
@@ -61,7 +62,7 @@ class InstantDraft:
     def __init__(self, suspend: bool = True) -> None:
         self.hang, self.suspend = False, suspend
 
-    async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
+    async def step(self, ops: list[DraftOp], timeout: float = 0.0) -> tuple[list[DraftResult], StepTiming]:
         if self.suspend:
             await asyncio.sleep(0)
         if self.hang:
@@ -71,7 +72,7 @@ class InstantDraft:
 
 
 async def measure(batch: int, cycles: int, num_steps: int, noop_spans: bool = False) -> dict:
-    s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=batch, max_queue=batch)
+    s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=batch, limits=Limits(max_queue=batch))
     s.spans.enabled = noop_spans  # True: build every cycle's span and trace context with the no-op tracer
     s.draft_restored()
     s.start()

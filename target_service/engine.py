@@ -38,16 +38,19 @@ class Sequence:
     last_token: int  # emitted, not yet in the cache (-1 until the prefill has run)
     sampling: Sampling
     generator: torch.Generator
+    epoch: int  # the lease under which it was opened
     tokens: list[int] = field(default_factory=list)  # the `length` tokens in the cache
 
 
 @dataclass
 class Plan:
     """One batched step as every rank executes it. Rank 0 fills `rows_allowed`:
-    False for entries whose ring allocation failed (answered RESOURCE_EXHAUSTED)."""
+    False for entries whose ring allocation failed (answered RESOURCE_EXHAUSTED). With
+    `epoch` set, the engine first serves that lease (see TargetEngine.hold)."""
 
     ops: list[TargetOp]
     rows_allowed: list[bool] = field(default_factory=list)
+    epoch: int | None = None
 
 
 @dataclass
@@ -77,6 +80,7 @@ class TargetEngine:
                                   padded_tokens=cfg.max_draft_tokens + 1)
         self.seqs: dict[int, Sequence] = {}
         self.device = self.runner.device
+        self.epoch = 0  # the lease new sequences belong to (0: none)
 
     # -- validation shared by rank 0 (before allocating ring rows) and every rank
     def check(self, op: TargetOp) -> None:
@@ -139,6 +143,8 @@ class TargetEngine:
     def execute(self, plan: Plan) -> list[Outcome]:
         """Validate every entry, run all prefills, verifies and recaptures in ONE forward,
         then accept per sequence. Errors stay with their entry."""
+        if plan.epoch is not None:
+            self.hold(plan.epoch)
         started = time.time_ns()
         outcomes: list[Outcome | None] = [None] * len(plan.ops)
         work: list[Work] = []
@@ -168,7 +174,7 @@ class TargetEngine:
     def _plan(self, i: int, op: TargetOp) -> Work:
         if isinstance(op, Prefill):
             gen = torch.Generator(device=self.device).manual_seed(op.sampling.seed)  # where the logits are
-            seq = Sequence(self.runner.allocate(), 0, -1, op.sampling, gen)
+            seq = Sequence(self.runner.allocate(), 0, -1, op.sampling, gen, self.epoch)
             self.seqs[op.seq_id] = seq
             return Work(i, op, seq, Row(seq.slot, 0, op.prompt_ids))
         seq = self.seqs[op.seq_id]
@@ -220,6 +226,15 @@ class TargetEngine:
         seq.last_token = emitted[-1]
         kept = None if rows is None else rows[torch.tensor(path, device=rows.device)]
         return Outcome(TargetResult(op.seq_id, tokens=emitted, num_accepted=accepted), kept)
+
+    def hold(self, epoch: int) -> int:
+        """Serve the lease `epoch` (0: none) from now on: every sequence opened under another is
+        released. Returns how many."""
+        gone = [seq_id for seq_id, seq in self.seqs.items() if seq.epoch != epoch]
+        for seq_id in gone:
+            self.runner.release(self.seqs.pop(seq_id).slot)
+        self.epoch = epoch
+        return len(gone)
 
     def _release(self, op: Release) -> Outcome:
         seq = self.seqs.pop(op.seq_id, None)

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from bench.scheduler_cpu import InstantDraft, InstantTarget
-from gateway.scheduler import Failed, Finished, GenerationRequest, Scheduler
+from gateway.scheduler import Failed, Finished, GenerationRequest, Limits, Scheduler
 from specsplit.ops import Sampling
 
 
@@ -33,7 +33,7 @@ def test_stop_ends_the_loop_even_when_steps_answer_at_once() -> None:
 
     async def main() -> None:
         for _ in range(200):
-            s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=4, max_queue=8)
+            s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=4, limits=Limits(max_queue=8))
             s.draft_restored()
             s.start()
             s.submit(request(10_000))
@@ -48,7 +48,8 @@ def test_stop_ends_the_loop_even_when_steps_answer_at_once() -> None:
 def test_a_draft_step_past_the_timeout_leaves_the_stream_target_only() -> None:
     async def main() -> tuple[list[int], object, bool]:
         draft = InstantDraft()
-        s = Scheduler(InstantTarget(), draft, max_sequences=4, max_queue=8, step_timeout_s=0.2)
+        quick = Limits(max_queue=8, step_timeout_s=0.2, draft_timeout_s=0.2)
+        s = Scheduler(InstantTarget(), draft, max_sequences=4, limits=quick)
         s.draft_restored()
         s.start()
         seq = s.submit(request(12))
@@ -65,7 +66,8 @@ def test_a_draft_step_past_the_timeout_leaves_the_stream_target_only() -> None:
 def test_a_target_step_past_the_timeout_fails_the_stream_unavailable() -> None:
     async def main() -> object:
         target = InstantTarget()
-        s = Scheduler(target, InstantDraft(), max_sequences=4, max_queue=8, step_timeout_s=0.2)
+        quick = Limits(max_queue=8, step_timeout_s=0.2, draft_timeout_s=0.2)
+        s = Scheduler(target, InstantDraft(), max_sequences=4, limits=quick)
         s.draft_restored()
         s.start()
         seq = s.submit(request(10_000))
@@ -84,7 +86,8 @@ def test_the_loop_lets_others_run_between_cycles_when_clients_never_suspend() ->
     still give the event loop a turn every cycle (submissions, cancels, recovery callbacks)."""
 
     async def main() -> tuple[int, int]:
-        s = Scheduler(InstantTarget(suspend=False), InstantDraft(suspend=False), max_sequences=4, max_queue=8)
+        s = Scheduler(InstantTarget(suspend=False), InstantDraft(suspend=False), max_sequences=4,
+                      limits=Limits(max_queue=8, stream_buffer=1 << 30))  # nobody reads the stream here
         s.draft_restored()
         s.start()
         seq = s.submit(request(4_000))
@@ -107,7 +110,7 @@ def test_a_loop_on_its_own_thread_serves_submitters_on_another_loop() -> None:
 
     async def main() -> None:
         loop_thread = LoopThread("spec-loop").start()
-        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, max_queue=64)
+        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, limits=Limits(max_queue=64))
 
         async def start() -> None:
             s.draft_restored()
@@ -142,7 +145,8 @@ def test_requests_submitted_before_the_loop_admits_them_count_free_slots() -> No
     from gateway.scheduler import QueueFull
 
     async def main() -> list[object]:
-        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, max_queue=1)
+        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2,
+                      limits=Limits(max_queue=1, max_queued_per_client=1))
         s.draft_restored()
         seqs = [s.submit(request(5)) for _ in range(3)]  # not started yet: 2 free slots + 1 queued
         with pytest.raises(QueueFull):

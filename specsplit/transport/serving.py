@@ -17,10 +17,12 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 log = logging.getLogger("specsplit")
 
 
-def new_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None
-               ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+def new_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+               max_receive_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """A server with health checking; a request over `max_receive_bytes` is refused
+    (RESOURCE_EXHAUSTED) before it is parsed."""
     server = grpc.aio.server(interceptors=[MalformedRequestInterceptor(), *(interceptors or [])], options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
     ])

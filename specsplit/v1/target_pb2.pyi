@@ -88,14 +88,16 @@ class TargetOp(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prefill: _Optional[_Union[TargetPrefill, _Mapping]] = ..., verify: _Optional[_Union[TargetVerify, _Mapping]] = ..., release: _Optional[_Union[TargetRelease, _Mapping]] = ..., recapture: _Optional[_Union[TargetRecapture, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class TargetStepRequest(_message.Message):
-    __slots__ = ("step_id", "ops", "release_generations")
+    __slots__ = ("step_id", "ops", "release_generations", "epoch")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     ops: _containers.RepeatedCompositeFieldContainer[TargetOp]
     release_generations: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[TargetOp, _Mapping]]] = ..., release_generations: _Optional[_Iterable[int]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[TargetOp, _Mapping]]] = ..., release_generations: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class TargetResult(_message.Message):
     __slots__ = ("seq_id", "status", "tokens", "num_accepted", "hidden")
