@@ -157,3 +157,84 @@ def test_requests_submitted_before_the_loop_admits_them_count_free_slots() -> No
         return [end for _, end in ends]
 
     assert asyncio.run(main()) == [Finished("length")] * 3
+
+
+def test_the_next_free_slot_goes_to_the_client_running_the_fewest() -> None:
+    """Client A runs in both slots with 4 more queued; client B's request, queued after them,
+    takes the first slot that frees, before A's backlog."""
+
+    async def main() -> list[str]:
+        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, limits=Limits(max_queue=8))
+        admitted: list[str] = []
+
+        class Order:  # the cycle-span hook sees each cycle's newcomers: the admission order
+            def open(self, running: list, newcomers: list) -> list:
+                admitted.extend(x.req.client for x in newcomers)
+                return []
+
+            def close(self, traced: list) -> None:
+                pass
+
+        s.spans = Order()  # type: ignore[assignment]
+        s.draft_restored()
+        s.start()
+        a = [s.submit(GenerationRequest([1, 2, 3], 40 + 8 * i, Sampling(), set(), 3, client="a")) for i in range(6)]
+        await a[0].events.get()
+        await a[1].events.get()  # both slots taken by A
+        b = s.submit(GenerationRequest([1, 2, 3], 20, Sampling(), set(), 3, client="b"))
+        await asyncio.wait_for(asyncio.gather(*(drain(q) for q in [*a, b])), 30.0)
+        await s.stop()
+        return admitted
+
+    assert asyncio.run(main()) == ["a", "a", "b", "a", "a", "a", "a"]
+
+
+def test_a_client_queue_limit_refuses_its_requests_only() -> None:
+    from gateway.scheduler import QueueFull
+
+    s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=1,
+                  limits=Limits(max_queue=100, max_queued_per_client=2))
+    for _ in range(3):  # one takes the free slot at the next cycle, two wait
+        s.submit(GenerationRequest([1], 5, Sampling(), set(), 0, client="greedy"))
+    with pytest.raises(QueueFull, match="this client"):
+        s.submit(GenerationRequest([1], 5, Sampling(), set(), 0, client="greedy"))
+    s.submit(GenerationRequest([1], 5, Sampling(), set(), 0, client="other"))
+
+
+def test_a_sequence_whose_stream_is_not_read_waits_then_ends() -> None:
+    """Past `stream_buffer` unread tokens the sequence is not stepped (the other goes on); past
+    `unread_timeout_s` it ends with RESOURCE_EXHAUSTED, its slot free."""
+
+    async def main() -> tuple[object, list[int], object]:
+        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2,
+                      limits=Limits(max_queue=8, stream_buffer=16, unread_timeout_s=0.5))
+        s.draft_restored()
+        s.start()
+        unread = s.submit(request(10_000))
+        read = s.submit(request(200))
+        read_out = await asyncio.wait_for(drain_taken(s, read), 30.0)
+        end = await asyncio.wait_for(last_event(unread), 30.0)
+        await s.stop()
+        return end, read_out[0], read_out[1]
+
+    end, tokens, read_end = asyncio.run(main())
+    assert isinstance(end, Failed) and end.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(tokens) == 200 and read_end == Finished("length")
+
+
+async def drain_taken(s: Scheduler, seq) -> tuple[list[int], object]:  # noqa: ANN001
+    """drain, telling the scheduler what was taken (as the gateway's stream handler does)."""
+    tokens: list[int] = []
+    while True:
+        ev = await seq.events.get()
+        if not isinstance(ev, list):
+            return tokens, ev
+        s.taken(seq, len(ev))
+        tokens += ev
+
+
+async def last_event(seq) -> object:  # noqa: ANN001
+    while True:
+        ev = await seq.events.get()
+        if not isinstance(ev, list):
+            return ev
