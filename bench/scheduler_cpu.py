@@ -23,9 +23,12 @@ from specsplit.ops import (
     ExtendPropose,
     HiddenRef,
     Prefill,
+    Recapture,
     Release,
+    Resume,
     Sampling,
     StepTiming,
+    Suspend,
     TargetOp,
     TargetResult,
 )
@@ -47,9 +50,12 @@ class InstantTarget:
             await asyncio.Event().wait()
         out = []
         for op in ops:
-            if isinstance(op, Release):
+            if isinstance(op, Release | Suspend):
                 continue
             self.generation += 1
+            if isinstance(op, Recapture | Resume):  # features for a draft restarting at position 0
+                out.append(TargetResult(op.seq_id, tokens=[9, 9], hidden=HiddenRef(0, 2, self.generation)))
+                continue
             tokens = [9] if isinstance(op, Prefill) else [*op.draft_ids, 9]
             out.append(TargetResult(op.seq_id, tokens=tokens, num_accepted=len(tokens) - 1,
                                     hidden=HiddenRef(0, len(tokens), self.generation)))

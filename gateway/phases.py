@@ -21,6 +21,8 @@ from specsplit.ops import (
     Prefill,
     Recapture,
     Release,
+    Resume,
+    Suspend,
     TargetOp,
     TargetResult,
     Verify,
@@ -112,13 +114,15 @@ async def draft_phase(sched: Scheduler) -> None:
 async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
     """Releases, prefills of the newcomers, recaptures and verifies: one call. A sequence whose
     client leaves its stream unread waits."""
-    ops: list[TargetOp] = [Release(i) for i in sched.target_releases]
-    sched.target_releases = []
+    ops: list[TargetOp] = [*(Release(i) for i in sched.target_releases), *(Suspend(i) for i in sched.target_suspends)]
+    sched.target_releases, sched.target_suspends = [], []
     releases, sched.free_generations = sched.free_generations, []
     work: list[Sequence] = []
     speculating = sched.speculating
     for s in sched.running:
-        if s in newcomers:
+        if s in newcomers and s.suspended:
+            ops.append(Resume(s.seq_id, capture=s.spec and speculating, trace=s.trace))
+        elif s in newcomers:
             ops.append(Prefill(s.seq_id, s.req.prompt_ids, s.req.sampling, capture=s.spec and speculating,
                                trace=s.trace))
         elif not s.prefilled or s.unread_since:
@@ -139,7 +143,7 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
         results, timing = await sched.target.step(ops, releases, sched.step_timeout_s)
     ms = (time.perf_counter() - t0) * 1e3
     by_id = {r.seq_id: r for r in results}
-    kinds = {op.seq_id: op for op in ops if not isinstance(op, Release)}
+    kinds = {op.seq_id: op for op in ops if not isinstance(op, Release | Suspend)}
     for s in work:
         apply_result(sched, s, by_id.get(s.seq_id), kinds[s.seq_id], ms, timing.compute_ms)
 
@@ -151,7 +155,7 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         sched.fail(s, grpc.StatusCode.INTERNAL, "target returned no result for the sequence")
         return
     if r.code == Code.RESOURCE_EXHAUSTED:  # no slot or ring space: state unchanged, retry
-        if isinstance(op, Prefill):
+        if isinstance(op, Prefill | Resume):
             sched.running.remove(s)
             sched.waiting.push_front(s)
         elif isinstance(op, Recapture):  # no scratch slot: go on target-only rather than stall
@@ -162,7 +166,8 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         status = grpc.StatusCode.INVALID_ARGUMENT if r.code == Code.INVALID_ARGUMENT else grpc.StatusCode.INTERNAL
         sched.fail(s, status, r.message)
         return
-    if isinstance(op, Recapture):  # the draft restarts this sequence from position 0
+    if isinstance(op, Recapture | Resume):  # the draft restarts this sequence from position 0
+        s.suspended = False
         s.pending = (r.tokens, r.hidden, 0) if r.hidden is not None else None
         s.synced = r.hidden is not None
         return

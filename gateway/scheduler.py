@@ -81,6 +81,7 @@ class Scheduler:
         self.ids = itertools.count(first_sequence_id())
         self.wake = asyncio.Event()
         self.target_releases: list[int] = []
+        self.target_suspends: list[int] = []
         self.draft_releases: list[int] = []
         self.free_generations: list[int] = []  # ring allocations to reclaim on the next target call
         self.draft_deadline = DraftDeadline(limits.draft_timeout_s)
@@ -158,8 +159,8 @@ class Scheduler:
     def _cancel(self, seq: Sequence) -> None:
         if seq.done:
             return
-        if self.waiting.remove(seq):  # never admitted: nothing to release anywhere
-            seq.done = True
+        if self.waiting.remove(seq):  # not running: nothing to release but a suspended sequence
+            self._retire(seq)
             self._post(seq, Finished("abort"))
             return
         seq.cancelled = True
@@ -200,6 +201,7 @@ class Scheduler:
         for seq in [*self.running, *waiting]:
             self.fail(seq, grpc.StatusCode.UNAVAILABLE, TARGET_LOST)  # the why stays in the log
         self.target_releases.clear()  # the target is taken over by a new epoch: everything is released there
+        self.target_suspends.clear()
         self.free_generations.clear()
         self.target_down = True
         for cb in self.on_target_state:
@@ -219,8 +221,8 @@ class Scheduler:
             return True
         if self.target_down:
             return bool(self.draft_releases)
-        return bool(self.waiting or self.runnable or self.target_releases or self.draft_releases
-                    or self.free_generations)
+        return bool(self.waiting or self.runnable or self.target_releases or self.target_suspends
+                    or self.draft_releases or self.free_generations)
 
     @property
     def runnable(self) -> list[Sequence]:
@@ -272,15 +274,7 @@ class Scheduler:
         self._check_readers()
         for seq in [s for s in self.running if s.cancelled]:
             self.finish(seq, Finished("abort"))
-        newcomers = []
-        while len(self.running) < self.max_sequences:  # cancel() takes waiting ones out itself
-            seq = self.waiting.pop_fair(Counter(s.req.client for s in self.running))
-            if seq is None:
-                break
-            self.running.append(seq)
-            newcomers.append(seq)
-            seq.span.add_event("admitted", {"spec.seq_id": seq.seq_id,
-                                            "spec.wait_ms": (time.perf_counter() - seq.submitted_at) * 1e3})
+        newcomers = self._admit()
         t0, batch = time.perf_counter(), len(self.running)
         traced = self.spans.open(self.running, newcomers)
         try:
@@ -292,6 +286,54 @@ class Scheduler:
         if batch > len(newcomers):
             self.metrics.cycle_duration.record((time.perf_counter() - t0) * 1e3)
         self.cycles += 1
+
+    def _admit(self) -> list[Sequence]:
+        """Free slots to waiting requests, fairly; with none free, a slot of the client running
+        the most is taken back for a client running at least two fewer (see _preempt)."""
+        newcomers = []
+        while True:  # cancel() takes waiting ones out itself
+            running = Counter(s.req.client for s in self.running)
+            if len(self.running) >= self.max_sequences and not self._preempt(running):
+                break
+            seq = self.waiting.pop_fair(Counter(s.req.client for s in self.running))
+            if seq is None:
+                break
+            self.running.append(seq)
+            newcomers.append(seq)
+            seq.span.add_event("admitted", {"spec.seq_id": seq.seq_id, "spec.resumed": seq.suspended,
+                                            "spec.wait_ms": (time.perf_counter() - seq.submitted_at) * 1e3})
+        return newcomers
+
+    def _preempt(self, running: Counter[str]) -> bool:
+        """Suspend the youngest sequence of the client running the most, when the next waiting
+        request's client runs at least two fewer: its KV slot goes to that request, and it waits
+        at the head of its client's queue to be resumed (the target keeps its tokens and sampler;
+        its KV entries are prefilled again). True when a slot was freed."""
+        nxt = self.waiting.peek_fair(running)
+        if nxt is None or not running:
+            return False
+        client, most = running.most_common(1)[0]
+        if most < running[nxt.req.client] + 2:
+            return False
+        victims = [s for s in self.running if s.req.client == client and s.prefilled and not s.cancelled]
+        if not victims:
+            return False
+        s = max(victims, key=lambda v: v.submitted_at)
+        self.running.remove(s)
+        s.suspended = True
+        self.target_suspends.append(s.seq_id)  # before the next target call's prefills: they take the slot
+        if s.in_draft and not self.draft_down:  # resumed from position 0 there
+            self.draft_releases.append(s.seq_id)
+            s.in_draft = False
+        if s.pending is not None:
+            self.free_generations.append(s.pending[1].generation)
+            s.pending = None
+        s.synced, s.drafts, s.dists, s.parents = False, [], [], []
+        self.waiting.push_front(s)
+        s.span.add_event("suspended", {"spec.seq_id": s.seq_id, "spec.for_client": nxt.req.client})
+        log.info("sequence %d suspended for another client (its client runs %d, the other %d)", s.seq_id, most,
+                 running[nxt.req.client])
+        return True
 
     def _check_readers(self) -> None:
         """Sequences whose client leaves its stream unread wait (keeping their slot), and end
@@ -327,6 +369,8 @@ class Scheduler:
 
     def _retire(self, s: Sequence) -> None:
         s.done = True
+        if s.suspended and not self.target_down:  # the target still holds its tokens
+            self.target_releases.append(s.seq_id)
         if s in self.running:
             self.running.remove(s)
             if s.prefilled and not self.target_down:

@@ -111,6 +111,7 @@ class Sequence:
         # what a client that does not read leaves waiting
         self.posted = self.taken = 0
         self.unread_since = 0.0  # when the sequence stopped for an unread stream (0: it did not)
+        self.suspended = False  # its KV slot given to another client's request: resumed when admitted again
         try:  # where the submitter reads `events`
             self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:

@@ -36,12 +36,23 @@ class WaitingQueue:
     def pop_fair(self, running: Counter[str]) -> Sequence | None:
         """The next request to admit: the oldest of the client with the fewest `running`."""
         with self._lock:
-            if not self._seqs:
+            best = self._fair(running)
+            if best is None:
                 return None
-            best = min(range(len(self._seqs)), key=lambda i: (running[self._seqs[i].req.client], i))
             seq = self._seqs.pop(best)
             self._forget(seq)
             return seq
+
+    def peek_fair(self, running: Counter[str]) -> Sequence | None:
+        """The request pop_fair would give."""
+        with self._lock:
+            best = self._fair(running)
+            return None if best is None else self._seqs[best]
+
+    def _fair(self, running: Counter[str]) -> int | None:
+        if not self._seqs:
+            return None
+        return min(range(len(self._seqs)), key=lambda i: (running[self._seqs[i].req.client], i))
 
     def push_front(self, seq: Sequence) -> None:
         """Back at the head of the queue (a prefill refused for want of room: retried next cycle)."""

@@ -24,9 +24,9 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 def stack_cfg(tiny_target: Path, tiny_head: Path, log_dir: Path, **settings: object) -> StackConfig:
     """Quick liveness (0.5 s) and a short lease (3 s), so that faults show within seconds."""
-    return StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=4096, max_sequences=4,
-                          log_dir=log_dir, liveness_timeout_s=0.5, lease_s=3.0, draft_retry_s=0.5,
-                          **{"max_new_tokens_cap": 4000, **settings})
+    return StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=4096, log_dir=log_dir,
+                          liveness_timeout_s=0.5, lease_s=3.0, draft_retry_s=0.5,
+                          **{"max_sequences": 4, "max_new_tokens_cap": 4000, **settings})
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
@@ -190,3 +190,26 @@ def test_a_huge_request_is_refused_before_it_is_read(tiny_target: Path, tiny_hea
         out = client.generate(make_request(token_ids=PROMPT, max_new_tokens=4, ignore_eos=True))
         assert len(out.token_ids) == 4
         client.close()
+
+
+def test_a_busy_client_gives_a_slot_back_and_loses_no_token(tiny_target: Path, tiny_head: Path,
+                                                            tmp_path: Path) -> None:
+    """Two slots, both taken by one client's streams: another client's request runs at once (one
+    of them is suspended and resumed later, its KV prefilled again) and every output equals its
+    solo target-only run."""
+    with ServiceStack(stack_cfg(tiny_target, tiny_head, tmp_path, max_sequences=2)) as stack:
+        busy, other = GatewayClient(stack.addr("gateway")), GatewayClient(stack.addr("gateway"))
+        prompts = [[*PROMPT, 1], [*PROMPT, 2]]
+        solo = [busy.generate(make_request(token_ids=p, max_new_tokens=600, ignore_eos=True, speculation=False))
+                for p in prompts]
+        calls = [busy.stub.Generate(make_request(token_ids=p, max_new_tokens=600, ignore_eos=True, num_steps=3))
+                 for p in prompts]
+        firsts = [list(next(c).token_ids) for c in calls]
+        quick = other.generate(make_request(token_ids=PROMPT, max_new_tokens=8, ignore_eos=True, num_steps=3))
+        assert len(quick.token_ids) == 8
+        outs = [first + [t for msg in c for t in msg.token_ids] for first, c in zip(firsts, calls, strict=True)]
+        assert outs == [list(s.token_ids) for s in solo]
+        wait_for(lambda: nothing_held(stack), 10, "nothing held afterwards")
+        busy.close()
+        other.close()
+    assert "suspended for another client" in (tmp_path / "gateway.log").read_text()
