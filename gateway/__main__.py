@@ -130,7 +130,7 @@ async def serve(cfg: GatewayConfig, draft_wrap: DraftWrap | None = None) -> None
     lost: list[Callable[[str, str], None]] = []  # the scheduler's, once it exists
 
     def watch(service: str, addr: str) -> ServiceWatch:
-        return ServiceWatch(service, addr, cfg.liveness_timeout_s / 4, cfg.liveness_timeout_s, cfg.lease_s,
+        return ServiceWatch(service, addr, cfg.liveness_timeout_s, cfg.lease_s,
                             lambda why: [f(service, why) for f in lost])
 
     watches = Watches({"target": watch("target", cfg.target_addr),

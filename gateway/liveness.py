@@ -34,9 +34,13 @@ def new_epoch() -> int:
 
 
 class ServiceWatch:
-    def __init__(self, service: str, addr: str, interval_s: float, timeout_s: float, lease_s: float,
+    def __init__(self, service: str, addr: str, liveness_s: float, lease_s: float,
                  on_lost: Callable[[str], None]) -> None:
-        self.service, self.interval_s, self.timeout_s, self.on_lost = service, interval_s, timeout_s, on_lost
+        """A heartbeat every quarter of `liveness_s`, each answered within the rest of it: a
+        service that stops answering is lost at most `liveness_s` after its last answer."""
+        self.service, self.on_lost = service, on_lost
+        self.interval_s = liveness_s / 4
+        self.timeout_s = liveness_s - self.interval_s
         self.lease_ms = max(1, round(lease_s * 1e3))
         self.channel = grpc.aio.insecure_channel(addr, options=channel_options())
         stub: Any = target_pb2_grpc.TargetServiceStub if service == "target" else draft_pb2_grpc.DraftServiceStub
