@@ -190,7 +190,7 @@ class SglangSchedulerServicer(sgl_grpc.SglangSchedulerServicer):
                      "target_addr": self.cfg.target_addr,
                      "draft_addr": self.cfg.draft_addr})
         info = struct_pb2.Struct()
-        info.update({"max_sequences": s.max_sequences, "max_queue": s.max_queue, "speculating": s.speculating})
+        info.update({"max_sequences": s.max_sequences, "max_queue": s.limits.max_queue, "speculating": s.speculating})
         start = timestamp_pb2.Timestamp()
         start.FromSeconds(int(self.started))
         return sgl.GetServerInfoResponse(

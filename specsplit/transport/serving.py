@@ -90,8 +90,13 @@ def configure_logging(name: str) -> None:
 _MALFORMED = object()
 
 
+INTERNAL_ERROR = "internal error (the server's log has the details)"
+
+
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
-    """Answers INVALID_ARGUMENT, not UNKNOWN, when a unary request's bytes do not decode."""
+    """Answers INVALID_ARGUMENT, not UNKNOWN, when a unary request's bytes do not decode, and
+    INTERNAL with no internal detail when a handler fails unexpectedly (the traceback goes to
+    the log, never to the client)."""
 
     async def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
         handler = await continuation(handler_call_details)
@@ -112,7 +117,13 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             async def unary(request, context):  # noqa: ANN001, ANN202
                 if request is _MALFORMED:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-                return await inner_uu(request, context)
+                try:
+                    return await inner_uu(request, context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception:
+                    log.exception("%s failed", method)
+                    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
 
             return grpc.unary_unary_rpc_method_handler(unary, tolerant, handler.response_serializer)
         inner_us = handler.unary_stream
@@ -120,7 +131,13 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         async def streaming(request, context):  # noqa: ANN001, ANN202
             if request is _MALFORMED:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-            async for item in inner_us(request, context):
-                yield item
+            try:
+                async for item in inner_us(request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                log.exception("%s failed", method)
+                await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
 
         return grpc.unary_stream_rpc_method_handler(streaming, tolerant, handler.response_serializer)
