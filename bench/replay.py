@@ -77,8 +77,8 @@ class ReplayDraft:
     def __init__(self, inner: DraftClient, replayer: Replayer) -> None:
         self.inner, self.replayer = inner, replayer
 
-    async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
-        results, timing = await self.inner.step(ops)
+    async def step(self, ops: list[DraftOp], timeout: float = 0.0) -> tuple[list[DraftResult], StepTiming]:
+        results, timing = await self.inner.step(ops, timeout)
         by_op = {op.seq_id: op for op in ops if isinstance(op, ExtendPropose)}
         for r in results:
             op = by_op.get(r.seq_id)

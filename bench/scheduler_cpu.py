@@ -16,16 +16,19 @@ import platform
 import time
 
 from bench.spec_vs_baseline import git_commit
-from gateway.scheduler import Finished, GenerationRequest, Scheduler
+from gateway.scheduler import Finished, GenerationRequest, Limits, Scheduler
 from specsplit.ops import (
     DraftOp,
     DraftResult,
     ExtendPropose,
     HiddenRef,
     Prefill,
+    Recapture,
     Release,
+    Resume,
     Sampling,
     StepTiming,
+    Suspend,
     TargetOp,
     TargetResult,
 )
@@ -39,16 +42,20 @@ class InstantTarget:
     def __init__(self, suspend: bool = True) -> None:
         self.generation, self.hang, self.suspend = 0, False, suspend
 
-    async def step(self, ops: list[TargetOp], releases: list[int]) -> tuple[list[TargetResult], StepTiming]:
+    async def step(self, ops: list[TargetOp], releases: list[int], timeout: float = 0.0
+                   ) -> tuple[list[TargetResult], StepTiming]:
         if self.suspend:
             await asyncio.sleep(0)  # a real client suspends for its I/O (the in-process ones do not)
         if self.hang:
             await asyncio.Event().wait()
         out = []
         for op in ops:
-            if isinstance(op, Release):
+            if isinstance(op, Release | Suspend):
                 continue
             self.generation += 1
+            if isinstance(op, Recapture | Resume):  # features for a draft restarting at position 0
+                out.append(TargetResult(op.seq_id, tokens=[9, 9], hidden=HiddenRef(0, 2, self.generation)))
+                continue
             tokens = [9] if isinstance(op, Prefill) else [*op.draft_ids, 9]
             out.append(TargetResult(op.seq_id, tokens=tokens, num_accepted=len(tokens) - 1,
                                     hidden=HiddenRef(0, len(tokens), self.generation)))
@@ -61,7 +68,7 @@ class InstantDraft:
     def __init__(self, suspend: bool = True) -> None:
         self.hang, self.suspend = False, suspend
 
-    async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
+    async def step(self, ops: list[DraftOp], timeout: float = 0.0) -> tuple[list[DraftResult], StepTiming]:
         if self.suspend:
             await asyncio.sleep(0)
         if self.hang:
@@ -71,7 +78,7 @@ class InstantDraft:
 
 
 async def measure(batch: int, cycles: int, num_steps: int, noop_spans: bool = False) -> dict:
-    s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=batch, max_queue=batch)
+    s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=batch, limits=Limits(max_queue=batch))
     s.spans.enabled = noop_spans  # True: build every cycle's span and trace context with the no-op tracer
     s.draft_restored()
     s.start()

@@ -51,6 +51,7 @@ async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
     finally:
         if sock is not None:
             sock.close()
+        servicer.leases.close()
         telemetry.shutdown()
 
 

@@ -36,6 +36,7 @@ class DraftSequence:
     length: int  # committed draft entries
     sampling: Sampling
     generator: torch.Generator
+    epoch: int  # the lease under which it was opened
 
 
 @dataclass
@@ -74,6 +75,7 @@ class DraftEngine:
         self.reader: HiddenReader | None = None
         self.device = self.runner.device
         self.vocab = head.cfg.vocab_size
+        self.epoch = 0  # the lease new sequences belong to (0: none)
 
     def execute(self, ops: list[DraftOp]) -> list[DraftResult]:
         """Validate every entry, then extend and propose for all of them at once."""
@@ -111,7 +113,7 @@ class DraftEngine:
         if not self.runner.free_slots:
             raise OpError(Code.RESOURCE_EXHAUSTED, "no free draft KV slot")
         gen = torch.Generator(device=self.device).manual_seed((op.sampling.seed ^ _DRAFT_SEED_SALT) & (2**63 - 1))
-        seq = DraftSequence(self.runner.allocate(), 0, op.sampling, gen)
+        seq = DraftSequence(self.runner.allocate(), 0, op.sampling, gen, self.epoch)
         self.seqs[op.seq_id] = seq
         return seq
 
@@ -261,6 +263,15 @@ class DraftEngine:
         token = int(self.head.to_target_ids(torch.tensor(draft_id, device=self.device)))
         out.ids.append(token)
         return token
+
+    def hold(self, epoch: int) -> int:
+        """Serve the lease `epoch` (0: none) from now on: every sequence opened under another is
+        released. Returns how many."""
+        gone = [seq_id for seq_id, seq in self.seqs.items() if seq.epoch != epoch]
+        for seq_id in gone:
+            self.runner.release(self.seqs.pop(seq_id).slot)
+        self.epoch = epoch
+        return len(gone)
 
     def _release(self, op: Release) -> DraftResult:
         seq = self.seqs.pop(op.seq_id, None)

@@ -69,5 +69,9 @@ class DraftRuntime:
         ms = (time.perf_counter() - t0) * 1e3
         return results, StepTiming(ms, ms)
 
+    def hold(self, epoch: int) -> int:
+        """Serve the lease `epoch` (0: none): release the sequences of any other; how many."""
+        return self.engine.hold(epoch)
+
     def stats(self) -> dict[str, int]:
         return {"active_sequences": len(self.engine.seqs), "free_kv_slots": self.engine.runner.free_slots}

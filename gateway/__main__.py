@@ -12,11 +12,12 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc
 
 from gateway.clients import DraftClient, GrpcDraft, GrpcTarget
 from gateway.config import GatewayConfig
+from gateway.liveness import ServiceWatch, Watches
 from gateway.loop_thread import LoopThread
 from gateway.observe import GatewayMetrics
 from gateway.recovery import Recovery
 from gateway.requests import ModelLimits
-from gateway.scheduler import Scheduler
+from gateway.scheduler import Limits, Scheduler
 from gateway.security import BearerTokenInterceptor, server_credentials
 from gateway.server import GatewayServicer
 from gateway.sglang_scheduler import SglangSchedulerServicer, WorkerModel
@@ -25,6 +26,7 @@ from specsplit.flags import config_parser, from_args
 from specsplit.observability.telemetry import Telemetry, setup_telemetry
 from specsplit.tokenizer import TextCodec
 from specsplit.transport.serving import (
+    MAX_MESSAGE_BYTES,
     configure_logging,
     exit_with_launcher,
     install_uvloop,
@@ -76,10 +78,12 @@ class Backend:
 
 
 async def connect(cfg: GatewayConfig, telemetry: Telemetry, on_target_state: Callable[[bool], None],
-                  draft_wrap: DraftWrap | None = None) -> Backend:
-    """Reach both services and start the loop, on the event loop that will run it."""
+                  watches: Watches, draft_wrap: DraftWrap | None = None) -> Backend:
+    """Reach both services (taking each over with a new epoch) and start the loop, on the
+    event loop that will run it."""
     target = GrpcTarget(cfg.target_addr)
     info = await target.describe(timeout=300.0)
+    target.epoch = (await watches.take("target")).epoch
     # on the loop thread the step sockets are read blocking: (timeout, spin before blocking)
     on_gpu = info.hidden_store.HasField("device") and info.hidden_store.device >= 0
     blocking = (cfg.step_timeout_s, resolve_spin_s(cfg.step_spin_us, on_gpu)) if cfg.loop_thread else None
@@ -90,11 +94,13 @@ async def connect(cfg: GatewayConfig, telemetry: Telemetry, on_target_state: Cal
     if draft is not None and draft_wrap is not None:
         loop_draft = draft_wrap.wrap(draft, info.vocab_size)
         log.warning("benchmark mode: the draft's proposals are %s", draft_wrap.label)
-    scheduler = Scheduler(target, loop_draft, info.max_sequences, cfg.max_queue, telemetry.tracer,
-                          GatewayMetrics.create(telemetry.meter), cfg.step_timeout_s)
+    limits = Limits(cfg.max_queue, cfg.max_queued_per_client, cfg.step_timeout_s, cfg.draft_timeout_s,
+                    cfg.stream_buffer, cfg.unread_timeout_s)
+    scheduler = Scheduler(target, loop_draft, info.max_sequences, limits, telemetry.tracer,
+                          GatewayMetrics.create(telemetry.meter))
     scheduler.on_target_state.append(on_target_state)
     recovery = Recovery(scheduler, target, draft, info.hidden_store, list(info.aux_layer_ids), cfg.max_num_steps,
-                        cfg.draft_retry_s, cfg.step_sockets, cfg.max_topk)
+                        cfg.draft_retry_s, cfg.step_sockets, cfg.max_topk, watches)
     if draft is not None:
         if await recovery.attach_draft():
             scheduler.draft_restored()
@@ -109,7 +115,8 @@ async def serve(cfg: GatewayConfig, draft_wrap: DraftWrap | None = None) -> None
     model_dir = resolve_target_dir(cfg.model)
     codec = TextCodec.from_checkpoint(model_dir)
     telemetry = setup_telemetry("specsplit-gateway")
-    server, health = new_server([BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else None)
+    server, health = new_server([BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else None,
+                                max_request_bytes(cfg))
     loop = asyncio.get_running_loop()
 
     def on_target_state(up: bool) -> None:  # called on the speculation loop's thread
@@ -120,8 +127,18 @@ async def serve(cfg: GatewayConfig, draft_wrap: DraftWrap | None = None) -> None
     async def on_backend(coro: Coroutine[Any, Any, T]) -> T:
         return await (loop_thread.run(coro) if loop_thread is not None else coro)
 
-    backend = await on_backend(connect(cfg, telemetry, on_target_state, draft_wrap))
+    lost: list[Callable[[str, str], None]] = []  # the scheduler's, once it exists
+
+    def watch(service: str, addr: str) -> ServiceWatch:
+        return ServiceWatch(service, addr, cfg.liveness_timeout_s, cfg.lease_s,
+                            lambda why: [f(service, why) for f in lost])
+
+    watches = Watches({"target": watch("target", cfg.target_addr),
+                       **({"draft": watch("draft", cfg.draft_addr)} if cfg.draft_addr else {})})
+    backend = await on_backend(connect(cfg, telemetry, on_target_state, watches, draft_wrap))
     info, scheduler = backend.info, backend.scheduler
+    lost.append(scheduler.service_lost)
+    watches.start()
     limits = ModelLimits(info.vocab_size, info.max_context, list(info.eos_token_ids), backend.draft is not None,
                          cfg.max_prompt_tokens, info.max_draft_tokens)
     draft_name = backend.recovery.draft_name
@@ -145,7 +162,11 @@ async def serve(cfg: GatewayConfig, draft_wrap: DraftWrap | None = None) -> None
              draft_name or "none", "its own thread" if loop_thread is not None else "the server's event loop")
 
     async def on_stop() -> None:
+        """Admit nothing more, let streams in flight finish (then end them), release their state
+        in both services, and stop."""
         await set_serving(health, ["specsplit.v1.Gateway"], False)
+        await on_backend(scheduler.drain("the gateway is shutting down", cfg.shutdown_grace_s))
+        await watches.close()
         await on_backend(backend.stop())
         if loop_thread is not None:
             loop_thread.stop()
@@ -154,6 +175,12 @@ async def serve(cfg: GatewayConfig, draft_wrap: DraftWrap | None = None) -> None
         await serve_until_signal(server, on_stop)
     finally:
         telemetry.shutdown()
+
+
+def max_request_bytes(cfg: GatewayConfig) -> int:
+    """The largest request worth parsing: the longest prompt text in UTF-8 (or the longest
+    token-id list) plus room for the other fields; a larger one is refused unread."""
+    return min(4 * cfg.max_prompt_chars, MAX_MESSAGE_BYTES) + 64 * 1024
 
 
 def main(argv: list[str] | None = None, draft_wrap: DraftWrap | None = None) -> None:

@@ -1,8 +1,11 @@
 """How the loop reaches the services: one long-lived bidi stream each (gRPC), or the
-runtimes called in-process (the plain-loop baseline and tests). Same interface."""
+runtimes called in-process (the plain-loop baseline and tests). Same interface. Every step
+has a timeout (TimeoutError past it), and a step in flight can be cut short from another
+thread (`interrupt`: the liveness watch lost the service)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Sequence
@@ -19,17 +22,20 @@ from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
 class TargetClient(Protocol):
-    async def step(self, ops: list[TargetOp], releases: Sequence[int]) -> tuple[list[TargetResult], StepTiming]: ...
+    async def step(self, ops: list[TargetOp], releases: Sequence[int], timeout: float
+                   ) -> tuple[list[TargetResult], StepTiming]: ...
 
 
 class DraftClient(Protocol):
-    async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]: ...
+    async def step(self, ops: list[DraftOp], timeout: float) -> tuple[list[DraftResult], StepTiming]: ...
 
 
 class StepStream(Protocol):
-    async def exchange(self, request: Any) -> Any: ...
+    async def exchange(self, request: Any, timeout: float | None = None) -> Any: ...
 
     def reset(self) -> None: ...
+
+    def interrupt(self) -> None: ...
 
 
 class _BidiStream:
@@ -37,13 +43,21 @@ class _BidiStream:
 
     def __init__(self, open_call: Any) -> None:
         self.open_call, self.call = open_call, None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.interrupted = False
 
-    async def exchange(self, request: Any) -> Any:
+    async def exchange(self, request: Any, timeout: float | None = None) -> Any:
         if self.call is None:
-            self.call = self.open_call()
+            self.call, self.loop, self.interrupted = self.open_call(), asyncio.get_running_loop(), False
         try:
-            await self.call.write(request)
-            reply = await self.call.read()
+            async with asyncio.timeout(timeout):  # not wait_for: no task per call, never swallows a cancel
+                await self.call.write(request)
+                reply = await self.call.read()
+        except asyncio.CancelledError:
+            self.reset()
+            if self.interrupted:
+                raise ConnectionError("step interrupted: the service was lost") from None
+            raise
         except BaseException:
             self.reset()
             raise
@@ -59,6 +73,12 @@ class _BidiStream:
         if self.call is not None:
             self.call.cancel()
         self.call = None
+
+    def interrupt(self) -> None:
+        call, loop = self.call, self.loop
+        if call is not None and loop is not None and not loop.is_closed():
+            self.interrupted = True
+            loop.call_soon_threadsafe(call.cancel)
 
 
 Blocking = tuple[float, float]  # a blocking step socket's (timeout, spin before each blocking read), seconds
@@ -88,6 +108,7 @@ class GrpcTarget:
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self.stream: StepStream = _BidiStream(self.stub.Step)
         self.ids = itertools.count(1)
+        self.epoch = 0  # the lease its steps are sent under (gateway.liveness)
 
     async def describe(self, timeout: float = 10.0) -> target_pb2.TargetInfo:
         return await self.stub.Describe(target_pb2.TargetDescribeRequest(), timeout=timeout, wait_for_ready=True)
@@ -100,12 +121,17 @@ class GrpcTarget:
                               self.blocking)
         return _transport_name(self.stream)
 
-    async def step(self, ops: list[TargetOp], releases: Sequence[int]) -> tuple[list[TargetResult], StepTiming]:
+    async def step(self, ops: list[TargetOp], releases: Sequence[int], timeout: float
+                   ) -> tuple[list[TargetResult], StepTiming]:
         req = target_pb2.TargetStepRequest(step_id=next(self.ids), ops=[wire.target_op_to_proto(o) for o in ops],
-                                           release_generations=list(releases))
-        reply = await self.stream.exchange(req)
+                                           release_generations=list(releases), epoch=self.epoch)
+        reply = await self.stream.exchange(req, timeout)
         return ([wire.target_result_from_proto(r) for r in reply.results],
                 StepTiming(reply.timing.compute_ms, reply.timing.total_ms))
+
+    def interrupt(self) -> None:
+        """Cut the step in flight short (any thread): it fails with ConnectionError."""
+        self.stream.interrupt()
 
     async def close(self) -> None:
         self.stream.reset()
@@ -121,6 +147,7 @@ class GrpcDraft:
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.stream: StepStream = _BidiStream(self.stub.Step)
         self.ids = itertools.count(1)
+        self.epoch = 0  # the lease its steps are sent under (gateway.liveness)
 
     async def attach(self, store: Any, timeout: float = 10.0) -> draft_pb2.DraftInfo:
         return await self.stub.Attach(store, timeout=timeout)
@@ -131,11 +158,16 @@ class GrpcDraft:
                               self.blocking)
         return _transport_name(self.stream)
 
-    async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
-        req = draft_pb2.DraftStepRequest(step_id=next(self.ids), ops=[wire.draft_op_to_proto(o) for o in ops])
-        reply = await self.stream.exchange(req)
+    async def step(self, ops: list[DraftOp], timeout: float) -> tuple[list[DraftResult], StepTiming]:
+        req = draft_pb2.DraftStepRequest(step_id=next(self.ids), ops=[wire.draft_op_to_proto(o) for o in ops],
+                                         epoch=self.epoch)
+        reply = await self.stream.exchange(req, timeout)
         return ([wire.draft_result_from_proto(r) for r in reply.results],
                 StepTiming(reply.timing.compute_ms, reply.timing.total_ms))
+
+    def interrupt(self) -> None:
+        """Cut the step in flight short (any thread): it fails with ConnectionError."""
+        self.stream.interrupt()
 
     async def close(self) -> None:
         self.stream.reset()
@@ -148,7 +180,8 @@ class LocalTarget:
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
 
-    async def step(self, ops: list[TargetOp], releases: Sequence[int]) -> tuple[list[TargetResult], StepTiming]:
+    async def step(self, ops: list[TargetOp], releases: Sequence[int], timeout: float = 0.0
+                   ) -> tuple[list[TargetResult], StepTiming]:
         t0 = time.perf_counter()
         results, timing = self.runtime.step(ops, list(releases))
         timing.total_ms = (time.perf_counter() - t0) * 1e3
@@ -159,5 +192,5 @@ class LocalDraft:
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
 
-    async def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
+    async def step(self, ops: list[DraftOp], timeout: float = 0.0) -> tuple[list[DraftResult], StepTiming]:
         return self.runtime.step(ops)

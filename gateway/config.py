@@ -7,8 +7,12 @@ from dataclasses import dataclass
 
 from specsplit.flags import flag
 
-STEP_TIMEOUT_HELP = ("seconds: a draft step slower than this suspends speculation (streams go on target-only), a "
-                     "target step slower than this ends the streams with UNAVAILABLE")
+STEP_TIMEOUT_HELP = "seconds: a target step slower than this ends the streams with UNAVAILABLE"
+DRAFT_TIMEOUT_HELP = ("seconds: the longest a draft step may take (a slower one suspends speculation, streams go on "
+                      "target-only); once its steps are measured, a cycle's draft step gets 10 x their p99, at least "
+                      "0.05 s, at most this")
+LIVENESS_HELP = ("seconds: a target or draft that does not answer a heartbeat within this long is lost, idle or not "
+                 "(the target: streams end with UNAVAILABLE; the draft: streams go on target-only)")
 SPIN_HELP = ("with the loop thread: poll a step socket this many µs for the reply before a blocking read (no wake-up "
              "from idle when the reply comes; 0: block at once; -1, the default: 20000 when the target hands hidden "
              "states over CUDA IPC, else 0)")
@@ -35,8 +39,16 @@ class GatewayConfig:
     max_new_tokens_cap: int = flag(4096, "--max-new-tokens-cap", "largest max_new_tokens a request may ask for")
     max_prompt_chars: int = flag(1_000_000, "--max-prompt-chars", "longest prompt text, bounded before tokenizing")
     max_queue: int = flag(256, "--max-queue", "requests waiting for a KV slot; beyond: RESOURCE_EXHAUSTED")
+    max_queued_per_client: int = flag(64, "--max-queued-per-client", "requests of one client waiting for a KV slot; "
+                                      "beyond: RESOURCE_EXHAUSTED (a client: its bearer token, else its address)")
     max_prompt_tokens: int = flag(0, "--max-prompt-tokens", "longest prompt in tokens (0: the target's context window)")
     max_streams: int = flag(512, "--max-streams", "concurrent Generate calls; beyond: RESOURCE_EXHAUSTED")
+    max_streams_per_client: int = flag(128, "--max-streams-per-client", "concurrent Generate calls of one client; "
+                                       "beyond: RESOURCE_EXHAUSTED")
+    stream_buffer: int = flag(1024, "--stream-buffer", "tokens a client may leave unread before its sequence waits "
+                              "for it (keeping its KV slot)")
+    unread_timeout_s: float = flag(30.0, "--unread-timeout", "seconds a sequence may wait for its client to read; "
+                                   "then its stream ends with RESOURCE_EXHAUSTED")
     stream_interval: int = flag(1, "--stream-interval", "tokens gathered per streamed message after the first one "
                                 "(1: every cycle's tokens at once)")
     tls_cert: str = flag("", "--tls-cert", "PEM certificate: serve TLS on the public port", env="SPECSPLIT_TLS_CERT")
@@ -44,7 +56,13 @@ class GatewayConfig:
     auth_token: str | None = flag(None, "--auth-token-file", "file holding the bearer token clients must send",
                                   env="SPECSPLIT_AUTH_TOKEN", secret=True)
     draft_retry_s: float = flag(2.0, "--draft-retry", "seconds between attempts to reach a lost draft or target")
-    step_timeout_s: float = flag(60.0, "--step-timeout", STEP_TIMEOUT_HELP)
+    step_timeout_s: float = flag(30.0, "--step-timeout", STEP_TIMEOUT_HELP, env="SPECSPLIT_STEP_TIMEOUT")
+    draft_timeout_s: float = flag(5.0, "--draft-timeout", DRAFT_TIMEOUT_HELP, env="SPECSPLIT_DRAFT_TIMEOUT")
+    liveness_timeout_s: float = flag(1.0, "--liveness-timeout", LIVENESS_HELP, env="SPECSPLIT_LIVENESS_TIMEOUT")
+    lease_s: float = flag(10.0, "--lease", "seconds after the gateway's last heartbeat at which a service releases "
+                          "the gateway's state by itself", env="SPECSPLIT_LEASE")
+    shutdown_grace_s: float = flag(5.0, "--shutdown-grace", "seconds a stopping gateway lets streams in flight "
+                                   "finish before it ends them with UNAVAILABLE", env="SPECSPLIT_SHUTDOWN_GRACE")
     step_sockets: bool = flag(True, "--no-step-sockets", "always send Steps over the gRPC streams, even where a "
                               "service offers a Unix step socket")
     loop_thread: bool = flag(True, "--no-loop-thread", "run the speculation loop on the server's event loop instead "
@@ -71,11 +89,17 @@ class GatewayConfig:
             raise ValueError("stream_interval must be within 1..4096")
         if not 0.0 < self.step_timeout_s <= 3600.0:
             raise ValueError("step_timeout_s must be within (0, 3600] seconds")
-        if not 0.0 < self.draft_retry_s <= 3600.0:
-            raise ValueError("draft_retry_s must be within (0, 3600] seconds")
+        for name in ("draft_retry_s", "draft_timeout_s", "liveness_timeout_s", "lease_s", "unread_timeout_s"):
+            if not 0.0 < getattr(self, name) <= 3600.0:
+                raise ValueError(f"{name} must be within (0, 3600] seconds")
+        if not 0.0 <= self.shutdown_grace_s <= 3600.0:
+            raise ValueError("shutdown_grace_s must be within [0, 3600] seconds")
+        if self.lease_s < 2 * self.liveness_timeout_s:
+            raise ValueError("lease_s must be at least twice liveness_timeout_s (a lease must outlive a heartbeat)")
         check_spin_us(self.step_spin_us)
-        if self.max_queue < 1 or self.max_streams < 1:
-            raise ValueError("max_queue and max_streams must be >= 1")
+        for name in ("max_queue", "max_streams", "max_queued_per_client", "max_streams_per_client", "stream_buffer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.max_prompt_tokens < 0 or self.max_prompt_chars < 1:
             raise ValueError("max_prompt_tokens must be >= 0 and max_prompt_chars >= 1")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
 from gateway.clients import DraftClient, LocalDraft, LocalTarget
-from gateway.scheduler import Failed, Finished, GenerationRequest, Scheduler, SeqStats
+from gateway.scheduler import Failed, Finished, GenerationRequest, Limits, Scheduler, SeqStats
 from specsplit.models.parallel import TensorParallel
 from target_service.config import TargetConfig
 from target_service.runtime import TargetRuntime
@@ -40,7 +40,8 @@ class LocalEngines:
     async def _generate(self, requests: list[GenerationRequest], draft_client: DraftClient | None
                         ) -> list[LocalResult]:
         draft = draft_client or (LocalDraft(self.draft) if self.draft is not None else None)
-        sched = Scheduler(LocalTarget(self.target), draft, self.target.cfg.max_sequences, max_queue=10_000)
+        sched = Scheduler(LocalTarget(self.target), draft, self.target.cfg.max_sequences,
+                          Limits(max_queue=10_000, max_queued_per_client=10_000, stream_buffer=1 << 30))
         self.scheduler = sched  # for tests that inject faults
         if draft is not None:
             sched.draft_restored()

@@ -1,5 +1,7 @@
 """Brings lost services back: re-attaches the draft after it failed (or was not there at
-start), reconnects to the target after it failed, and keeps grpc.health in step."""
+start), reconnects to the target after it failed, and keeps grpc.health in step. Every
+(re)connection takes the service over with a new epoch (gateway.liveness), so whatever the
+lost connection held there is released before the first new step."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import asyncio
 import logging
 
 from gateway.clients import GrpcDraft, GrpcTarget
+from gateway.liveness import Watches
 from gateway.scheduler import Scheduler
 
 log = logging.getLogger("specsplit.gateway")
@@ -15,8 +18,8 @@ log = logging.getLogger("specsplit.gateway")
 class Recovery:
     def __init__(self, scheduler: Scheduler, target: GrpcTarget, draft: GrpcDraft | None, store: object,
                  target_aux_ids: list[int], max_num_steps: int, retry_s: float, step_sockets: bool = True,
-                 max_topk: int = 1) -> None:
-        self.scheduler, self.target, self.draft = scheduler, target, draft
+                 max_topk: int = 1, watches: Watches | None = None) -> None:
+        self.scheduler, self.target, self.draft, self.watches = scheduler, target, draft, watches
         self.store, self.target_aux_ids, self.retry_s = store, target_aux_ids, retry_s
         self.max_num_steps, self.max_topk, self.draft_name = max_num_steps, max_topk, ""
         self.step_sockets = step_sockets  # use a service's Unix step socket when it offers one
@@ -54,6 +57,12 @@ class Recovery:
                       "with --draft-config: speculation stays off", list(info.aux_layer_ids), self.target_aux_ids)
             self.draft = self.scheduler.draft = None
             return False
+        if self.watches is not None:
+            try:
+                self.draft.epoch = (await self.watches.take("draft")).epoch
+            except Exception as e:  # noqa: BLE001 - not yet
+                log.debug("draft lease failed: %s", e)
+                return False
         transport = self.draft.use_step_transport(info.step_socket if self.step_sockets else "")  # a new stream
         log.info("draft steps over %s", transport)
         self.scheduler.max_sequences = min(self.scheduler.max_sequences, info.max_sequences)
@@ -67,6 +76,9 @@ class Recovery:
             if s.target_down:
                 try:
                     info = await self.target.describe(timeout=self.retry_s)
+                    if self.watches is not None:
+                        # before any step: the lost connection's state goes
+                        self.target.epoch = (await self.watches.take("target")).epoch
                 except Exception:  # noqa: BLE001 - still down
                     continue
                 self.store = info.hidden_store  # a new process has a new ring

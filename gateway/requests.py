@@ -30,9 +30,9 @@ SPECULATION = {gateway_pb2.Speculation.DEFAULT: None, gateway_pb2.Speculation.OF
                gateway_pb2.Speculation.ON: True}  # mode -> speculation forced off or on (None: as requested)
 
 
-def _fits_context(ids: list[int], limits: ModelLimits) -> None:
-    if len(ids) >= limits.max_context:
-        raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the context window of {limits.max_context}")
+def _fits_context(count: int, limits: ModelLimits) -> None:
+    if count >= limits.max_context:
+        raise InvalidRequest(f"prompt of {count} tokens does not fit the context window of {limits.max_context}")
 
 
 def prompt_ids(req: gateway_pb2.GenerateRequest, codec: TextCodec | None, cfg: GatewayConfig,
@@ -41,10 +41,10 @@ def prompt_ids(req: gateway_pb2.GenerateRequest, codec: TextCodec | None, cfg: G
     if kind is None:
         raise InvalidRequest("one of prompt, raw_text or token_ids is required")
     if kind == "token_ids":
-        ids = list(req.token_ids.ids)
-        if not ids:
+        if not req.token_ids.ids:
             raise InvalidRequest("token_ids is empty")
-        _fits_context(ids, limits)
+        _fits_context(len(req.token_ids.ids), limits)  # before any copy: a request may hold millions
+        ids = list(req.token_ids.ids)
         check_token_ids(ids, limits)
         return ids
     text = req.prompt if kind == "prompt" else req.raw_text
@@ -57,7 +57,7 @@ def prompt_ids(req: gateway_pb2.GenerateRequest, codec: TextCodec | None, cfg: G
     ids = codec.encode(codec.render_chat(text) if kind == "prompt" else text)
     if not ids:
         raise InvalidRequest(f"{kind} tokenizes to nothing")
-    _fits_context(ids, limits)
+    _fits_context(len(ids), limits)
     return ids
 
 

@@ -23,6 +23,7 @@ class GenerationRequest:
     num_steps: int  # 0: speculation off (target-only decoding); a tree's depth
     topk: int = 1  # > 1: a tree of drafts (greedy only)
     num_draft_tokens: int = 0  # a tree's size counting the root; a chain: num_steps + 1 (0 means that)
+    client: str = ""  # who asked (gateway.stream.client_key): the unit of fairness and of per-client limits
 
     def __post_init__(self) -> None:
         if self.topk == 1:
@@ -106,10 +107,20 @@ class Sequence:
         self.submitted_at = time.perf_counter()
         self.done = False
         self.cancelled = False
+        # tokens handed to the stream (by the loop) and taken by its handler: the difference is
+        # what a client that does not read leaves waiting
+        self.posted = self.taken = 0
+        self.unread_since = 0.0  # when the sequence stopped for an unread stream (0: it did not)
+        self.suspended = False  # its KV slot given to another client's request: resumed when admitted again
         try:  # where the submitter reads `events`
             self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self.loop = None
+
+
+    @property
+    def unread(self) -> int:
+        return self.posted - self.taken
 
 
 class QueueFull(Exception):

@@ -21,7 +21,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, cfg: GatewayConfig, scheduler: Scheduler, codec: TextCodec | None, limits: ModelLimits,
                  model_name: str, draft_name: str, tracer: trace.Tracer | None = None) -> None:
         self.cfg, self.scheduler, self.codec, self.limits = cfg, scheduler, codec, limits
-        self.admission = Admission(scheduler, tracer or scheduler.tracer, cfg.max_streams)
+        self.admission = Admission(scheduler, tracer or scheduler.tracer, cfg.max_streams, cfg.max_streams_per_client)
         self.model_name, self.draft_name = model_name, draft_name
 
     async def GetModelInfo(self, request: gateway_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext

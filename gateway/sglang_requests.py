@@ -77,9 +77,12 @@ def parse_sglang(req: sgl.GenerateRequest, codec: TextCodec | None, cfg: Gateway
     if not req.request_id or len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
     _refuse_unsupported(req)
-    ids = list(req.tokenized.input_ids)
-    if not ids:
+    if not req.tokenized.input_ids:
         raise InvalidRequest("tokenized.input_ids is empty (this worker takes token ids only)")
+    if len(req.tokenized.input_ids) >= limits.max_context:  # before any copy: a request may hold millions
+        raise InvalidRequest(f"prompt of {len(req.tokenized.input_ids)} tokens does not fit the context window of "
+                             f"{limits.max_context}")
+    ids = list(req.tokenized.input_ids)
     check_token_ids(ids, limits)
     check_prompt_tokens(len(ids), limits)
     p = req.sampling_params

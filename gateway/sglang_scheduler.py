@@ -85,7 +85,7 @@ class SglangSchedulerServicer(sgl_grpc.SglangSchedulerServicer):
     def __init__(self, cfg: GatewayConfig, scheduler: Scheduler, codec: TextCodec | None, limits: ModelLimits,
                  model: WorkerModel, tracer: trace.Tracer | None = None) -> None:
         self.cfg, self.scheduler, self.codec, self.limits, self.model = cfg, scheduler, codec, limits, model
-        self.admission = Admission(scheduler, tracer or scheduler.tracer, cfg.max_streams)
+        self.admission = Admission(scheduler, tracer or scheduler.tracer, cfg.max_streams, cfg.max_streams_per_client)
         self.active: dict[str, Sequence] = {}  # request_id -> its sequence, for Abort
         self.started = time.time()
         self.last_loads = (time.monotonic(), 0)  # (when, output tokens) at the previous GetLoads
@@ -190,7 +190,7 @@ class SglangSchedulerServicer(sgl_grpc.SglangSchedulerServicer):
                      "target_addr": self.cfg.target_addr,
                      "draft_addr": self.cfg.draft_addr})
         info = struct_pb2.Struct()
-        info.update({"max_sequences": s.max_sequences, "max_queue": s.max_queue, "speculating": s.speculating})
+        info.update({"max_sequences": s.max_sequences, "max_queue": s.limits.max_queue, "speculating": s.speculating})
         start = timestamp_pb2.Timestamp()
         start.FromSeconds(int(self.started))
         return sgl.GetServerInfoResponse(

@@ -82,7 +82,27 @@ class Recapture:
     trace: str = ""
 
 
-TargetOp = Prefill | Verify | Release | Recapture
+@dataclass
+class Suspend:
+    """Give up a sequence's KV slot but keep the sequence (its tokens, its sampler's state):
+    the slot goes to another client's request."""
+
+    seq_id: int
+    trace: str = ""
+
+
+@dataclass
+class Resume:
+    """A suspended sequence back in a slot: its committed tokens prefilled again (with their
+    features for the draft when `capture`, paired as a Recapture's); then it goes on where
+    it stopped."""
+
+    seq_id: int
+    capture: bool = True
+    trace: str = ""
+
+
+TargetOp = Prefill | Verify | Release | Recapture | Suspend | Resume
 
 
 @dataclass

@@ -64,6 +64,7 @@ async def serve(cfg: TargetConfig, runtime: TargetRuntime) -> None:
     finally:
         if sock is not None:
             sock.close()
+        servicer.leases.close()
         telemetry.shutdown()
 
 

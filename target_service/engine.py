@@ -21,7 +21,9 @@ from specsplit.ops import (
     Prefill,
     Recapture,
     Release,
+    Resume,
     Sampling,
+    Suspend,
     TargetOp,
     TargetResult,
     Verify,
@@ -33,21 +35,24 @@ from target_service.config import TargetConfig
 
 @dataclass
 class Sequence:
-    slot: int
+    slot: int  # -1: suspended (no KV entries)
     length: int  # tokens whose KV entries are in the cache
     last_token: int  # emitted, not yet in the cache (-1 until the prefill has run)
     sampling: Sampling
     generator: torch.Generator
+    epoch: int  # the lease under which it was opened
     tokens: list[int] = field(default_factory=list)  # the `length` tokens in the cache
 
 
 @dataclass
 class Plan:
     """One batched step as every rank executes it. Rank 0 fills `rows_allowed`:
-    False for entries whose ring allocation failed (answered RESOURCE_EXHAUSTED)."""
+    False for entries whose ring allocation failed (answered RESOURCE_EXHAUSTED). With
+    `epoch` set, the engine first serves that lease (see TargetEngine.hold)."""
 
     ops: list[TargetOp]
     rows_allowed: list[bool] = field(default_factory=list)
+    epoch: int | None = None
 
 
 @dataclass
@@ -77,6 +82,7 @@ class TargetEngine:
                                   padded_tokens=cfg.max_draft_tokens + 1)
         self.seqs: dict[int, Sequence] = {}
         self.device = self.runner.device
+        self.epoch = 0  # the lease new sequences belong to (0: none)
 
     # -- validation shared by rank 0 (before allocating ring rows) and every rank
     def check(self, op: TargetOp) -> None:
@@ -92,10 +98,20 @@ class TargetEngine:
             self._check_ids(op.prompt_ids)
             if not self.runner.free_slots:
                 raise OpError(Code.RESOURCE_EXHAUSTED, "no free KV slot")
-        elif isinstance(op, Verify | Recapture):
+        elif isinstance(op, Verify | Recapture | Suspend | Resume):
             seq = self.seqs.get(op.seq_id)
             if seq is None or seq.last_token < 0:
                 raise OpError(Code.NOT_FOUND, f"unknown sequence {op.seq_id}")
+            if isinstance(op, Resume):
+                if seq.slot >= 0:
+                    raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} is not suspended")
+                if not self.runner.free_slots:
+                    raise OpError(Code.RESOURCE_EXHAUSTED, "no free KV slot")
+                return
+            if seq.slot < 0:
+                raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} is suspended")
+            if isinstance(op, Suspend):
+                return
             if isinstance(op, Recapture):
                 if not self.runner.free_slots:
                     raise OpError(Code.RESOURCE_EXHAUSTED, "no free KV slot to recompute features in")
@@ -132,13 +148,15 @@ class TargetEngine:
             return len(op.prompt_ids)
         if isinstance(op, Verify) and op.capture:
             return len(op.draft_ids) + 1
-        if isinstance(op, Recapture) and op.seq_id in self.seqs:
+        if isinstance(op, Recapture | Resume) and getattr(op, "capture", True) and op.seq_id in self.seqs:
             return max(self.seqs[op.seq_id].length, 1)
         return 0
 
     def execute(self, plan: Plan) -> list[Outcome]:
         """Validate every entry, run all prefills, verifies and recaptures in ONE forward,
         then accept per sequence. Errors stay with their entry."""
+        if plan.epoch is not None:
+            self.hold(plan.epoch)
         started = time.time_ns()
         outcomes: list[Outcome | None] = [None] * len(plan.ops)
         work: list[Work] = []
@@ -150,8 +168,8 @@ class TargetEngine:
                 if op.seq_id in busy:
                     raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} appears twice in one step")
                 self.check(op)
-                if isinstance(op, Release):
-                    outcomes[i] = self._release(op)
+                if isinstance(op, Release | Suspend):
+                    outcomes[i] = self._release(op) if isinstance(op, Release) else self._suspend(op)
                     continue
                 busy.add(op.seq_id)
                 work.append(self._plan(i, op))
@@ -168,13 +186,16 @@ class TargetEngine:
     def _plan(self, i: int, op: TargetOp) -> Work:
         if isinstance(op, Prefill):
             gen = torch.Generator(device=self.device).manual_seed(op.sampling.seed)  # where the logits are
-            seq = Sequence(self.runner.allocate(), 0, -1, op.sampling, gen)
+            seq = Sequence(self.runner.allocate(), 0, -1, op.sampling, gen, self.epoch)
             self.seqs[op.seq_id] = seq
             return Work(i, op, seq, Row(seq.slot, 0, op.prompt_ids))
         seq = self.seqs[op.seq_id]
         if isinstance(op, Verify):  # the last emitted token, then the drafts (a tree under it: parents shifted)
             parents = [-1, *(p + 1 for p in op.draft_parents)] if op.draft_parents else None
             return Work(i, op, seq, Row(seq.slot, seq.length, [seq.last_token, *op.draft_ids], parents))
+        if isinstance(op, Resume):  # its committed tokens again, in a slot of its own
+            seq.slot = self.runner.allocate()
+            return Work(i, op, seq, Row(seq.slot, 0, seq.tokens))
         return Work(i, op, seq, Row(self.runner.allocate(), 0, seq.tokens))  # Recapture: in a scratch slot
 
     def _run(self, work: list[Work], outcomes: list[Outcome | None]) -> None:
@@ -203,7 +224,7 @@ class TargetEngine:
             seq.last_token = emitted[-1]
             return Outcome(TargetResult(op.seq_id, tokens=emitted, num_accepted=accepted),
                            None if rows is None else rows[: accepted + 1])
-        # Recapture: features of positions 0..length-1 pair with tokens 1..length (the last one not cached yet)
+        # Recapture, Resume: features of positions 0..length-1 pair with tokens 1..length (the last not cached yet)
         return Outcome(TargetResult(op.seq_id, tokens=[*seq.tokens[1:], seq.last_token]), rows)
 
     def _finish_tree(self, w: Work, op: Verify, logits: torch.Tensor, rows: torch.Tensor | None) -> Outcome:
@@ -221,10 +242,27 @@ class TargetEngine:
         kept = None if rows is None else rows[torch.tensor(path, device=rows.device)]
         return Outcome(TargetResult(op.seq_id, tokens=emitted, num_accepted=accepted), kept)
 
+    def hold(self, epoch: int) -> int:
+        """Serve the lease `epoch` (0: none) from now on: every sequence opened under another is
+        released. Returns how many."""
+        gone = [seq_id for seq_id, seq in self.seqs.items() if seq.epoch != epoch]
+        for seq_id in gone:
+            slot = self.seqs.pop(seq_id).slot
+            if slot >= 0:
+                self.runner.release(slot)
+        self.epoch = epoch
+        return len(gone)
+
     def _release(self, op: Release) -> Outcome:
         seq = self.seqs.pop(op.seq_id, None)
-        if seq is not None:
+        if seq is not None and seq.slot >= 0:
             self.runner.release(seq.slot)
+        return Outcome(TargetResult(op.seq_id))
+
+    def _suspend(self, op: Suspend) -> Outcome:
+        seq = self.seqs[op.seq_id]
+        self.runner.release(seq.slot)
+        seq.slot = -1  # no KV entries: a Resume prefills its tokens again
         return Outcome(TargetResult(op.seq_id))
 
 

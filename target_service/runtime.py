@@ -102,6 +102,19 @@ class TargetRuntime:
         ms = (time.perf_counter() - t0) * 1e3
         return results, StepTiming(compute_ms=ms, total_ms=ms)
 
+    def hold(self, epoch: int) -> int:
+        """Serve the lease `epoch` (0: none): on every rank, release the sequences of any other;
+        the whole ring comes back (its rows belonged to them). Returns how many were released."""
+        assert self.writer is not None, "only rank 0 serves leases"
+        with self._on_device():
+            before = len(self.engine.seqs)
+            plan = Plan([], epoch=epoch)
+            if self.tp.world_size > 1:
+                dist.broadcast_object_list([plan], src=0)
+            self.engine.execute(plan)
+            self.writer.allocator.release_all()
+            return before - len(self.engine.seqs)
+
     def stats(self) -> dict[str, int]:
         assert self.writer is not None
         return {"active_sequences": len(self.engine.seqs), "free_kv_slots": self.engine.runner.free_slots,

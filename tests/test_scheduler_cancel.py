@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from gateway.scheduler import Finished, GenerationRequest, Scheduler
+from gateway.scheduler import Finished, GenerationRequest, Limits, Scheduler
 from specsplit.ops import Sampling
 
 
 def test_cancelling_a_waiting_request_ends_it_at_once() -> None:
-    scheduler = Scheduler(target=None, draft=None, max_sequences=1, max_queue=4)  # type: ignore[arg-type]
+    scheduler = Scheduler(target=None, draft=None, max_sequences=1, limits=Limits(max_queue=4))  # type: ignore[arg-type]
     req = GenerationRequest([1, 2, 3], 4, Sampling(), set(), 0)
     first, second = scheduler.submit(req), scheduler.submit(req)
     scheduler.cancel(second)

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from bench.scheduler_cpu import InstantDraft, InstantTarget
-from gateway.scheduler import Failed, Finished, GenerationRequest, Scheduler
+from gateway.scheduler import Failed, Finished, GenerationRequest, Limits, Scheduler
 from specsplit.ops import Sampling
 
 
@@ -33,7 +33,7 @@ def test_stop_ends_the_loop_even_when_steps_answer_at_once() -> None:
 
     async def main() -> None:
         for _ in range(200):
-            s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=4, max_queue=8)
+            s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=4, limits=Limits(max_queue=8))
             s.draft_restored()
             s.start()
             s.submit(request(10_000))
@@ -48,7 +48,8 @@ def test_stop_ends_the_loop_even_when_steps_answer_at_once() -> None:
 def test_a_draft_step_past_the_timeout_leaves_the_stream_target_only() -> None:
     async def main() -> tuple[list[int], object, bool]:
         draft = InstantDraft()
-        s = Scheduler(InstantTarget(), draft, max_sequences=4, max_queue=8, step_timeout_s=0.2)
+        quick = Limits(max_queue=8, step_timeout_s=0.2, draft_timeout_s=0.2)
+        s = Scheduler(InstantTarget(), draft, max_sequences=4, limits=quick)
         s.draft_restored()
         s.start()
         seq = s.submit(request(12))
@@ -65,7 +66,8 @@ def test_a_draft_step_past_the_timeout_leaves_the_stream_target_only() -> None:
 def test_a_target_step_past_the_timeout_fails_the_stream_unavailable() -> None:
     async def main() -> object:
         target = InstantTarget()
-        s = Scheduler(target, InstantDraft(), max_sequences=4, max_queue=8, step_timeout_s=0.2)
+        quick = Limits(max_queue=8, step_timeout_s=0.2, draft_timeout_s=0.2)
+        s = Scheduler(target, InstantDraft(), max_sequences=4, limits=quick)
         s.draft_restored()
         s.start()
         seq = s.submit(request(10_000))
@@ -84,7 +86,8 @@ def test_the_loop_lets_others_run_between_cycles_when_clients_never_suspend() ->
     still give the event loop a turn every cycle (submissions, cancels, recovery callbacks)."""
 
     async def main() -> tuple[int, int]:
-        s = Scheduler(InstantTarget(suspend=False), InstantDraft(suspend=False), max_sequences=4, max_queue=8)
+        s = Scheduler(InstantTarget(suspend=False), InstantDraft(suspend=False), max_sequences=4,
+                      limits=Limits(max_queue=8, stream_buffer=1 << 30))  # nobody reads the stream here
         s.draft_restored()
         s.start()
         seq = s.submit(request(4_000))
@@ -107,7 +110,7 @@ def test_a_loop_on_its_own_thread_serves_submitters_on_another_loop() -> None:
 
     async def main() -> None:
         loop_thread = LoopThread("spec-loop").start()
-        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, max_queue=64)
+        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, limits=Limits(max_queue=64))
 
         async def start() -> None:
             s.draft_restored()
@@ -142,7 +145,8 @@ def test_requests_submitted_before_the_loop_admits_them_count_free_slots() -> No
     from gateway.scheduler import QueueFull
 
     async def main() -> list[object]:
-        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, max_queue=1)
+        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2,
+                      limits=Limits(max_queue=1, max_queued_per_client=1))
         s.draft_restored()
         seqs = [s.submit(request(5)) for _ in range(3)]  # not started yet: 2 free slots + 1 queued
         with pytest.raises(QueueFull):
@@ -153,3 +157,117 @@ def test_requests_submitted_before_the_loop_admits_them_count_free_slots() -> No
         return [end for _, end in ends]
 
     assert asyncio.run(main()) == [Finished("length")] * 3
+
+
+def test_the_next_free_slot_goes_to_the_client_running_the_fewest() -> None:
+    """Client A runs in both slots with 4 more queued; client B's request, queued after them,
+    takes the next slot (A's youngest is suspended for it, see the next test), before A's backlog."""
+
+    async def main() -> list[str]:
+        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, limits=Limits(max_queue=8))
+        admitted: list[str] = []
+
+        class Order:  # the cycle-span hook sees each cycle's newcomers: the admission order
+            def open(self, running: list, newcomers: list) -> list:
+                admitted.extend(x.req.client for x in newcomers)
+                return []
+
+            def close(self, traced: list) -> None:
+                pass
+
+        s.spans = Order()  # type: ignore[assignment]
+        s.draft_restored()
+        s.start()
+        a = [s.submit(GenerationRequest([1, 2, 3], 40 + 8 * i, Sampling(), set(), 3, client="a")) for i in range(6)]
+        await a[0].events.get()
+        await a[1].events.get()  # both slots taken by A
+        b = s.submit(GenerationRequest([1, 2, 3], 20, Sampling(), set(), 3, client="b"))
+        await asyncio.wait_for(asyncio.gather(*(drain(q) for q in [*a, b])), 30.0)
+        await s.stop()
+        return admitted
+
+    order = asyncio.run(main())
+    assert order[:3] == ["a", "a", "b"] and order.count("b") == 1 and order.count("a") >= 6
+
+
+def test_a_client_queue_limit_refuses_its_requests_only() -> None:
+    from gateway.scheduler import QueueFull
+
+    s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=1,
+                  limits=Limits(max_queue=100, max_queued_per_client=2))
+    for _ in range(3):  # one takes the free slot at the next cycle, two wait
+        s.submit(GenerationRequest([1], 5, Sampling(), set(), 0, client="greedy"))
+    with pytest.raises(QueueFull, match="this client"):
+        s.submit(GenerationRequest([1], 5, Sampling(), set(), 0, client="greedy"))
+    s.submit(GenerationRequest([1], 5, Sampling(), set(), 0, client="other"))
+
+
+def test_a_sequence_whose_stream_is_not_read_waits_then_ends() -> None:
+    """Past `stream_buffer` unread tokens the sequence is not stepped (the other goes on); past
+    `unread_timeout_s` it ends with RESOURCE_EXHAUSTED, its slot free."""
+
+    async def main() -> tuple[object, list[int], object]:
+        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2,
+                      limits=Limits(max_queue=8, stream_buffer=16, unread_timeout_s=0.5))
+        s.draft_restored()
+        s.start()
+        unread = s.submit(request(10_000))
+        read = s.submit(request(200))
+        read_out = await asyncio.wait_for(drain_taken(s, read), 30.0)
+        end = await asyncio.wait_for(last_event(unread), 30.0)
+        await s.stop()
+        return end, read_out[0], read_out[1]
+
+    end, tokens, read_end = asyncio.run(main())
+    assert isinstance(end, Failed) and end.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(tokens) == 200 and read_end == Finished("length")
+
+
+async def drain_taken(s: Scheduler, seq) -> tuple[list[int], object]:  # noqa: ANN001
+    """drain, telling the scheduler what was taken (as the gateway's stream handler does)."""
+    tokens: list[int] = []
+    while True:
+        ev = await seq.events.get()
+        if not isinstance(ev, list):
+            return tokens, ev
+        s.taken(seq, len(ev))
+        tokens += ev
+
+
+async def last_event(seq) -> object:  # noqa: ANN001
+    while True:
+        ev = await seq.events.get()
+        if not isinstance(ev, list):
+            return ev
+
+
+def test_a_client_running_two_fewer_takes_a_slot_back() -> None:
+    """No slot free: the youngest sequence of the client running the most is suspended for a
+    client running none, resumed once a slot frees; every stream still gets all its tokens."""
+
+    async def main() -> tuple[list[tuple[str, bool]], list[tuple[list[int], object]]]:
+        s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, limits=Limits(max_queue=8))
+        admitted: list[tuple[str, bool]] = []
+
+        class Order:  # the cycle-span hook sees each cycle's newcomers
+            def open(self, running: list, newcomers: list) -> list:
+                admitted.extend((x.req.client, x.suspended) for x in newcomers)
+                return []
+
+            def close(self, traced: list) -> None:
+                pass
+
+        s.spans = Order()  # type: ignore[assignment]
+        s.draft_restored()
+        s.start()
+        a = [s.submit(GenerationRequest([1, 2, 3], 400 + i, Sampling(), set(), 3, client="a")) for i in range(2)]
+        for q in a:
+            await q.events.get()
+        b = s.submit(GenerationRequest([1, 2, 3], 20, Sampling(), set(), 3, client="b"))
+        ends = await asyncio.wait_for(asyncio.gather(*(drain(q) for q in [*a, b])), 30.0)
+        await s.stop()
+        return admitted, ends
+
+    admitted, ends = asyncio.run(main())
+    assert admitted == [("a", False), ("a", False), ("b", False), ("a", True)]
+    assert [len(t) for t, _ in ends] == [399, 400, 20] and all(e == Finished("length") for _, e in ends)

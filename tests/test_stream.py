@@ -24,6 +24,9 @@ class Context:
     def invocation_metadata(self) -> tuple:
         return ()
 
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:4242"
+
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise Aborted(code, details)
 
@@ -41,6 +44,9 @@ class FakeScheduler:
         for e in self.events:
             seq.events.put_nowait(e)
         return seq
+
+    def taken(self, seq: Sequence, n: int) -> None:
+        seq.taken += n
 
     def cancel(self, seq: Sequence) -> None:
         self.cancelled.append(seq)

@@ -387,7 +387,7 @@ class FailingDraft:
     def __init__(self, inner: object) -> None:
         self.inner, self.calls = inner, 0
 
-    async def step(self, ops: list) -> tuple[list, object]:
+    async def step(self, ops: list, timeout: float = 0.0) -> tuple[list, object]:
         results, timing = await self.inner.step(ops)
         self.calls += 1
         for r in results:
@@ -402,7 +402,7 @@ class FailingDraft:
 def test_a_draft_failing_every_cycle_leaves_the_sequence_target_only(tiny_engines: LocalEngines) -> None:
     """No livelock: after MAX_DRAFT_FAILURES failures in a row the sequence decodes target-only."""
     from gateway.clients import LocalDraft
-    from gateway.scheduler import MAX_DRAFT_FAILURES
+    from gateway.phases import MAX_DRAFT_FAILURES
 
     assert tiny_engines.draft is not None
     base = tiny_engines.generate([GenerationRequest(TINY_PROMPTS[0], 30, Sampling(), {511}, 0)])

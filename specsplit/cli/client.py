@@ -71,8 +71,9 @@ class Generation:
 class GatewayClient:
     def __init__(self, addr: str, token: str | None = None, tls_ca: bytes | None = None,
                  tls_server_name: str | None = None) -> None:
-        """tls_ca: PEM roots to trust (TLS on); token: sent as 'authorization: Bearer <token>'."""
-        options = channel_options()
+        """tls_ca: PEM roots to trust (TLS on); token: sent as 'authorization: Bearer <token>'.
+        Each client has a connection of its own (the gateway tells clients apart by it)."""
+        options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
         if tls_ca is not None:

@@ -189,6 +189,17 @@ class ServiceStack:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
+    def signal(self, name: str, sig: signal.Signals) -> None:
+        """Send a running service (its whole process group) a signal: SIGSTOP and SIGCONT stall and
+        resume it, SIGTERM stops it gracefully (then `wait`)."""
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, sig)
+
+    def wait(self, name: str, timeout: float = 30.0) -> int:
+        """Wait for a service to exit; its exit code."""
+        return self.procs[name].wait(timeout)
+
     def restart(self, name: str, timeout: float = 300.0) -> None:
         """Start a killed service again with its original command, and wait until it serves."""
         self.kill(name)

@@ -29,7 +29,8 @@ def _stack_args(p: argparse.ArgumentParser) -> None:
 
     add_flags(p, TargetConfig, only=("model", "tp_size", "max_context", "max_sequences"), environment=False)
     add_flags(p, DraftConfig, only=("head",), environment=False)
-    add_flags(p, GatewayConfig, only=("default_num_steps",), environment=False)
+    add_flags(p, GatewayConfig, only=("default_num_steps", "step_timeout_s", "draft_timeout_s", "liveness_timeout_s",
+                                      "lease_s", "shutdown_grace_s"), environment=False)
     for name, cls in (("gateway", GatewayConfig), ("target", TargetConfig), ("draft", DraftConfig)):
         add_flags(p, cls, only=("port",), names={"port": f"--{name}-port"}, prefix=f"{name}_", label=name,
                   environment=False)
@@ -58,7 +59,9 @@ def _stack(a: argparse.Namespace):  # noqa: ANN202
 
     cfg = StackConfig.of(model=a.model, head=a.head, tp_size=a.tp_size, num_steps=a.default_num_steps,
                          max_context=a.max_context, max_sequences=a.max_sequences, with_draft=not a.no_draft,
-                         log_dir=Path(a.log_dir) if a.log_dir else None)
+                         log_dir=Path(a.log_dir) if a.log_dir else None, step_timeout_s=a.step_timeout_s,
+                         draft_timeout_s=a.draft_timeout_s, liveness_timeout_s=a.liveness_timeout_s,
+                         lease_s=a.lease_s, shutdown_grace_s=a.shutdown_grace_s)
     cfg.target.port, cfg.gateway.port = a.target_port, a.gateway_port
     if cfg.draft is not None:
         cfg.draft.port = a.draft_port

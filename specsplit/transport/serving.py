@@ -17,10 +17,12 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 log = logging.getLogger("specsplit")
 
 
-def new_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None
-               ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+def new_server(interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+               max_receive_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """A server with health checking; a request over `max_receive_bytes` is refused
+    (RESOURCE_EXHAUSTED) before it is parsed."""
     server = grpc.aio.server(interceptors=[MalformedRequestInterceptor(), *(interceptors or [])], options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
     ])
@@ -88,8 +90,13 @@ def configure_logging(name: str) -> None:
 _MALFORMED = object()
 
 
+INTERNAL_ERROR = "internal error (the server's log has the details)"
+
+
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
-    """Answers INVALID_ARGUMENT, not UNKNOWN, when a unary request's bytes do not decode."""
+    """Answers INVALID_ARGUMENT, not UNKNOWN, when a unary request's bytes do not decode, and
+    INTERNAL with no internal detail when a handler fails unexpectedly (the traceback goes to
+    the log, never to the client)."""
 
     async def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
         handler = await continuation(handler_call_details)
@@ -110,7 +117,13 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             async def unary(request, context):  # noqa: ANN001, ANN202
                 if request is _MALFORMED:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-                return await inner_uu(request, context)
+                try:
+                    return await inner_uu(request, context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception:
+                    log.exception("%s failed", method)
+                    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
 
             return grpc.unary_unary_rpc_method_handler(unary, tolerant, handler.response_serializer)
         inner_us = handler.unary_stream
@@ -118,7 +131,13 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         async def streaming(request, context):  # noqa: ANN001, ANN202
             if request is _MALFORMED:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-            async for item in inner_us(request, context):
-                yield item
+            try:
+                async for item in inner_us(request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                log.exception("%s failed", method)
+                await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
 
         return grpc.unary_stream_rpc_method_handler(streaming, tolerant, handler.response_serializer)

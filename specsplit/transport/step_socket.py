@@ -266,19 +266,21 @@ class SocketStream:
         self.path, self.service, self.reply_type = path, service, reply_type
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
-    async def exchange(self, request: Any) -> Any:
+    async def exchange(self, request: Any, timeout: float | None = None) -> Any:
         try:
-            hello = b""
-            if self.writer is None:
-                self.reader, self.writer = await asyncio.open_unix_connection(self.path)
-                hello = _hello(self.service)
-            assert self.reader is not None
-            self.writer.write(_frame(request, hello))
-            kind, n = _HEAD.unpack(await self.reader.readexactly(_HEAD.size))
-            if n > MAX_MESSAGE_BYTES:
-                raise ConnectionError(f"{self.service} step socket: reply of {n} bytes")
-            return _decode_reply(kind, await self.reader.readexactly(n), request, self.reply_type)
+            async with asyncio.timeout(timeout):
+                hello = b""
+                if self.writer is None:
+                    self.reader, self.writer = await asyncio.open_unix_connection(self.path)
+                    self.loop, hello = asyncio.get_running_loop(), _hello(self.service)
+                assert self.reader is not None
+                self.writer.write(_frame(request, hello))
+                kind, n = _HEAD.unpack(await self.reader.readexactly(_HEAD.size))
+                if n > MAX_MESSAGE_BYTES:
+                    raise ConnectionError(f"{self.service} step socket: reply of {n} bytes")
+                return _decode_reply(kind, await self.reader.readexactly(n), request, self.reply_type)
         except asyncio.IncompleteReadError:
             self.reset()
             raise ConnectionError(f"{self.service} step socket closed by the service") from None
@@ -290,6 +292,12 @@ class SocketStream:
         if self.writer is not None:
             self.writer.close()
         self.reader = self.writer = None
+
+    def interrupt(self) -> None:
+        """Close the connection under a step in flight (any thread): the step fails."""
+        writer, loop = self.writer, self.loop
+        if writer is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(writer.transport.abort)
 
 
 class BlockingSocketStream:
@@ -306,18 +314,21 @@ class BlockingSocketStream:
         self.poller: select.poll | None = None
         self.head = bytearray(_HEAD.size)
 
-    async def exchange(self, request: Any) -> Any:
-        return self.exchange_now(request)
+    async def exchange(self, request: Any, timeout: float | None = None) -> Any:
+        return self.exchange_now(request, timeout)
 
-    def exchange_now(self, request: Any) -> Any:
+    def exchange_now(self, request: Any, timeout: float | None = None) -> Any:
+        """One step; a read waits at most `timeout` (default: the stream's `timeout_s`)."""
+        timeout = self.timeout_s if timeout is None else timeout
         try:
             hello = b""
             if self.sock is None:
                 self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self.sock.settimeout(self.timeout_s)
+                self.sock.settimeout(timeout)
                 self.sock.connect(self.path)
                 self.poller = _poller(self.sock, self.spin_s)
                 hello = _hello(self.service)
+            self.sock.settimeout(timeout)
             self.sock.sendall(_frame(request, hello))
             _spin(self.poller, self.spin_s)
             kind, n = _HEAD.unpack(self._read_into(self.head))
@@ -326,7 +337,7 @@ class BlockingSocketStream:
             return _decode_reply(kind, self._read_into(bytearray(n)), request, self.reply_type)
         except TimeoutError:
             self.reset()
-            raise TimeoutError(f"{self.service} step took longer than {self.timeout_s:g} s") from None
+            raise TimeoutError(f"{self.service} step took longer than {timeout:g} s") from None
         except BaseException:
             self.reset()
             raise
@@ -346,3 +357,10 @@ class BlockingSocketStream:
             with contextlib.suppress(OSError):
                 self.sock.close()
         self.sock = None
+
+    def interrupt(self) -> None:
+        """Shut the socket under a read in flight (any thread): the step fails with ConnectionError."""
+        sock = self.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)

@@ -51,6 +51,8 @@ def answer_step(req: Any, service: str, run: StepRun, codec: StepCodec, after: S
         (ops.append(op) if op is not None else bad.append(p.seq_id))
     try:
         results, timing = run(ops, req)
+    except StepAbort:
+        raise
     except Exception as e:
         log.exception("%s step failed", service)
         raise StepAbort(grpc.StatusCode.INTERNAL, f"{service} step failed: {type(e).__name__}: {e}") from None

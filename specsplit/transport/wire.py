@@ -11,9 +11,11 @@ from specsplit.ops import (
     Prefill,
     Recapture,
     Release,
+    Resume,
     Sampling,
     SparseDist,
     StepTiming,
+    Suspend,
     TargetOp,
     TargetResult,
     Verify,
@@ -74,6 +76,11 @@ def target_op_to_proto(op: TargetOp) -> target_pb2.TargetOp:
             draft_parents=op.draft_parents))
     if isinstance(op, Recapture):
         return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, recapture=target_pb2.TargetRecapture())
+    if isinstance(op, Suspend):
+        return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, suspend=target_pb2.TargetSuspend())
+    if isinstance(op, Resume):
+        return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace,
+                                   resume=target_pb2.TargetResume(capture_hidden=op.capture))
     return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, release=target_pb2.TargetRelease())
 
 
@@ -89,6 +96,10 @@ def target_op_from_proto(p: target_pb2.TargetOp) -> TargetOp | None:
         return Release(p.seq_id, p.traceparent)
     if kind == "recapture":
         return Recapture(p.seq_id, p.traceparent)
+    if kind == "suspend":
+        return Suspend(p.seq_id, p.traceparent)
+    if kind == "resume":
+        return Resume(p.seq_id, p.resume.capture_hidden, p.traceparent)
     return None
 
 

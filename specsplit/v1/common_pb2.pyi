@@ -84,3 +84,23 @@ class ServerTiming(_message.Message):
     compute_ms: float
     total_ms: float
     def __init__(self, compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("epoch", "lease_ms")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    lease_ms: int
+    def __init__(self, epoch: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class LeaseReply(_message.Message):
+    __slots__ = ("epoch", "active_sequences", "released_sequences", "ring_rows_in_use")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RING_ROWS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    active_sequences: int
+    released_sequences: int
+    ring_rows_in_use: int
+    def __init__(self, epoch: _Optional[int] = ..., active_sequences: _Optional[int] = ..., released_sequences: _Optional[int] = ..., ring_rows_in_use: _Optional[int] = ...) -> None: ...

@@ -72,12 +72,14 @@ class DraftOp(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., extend_propose: _Optional[_Union[DraftExtendPropose, _Mapping]] = ..., release: _Optional[_Union[DraftRelease, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class DraftStepRequest(_message.Message):
-    __slots__ = ("step_id", "ops")
+    __slots__ = ("step_id", "ops", "epoch")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     ops: _containers.RepeatedCompositeFieldContainer[DraftOp]
-    def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[DraftOp, _Mapping]]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[DraftOp, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class DraftResult(_message.Message):
     __slots__ = ("seq_id", "status", "draft_ids", "draft_dists", "consumed_generation", "draft_parents")

@@ -56,6 +56,11 @@ class DraftServiceStub:
                 request_serializer=specsplit_dot_v1_dot_draft__pb2.DraftStatsRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_draft__pb2.DraftStats.FromString,
                 _registered_method=True)
+        self.Lease = channel.unary_unary(
+                '/specsplit.v1.DraftService/Lease',
+                request_serializer=specsplit_dot_v1_dot_common__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_common__pb2.LeaseReply.FromString,
+                _registered_method=True)
 
 
 class DraftServiceServicer:
@@ -87,6 +92,13 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lease(self, request, context):
+        """Take or renew the gateway's hold on this service's state (common.proto: LeaseRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +121,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=specsplit_dot_v1_dot_draft__pb2.DraftStatsRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_draft__pb2.DraftStats.SerializeToString,
+            ),
+            'Lease': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lease,
+                    request_deserializer=specsplit_dot_v1_dot_common__pb2.LeaseRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_common__pb2.LeaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +237,33 @@ class DraftService:
             '/specsplit.v1.DraftService/Stats',
             specsplit_dot_v1_dot_draft__pb2.DraftStatsRequest.SerializeToString,
             specsplit_dot_v1_dot_draft__pb2.DraftStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specsplit.v1.DraftService/Lease',
+            specsplit_dot_v1_dot_common__pb2.LeaseRequest.SerializeToString,
+            specsplit_dot_v1_dot_common__pb2.LeaseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -71,31 +71,47 @@ class TargetRecapture(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class TargetSuspend(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TargetResume(_message.Message):
+    __slots__ = ("capture_hidden",)
+    CAPTURE_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    capture_hidden: bool
+    def __init__(self, capture_hidden: _Optional[bool] = ...) -> None: ...
+
 class TargetOp(_message.Message):
-    __slots__ = ("seq_id", "prefill", "verify", "release", "recapture", "traceparent")
+    __slots__ = ("seq_id", "prefill", "verify", "release", "recapture", "suspend", "resume", "traceparent")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     RECAPTURE_FIELD_NUMBER: _ClassVar[int]
+    SUSPEND_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prefill: TargetPrefill
     verify: TargetVerify
     release: TargetRelease
     recapture: TargetRecapture
+    suspend: TargetSuspend
+    resume: TargetResume
     traceparent: str
-    def __init__(self, seq_id: _Optional[int] = ..., prefill: _Optional[_Union[TargetPrefill, _Mapping]] = ..., verify: _Optional[_Union[TargetVerify, _Mapping]] = ..., release: _Optional[_Union[TargetRelease, _Mapping]] = ..., recapture: _Optional[_Union[TargetRecapture, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., prefill: _Optional[_Union[TargetPrefill, _Mapping]] = ..., verify: _Optional[_Union[TargetVerify, _Mapping]] = ..., release: _Optional[_Union[TargetRelease, _Mapping]] = ..., recapture: _Optional[_Union[TargetRecapture, _Mapping]] = ..., suspend: _Optional[_Union[TargetSuspend, _Mapping]] = ..., resume: _Optional[_Union[TargetResume, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class TargetStepRequest(_message.Message):
-    __slots__ = ("step_id", "ops", "release_generations")
+    __slots__ = ("step_id", "ops", "release_generations", "epoch")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     ops: _containers.RepeatedCompositeFieldContainer[TargetOp]
     release_generations: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[TargetOp, _Mapping]]] = ..., release_generations: _Optional[_Iterable[int]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[TargetOp, _Mapping]]] = ..., release_generations: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class TargetResult(_message.Message):
     __slots__ = ("seq_id", "status", "tokens", "num_accepted", "hidden")

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
 from specsplit.v1 import target_pb2 as specsplit_dot_v1_dot_target__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
@@ -51,6 +52,11 @@ class TargetServiceStub:
                 request_serializer=specsplit_dot_v1_dot_target__pb2.TargetStatsRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_target__pb2.TargetStats.FromString,
                 _registered_method=True)
+        self.Lease = channel.unary_unary(
+                '/specsplit.v1.TargetService/Lease',
+                request_serializer=specsplit_dot_v1_dot_common__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_common__pb2.LeaseReply.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -78,6 +84,13 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lease(self, request, context):
+        """Take or renew the gateway's hold on this service's state (common.proto: LeaseRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +108,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=specsplit_dot_v1_dot_target__pb2.TargetStatsRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_target__pb2.TargetStats.SerializeToString,
+            ),
+            'Lease': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lease,
+                    request_deserializer=specsplit_dot_v1_dot_common__pb2.LeaseRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_common__pb2.LeaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +198,33 @@ class TargetService:
             '/specsplit.v1.TargetService/Stats',
             specsplit_dot_v1_dot_target__pb2.TargetStatsRequest.SerializeToString,
             specsplit_dot_v1_dot_target__pb2.TargetStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specsplit.v1.TargetService/Lease',
+            specsplit_dot_v1_dot_common__pb2.LeaseRequest.SerializeToString,
+            specsplit_dot_v1_dot_common__pb2.LeaseReply.FromString,
             options,
             channel_credentials,
             insecure,

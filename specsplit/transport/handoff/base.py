@@ -74,6 +74,13 @@ class RingAllocator:
             self.released.discard(gen)
             self.used -= held
 
+    def release_all(self) -> None:
+        """Every allocation back (their owner is gone); generations keep counting, so releases
+        of the old ones are ignored."""
+        self.live.clear()
+        self.released.clear()
+        self.head = self.used = 0
+
     @property
     def live_allocations(self) -> int:
         return len(self.live) - len(self.released)

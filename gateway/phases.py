@@ -1,0 +1,196 @@
+"""The two halves of a cycle (gateway.scheduler): what the draft call and the target call carry,
+and how their replies move each sequence on. Plus the draft's deadline, set from its own
+measured step times."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import grpc
+
+from gateway.sequence import Sequence
+from specsplit.ops import (
+    Code,
+    DraftOp,
+    DraftResult,
+    ExtendPropose,
+    Prefill,
+    Recapture,
+    Release,
+    Resume,
+    Suspend,
+    TargetOp,
+    TargetResult,
+    Verify,
+)
+
+if TYPE_CHECKING:
+    from gateway.scheduler import Scheduler
+
+log = logging.getLogger("specsplit.gateway")
+MAX_DRAFT_FAILURES = 3  # consecutive per-sequence draft errors before the sequence goes on target-only
+
+
+class DraftDeadline:
+    """How long a draft call may take: `factor` times the p99 of its recent cycle steps, at
+    least `floor_s`, at most `cap_s`; `cap_s` until enough steps are measured, and for calls
+    that extend a whole prompt (a newcomer, a resync)."""
+
+    def __init__(self, cap_s: float, floor_s: float = 0.05, factor: float = 10.0, window: int = 64,
+                 long_tokens: int = 32) -> None:
+        self.cap_s, self.floor_s, self.factor, self.long_tokens = cap_s, floor_s, factor, long_tokens
+        self.times: deque[float] = deque(maxlen=window)
+
+    def is_long(self, ops: list[DraftOp]) -> bool:
+        return any(isinstance(op, ExtendPropose) and len(op.tokens) > self.long_tokens for op in ops)
+
+    def seconds(self, ops: list[DraftOp]) -> float:
+        if self.is_long(ops) or len(self.times) < 8:
+            return self.cap_s
+        p99 = sorted(self.times)[min(len(self.times) - 1, int(0.99 * len(self.times)))]
+        return min(self.cap_s, max(self.floor_s, self.factor * p99))
+
+    def record(self, ops: list[DraftOp], seconds: float) -> None:
+        if not self.is_long(ops):
+            self.times.append(seconds)
+
+
+async def draft_phase(sched: Scheduler) -> None:
+    """Releases, then extend + propose for every sequence with new tokens: one call."""
+    if sched.draft is None or sched.draft_down:
+        sched.draft_releases = []  # a draft that comes back takes a new epoch: its old state is released there
+        return
+    ops: list[DraftOp] = [Release(i) for i in sched.draft_releases]
+    sched.draft_releases = []
+    users = [s for s in sched.running if s.spec and s.pending is not None and not s.unread_since]
+    for s in users:
+        tokens, ref, position = s.pending  # type: ignore[misc]
+        ops.append(ExtendPropose(s.seq_id, tokens, ref, s.req.num_steps, s.req.sampling, s.trace, position,
+                                 s.req.topk, s.req.num_draft_tokens))
+        s.in_draft = True
+        sched.free_generations.append(ref.generation)  # read before the draft replies: reclaim whatever happens
+        s.pending = None
+    if not ops:
+        return
+    deadline = sched.draft_deadline.seconds(ops)
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(deadline):  # for clients that suspend; blocking ones time out themselves
+            results, timing = await sched.draft.step(ops, deadline)
+    except TimeoutError:
+        sched.draft_failed(f"a step took longer than its deadline of {deadline * 1e3:.0f} ms")
+        return
+    except Exception as e:  # noqa: BLE001 - any failure of the call suspends speculation
+        sched.draft_failed(f"{type(e).__name__}: {e}")
+        return
+    seconds = time.perf_counter() - t0
+    sched.draft_deadline.record(ops, seconds)
+    ms = seconds * 1e3
+    by_id: dict[int, DraftResult] = {r.seq_id: r for r in results}
+    for s in users:
+        r = by_id.get(s.seq_id)
+        if r is None or r.code != Code.OK:
+            s.draft_failures += 1
+            why = r.message if r else "no result"
+            if s.draft_failures >= MAX_DRAFT_FAILURES:  # the same failure again and again: stop asking
+                log.warning("draft failed sequence %d %d times in a row (%s): target-only from here", s.seq_id,
+                            s.draft_failures, why)
+                s.spec = False
+            else:
+                log.warning("draft failed sequence %d (%s): resyncing it", s.seq_id, why)
+            s.synced = False
+            continue
+        s.synced, s.draft_failures = True, 0
+        s.drafts, s.dists, s.parents = r.draft_ids, r.draft_dists, r.draft_parents
+        s.cycle_span.set_attributes({"spec.draft_call_ms": ms, "spec.draft_batch_ms": timing.compute_ms})
+        s.stats.draft_ms += ms
+        s.stats.draft_compute_ms += timing.compute_ms
+
+
+async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
+    """Releases, prefills of the newcomers, recaptures and verifies: one call. A sequence whose
+    client leaves its stream unread waits."""
+    ops: list[TargetOp] = [*(Release(i) for i in sched.target_releases), *(Suspend(i) for i in sched.target_suspends)]
+    sched.target_releases, sched.target_suspends = [], []
+    releases, sched.free_generations = sched.free_generations, []
+    work: list[Sequence] = []
+    speculating = sched.speculating
+    for s in sched.running:
+        if s in newcomers and s.suspended:
+            ops.append(Resume(s.seq_id, capture=s.spec and speculating, trace=s.trace))
+        elif s in newcomers:
+            ops.append(Prefill(s.seq_id, s.req.prompt_ids, s.req.sampling, capture=s.spec and speculating,
+                               trace=s.trace))
+        elif not s.prefilled or s.unread_since:
+            continue
+        elif s.spec and speculating and not s.synced and s.pending is None:
+            ops.append(Recapture(s.seq_id, s.trace))  # resync a draft that lost this sequence
+        else:
+            drafts = s.drafts if s.spec and s.synced and speculating else []
+            s.sent_drafts = len(drafts)
+            capture = s.spec and s.synced and speculating
+            ops.append(Verify(s.seq_id, drafts, s.dists if drafts else [], s.parents if drafts else [],
+                              capture=capture, trace=s.trace))
+        work.append(s)
+    if not ops and not releases:
+        return
+    t0 = time.perf_counter()
+    async with asyncio.timeout(sched.step_timeout_s):
+        results, timing = await sched.target.step(ops, releases, sched.step_timeout_s)
+    ms = (time.perf_counter() - t0) * 1e3
+    by_id = {r.seq_id: r for r in results}
+    kinds = {op.seq_id: op for op in ops if not isinstance(op, Release | Suspend)}
+    for s in work:
+        apply_result(sched, s, by_id.get(s.seq_id), kinds[s.seq_id], ms, timing.compute_ms)
+
+
+def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: TargetOp, ms: float,
+                 compute_ms: float) -> None:
+    """A target result moves its sequence on: tokens emitted, features pending for the draft."""
+    if r is None:
+        sched.fail(s, grpc.StatusCode.INTERNAL, "target returned no result for the sequence")
+        return
+    if r.code == Code.RESOURCE_EXHAUSTED:  # no slot or ring space: state unchanged, retry
+        if isinstance(op, Prefill | Resume):
+            sched.running.remove(s)
+            sched.waiting.push_front(s)
+        elif isinstance(op, Recapture):  # no scratch slot: go on target-only rather than stall
+            log.info("sequence %d cannot be resynced now (%s): target-only from here", s.seq_id, r.message)
+            s.spec = False
+        return
+    if r.code != Code.OK:
+        status = grpc.StatusCode.INVALID_ARGUMENT if r.code == Code.INVALID_ARGUMENT else grpc.StatusCode.INTERNAL
+        sched.fail(s, status, r.message)
+        return
+    if isinstance(op, Recapture | Resume):  # the draft restarts this sequence from position 0
+        s.suspended = False
+        s.pending = (r.tokens, r.hidden, 0) if r.hidden is not None else None
+        s.synced = r.hidden is not None
+        return
+    start = s.committed
+    s.committed = len(op.prompt_ids) if isinstance(op, Prefill) else s.committed + len(r.tokens)
+    if r.hidden is not None:
+        if s.spec and sched.speculating:
+            tokens = (s.req.prompt_ids[1:] + r.tokens) if isinstance(op, Prefill) else r.tokens
+            s.pending = (tokens, r.hidden, start)
+            s.synced = s.synced or isinstance(op, Prefill)
+        else:
+            sched.free_generations.append(r.hidden.generation)
+    if isinstance(op, Verify):  # a verify cycle (the prefill's first token is not a cycle)
+        s.stats.record_verify(len(r.tokens), ms, compute_ms, s.sent_drafts, r.num_accepted)
+        sched.totals.record_verify(len(r.tokens), s.sent_drafts, r.num_accepted)
+        sched.metrics.accepted_length.record(len(r.tokens))
+        s.cycle_span.set_attributes({"spec.draft_tokens": s.sent_drafts, "spec.accepted_length": len(r.tokens),
+                                     "spec.num_accepted": r.num_accepted, "spec.bonus_token": r.tokens[-1],
+                                     "spec.verify_call_ms": ms, "spec.verify_batch_ms": compute_ms})
+    else:
+        s.prefilled = True
+        s.stats.first_token_at = time.perf_counter()
+        sched.metrics.time_to_first_token.record(s.stats.first_token_at - s.submitted_at)
+        s.span.add_event("first_token")
+    s.drafts, s.dists, s.parents = [], [], []
+    sched.emit(s, r.tokens)
