@@ -15,7 +15,7 @@ from specsplit.ops import DraftOp, DraftResult, ExtendPropose, StepTiming
 from specsplit.transport import wire
 from specsplit.transport.handoff.base import Descriptor
 from specsplit.transport.lease import Leases
-from specsplit.transport.step_stream import StepAbort, StepAfter, StepCodec, answer_step, serve_steps
+from specsplit.transport.step_stream import StepAfter, StepCodec, answer_step, serve_steps
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 _CODEC = StepCodec(wire.draft_op_from_proto, wire.draft_result_to_proto, DraftResult, draft_pb2.DraftStepResponse)
@@ -27,7 +27,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
         self.step_executor = self.executor if runtime.cfg.engine_thread else None
         self.engine_lock = threading.Lock()  # steps come from the gRPC stream and the step socket's threads
-        self.leases = Leases("draft", self._hold)
+        self.leases = Leases("draft", self._hold, lambda: {"active_sequences": len(runtime.engine.seqs)})
 
     def _info(self) -> draft_pb2.DraftInfo:
         rt, c = self.runtime, self.runtime.head.cfg
@@ -62,7 +62,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _run(self, ops: list[DraftOp], request: draft_pb2.DraftStepRequest) -> tuple[list[DraftResult], StepTiming]:
         with self.engine_lock:
-            self._check_epoch(request.epoch)
+            self.leases.check(request.epoch)
             return self.runtime.step(ops)
 
     def _attach(self, desc: Descriptor) -> None:
@@ -92,19 +92,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Lease(self, request: common_pb2.LeaseRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.LeaseReply:
-        if request.epoch == 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a lease needs a nonzero epoch")
-        released = 0
-        if not self.leases.renew(request.epoch, request.lease_ms):  # a change: may wait for a step to end
-            released = await asyncio.to_thread(self.leases.change, request.epoch, request.lease_ms)
-        return common_pb2.LeaseReply(epoch=self.leases.epoch, released_sequences=released,
-                                     active_sequences=len(self.runtime.engine.seqs))
-
-    def _check_epoch(self, epoch: int) -> None:
-        """Only the lease holder steps (a step of a lost connection, late, must not open sequences)."""
-        if epoch != self.leases.epoch:
-            raise StepAbort(grpc.StatusCode.FAILED_PRECONDITION, f"a step of epoch {epoch}, but the draft serves "
-                            f"epoch {self.leases.epoch}")
+        return await self.leases.answer(request, context)
 
     def _hold(self, epoch: int) -> int:
         with self.engine_lock:

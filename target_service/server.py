@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +12,7 @@ from specsplit.observability.telemetry import Telemetry, record_entry_span
 from specsplit.ops import Prefill, StepTiming, TargetOp, TargetResult, Verify
 from specsplit.transport import wire
 from specsplit.transport.lease import Leases
-from specsplit.transport.step_stream import StepAbort, StepAfter, StepCodec, answer_step, serve_steps
+from specsplit.transport.step_stream import StepAfter, StepCodec, answer_step, serve_steps
 from specsplit.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.runtime import TargetRuntime
 
@@ -28,7 +27,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
         self.step_executor = self.executor if runtime.cfg.engine_thread else None
         self.engine_lock = threading.Lock()  # steps come from the gRPC stream and the step socket's threads
-        self.leases = Leases("target", self._hold)
+        self.leases = Leases("target", self._hold, self._lease_stats)
 
     async def Describe(self, request: target_pb2.TargetDescribeRequest, context: grpc.aio.ServicerContext
                        ) -> target_pb2.TargetInfo:
@@ -53,7 +52,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _run(self, ops: list[TargetOp], request: target_pb2.TargetStepRequest) -> tuple[list[TargetResult], StepTiming]:
         with self.engine_lock:
-            self._check_epoch(request.epoch)
+            self.leases.check(request.epoch)
             return self.runtime.step(ops, list(request.release_generations))
 
     @property
@@ -81,18 +80,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Lease(self, request: common_pb2.LeaseRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.LeaseReply:
-        if request.epoch == 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a lease needs a nonzero epoch")
-        released = 0
-        if not self.leases.renew(request.epoch, request.lease_ms):  # a change: may wait for a step to end
-            released = await asyncio.to_thread(self.leases.change, request.epoch, request.lease_ms)
-        return common_pb2.LeaseReply(epoch=self.leases.epoch, released_sequences=released, **self._lease_stats())
-
-    def _check_epoch(self, epoch: int) -> None:
-        """Only the lease holder steps (a step of a lost connection, late, must not open sequences)."""
-        if epoch != self.leases.epoch:
-            raise StepAbort(grpc.StatusCode.FAILED_PRECONDITION, f"a step of epoch {epoch}, but the target serves "
-                            f"epoch {self.leases.epoch}")
+        return await self.leases.answer(request, context)
 
     def _hold(self, epoch: int) -> int:
         with self.engine_lock:

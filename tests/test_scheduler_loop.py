@@ -163,19 +163,9 @@ def test_the_next_free_slot_goes_to_the_client_running_the_fewest() -> None:
     """Client A runs in both slots with 4 more queued; client B's request, queued after them,
     takes the next slot (A's youngest is suspended for it, see the next test), before A's backlog."""
 
-    async def main() -> list[str]:
+    async def main() -> list[object]:
         s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, limits=Limits(max_queue=8))
-        admitted: list[str] = []
-
-        class Order:  # the cycle-span hook sees each cycle's newcomers: the admission order
-            def open(self, running: list, newcomers: list) -> list:
-                admitted.extend(x.req.client for x in newcomers)
-                return []
-
-            def close(self, traced: list) -> None:
-                pass
-
-        s.spans = Order()  # type: ignore[assignment]
+        admitted = record_admissions(s)
         s.draft_restored()
         s.start()
         a = [s.submit(GenerationRequest([1, 2, 3], 40 + 8 * i, Sampling(), set(), 3, client="a")) for i in range(6)]
@@ -245,19 +235,9 @@ def test_a_client_running_two_fewer_takes_a_slot_back() -> None:
     """No slot free: the youngest sequence of the client running the most is suspended for a
     client running none, resumed once a slot frees; every stream still gets all its tokens."""
 
-    async def main() -> tuple[list[tuple[str, bool]], list[tuple[list[int], object]]]:
+    async def main() -> tuple[list[object], list[tuple[list[int], object]]]:
         s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, limits=Limits(max_queue=8))
-        admitted: list[tuple[str, bool]] = []
-
-        class Order:  # the cycle-span hook sees each cycle's newcomers
-            def open(self, running: list, newcomers: list) -> list:
-                admitted.extend((x.req.client, x.suspended) for x in newcomers)
-                return []
-
-            def close(self, traced: list) -> None:
-                pass
-
-        s.spans = Order()  # type: ignore[assignment]
+        admitted = record_admissions(s, resumed=True)
         s.draft_restored()
         s.start()
         a = [s.submit(GenerationRequest([1, 2, 3], 400 + i, Sampling(), set(), 3, client="a")) for i in range(2)]
@@ -271,3 +251,20 @@ def test_a_client_running_two_fewer_takes_a_slot_back() -> None:
     admitted, ends = asyncio.run(main())
     assert admitted == [("a", False), ("a", False), ("b", False), ("a", True)]
     assert [len(t) for t, _ in ends] == [399, 400, 20] and all(e == Finished("length") for _, e in ends)
+
+
+def record_admissions(s: Scheduler, resumed: bool = False) -> list[object]:
+    """Each cycle's newcomers in admission order (their client; with `resumed`, also whether
+    the sequence was suspended), seen through the scheduler's cycle-span hook."""
+    admitted: list[object] = []
+
+    class Hook:
+        def open(self, running: list, newcomers: list) -> list:
+            admitted.extend((x.req.client, x.suspended) if resumed else x.req.client for x in newcomers)
+            return []
+
+        def close(self, traced: list) -> None:
+            pass
+
+    s.spans = Hook()  # type: ignore[assignment]
+    return admitted

@@ -8,26 +8,49 @@ lease releases it from the watch thread."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable
+
+import grpc
+
+from specsplit.transport.step_stream import StepAbort
+from specsplit.v1 import common_pb2
 
 log = logging.getLogger("specsplit.lease")
 WATCH_INTERVAL_S = 0.1
 
 
 class Leases:
-    def __init__(self, service: str, hold: Callable[[int], int]) -> None:
+    def __init__(self, service: str, hold: Callable[[int], int], stats: Callable[[], dict[str, int]]) -> None:
         """hold(epoch) makes the engine serve `epoch` (0: none), releasing the state of every
-        other, and returns how many sequences it released; it may wait for a step to end."""
-        self.service, self._hold = service, hold
+        other, and returns how many sequences it released; it may wait for a step to end.
+        stats() gives the LeaseReply's counts (active_sequences, ring_rows_in_use)."""
+        self.service, self._hold, self._stats = service, hold, stats
         self.epoch = 0
         self.deadline = float("inf")
         self.lock = threading.Lock()  # one change at a time, and the watch thread against them
         self._stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name=f"{service}-lease", daemon=True)
         self.thread.start()
+
+    async def answer(self, request: common_pb2.LeaseRequest, context: grpc.aio.ServicerContext
+                     ) -> common_pb2.LeaseReply:
+        """The Lease RPC of a servicer."""
+        if request.epoch == 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a lease needs a nonzero epoch")
+        released = 0
+        if not self.renew(request.epoch, request.lease_ms):  # a change: may wait for a step to end
+            released = await asyncio.to_thread(self.change, request.epoch, request.lease_ms)
+        return common_pb2.LeaseReply(epoch=self.epoch, released_sequences=released, **self._stats())
+
+    def check(self, epoch: int) -> None:
+        """Only the holder steps: a step of a lost connection, late, must not open sequences."""
+        if epoch != self.epoch:
+            raise StepAbort(grpc.StatusCode.FAILED_PRECONDITION, f"a step of epoch {epoch}, but the {self.service} "
+                            f"serves epoch {self.epoch}")
 
     def renew(self, epoch: int, lease_ms: int) -> bool:
         """A renewal of the held epoch: True when done (the deadline moved); False when the
