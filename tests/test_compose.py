@@ -35,24 +35,31 @@ def test_valid_against_the_compose_spec_schema() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_the_default_profile_is_gpu() -> None:
+def test_the_default_profiles_are_gpu_and_jaeger() -> None:
     env = dict(line.split("=", 1) for line in (ROOT / ".env").read_text().splitlines()
                if line and not line.startswith("#"))
-    assert env["COMPOSE_PROFILES"] == "gpu"
+    assert env["COMPOSE_PROFILES"] == "gpu,jaeger"
 
 
 @each_profile
-def test_each_profile_runs_the_whole_stack_and_jaeger(services: dict[str, dict], profile: str) -> None:
-    assert active(services, profile) == {"jaeger", *PROFILES[profile].values()}
+def test_each_profile_runs_the_whole_stack(services: dict[str, dict], profile: str) -> None:
+    assert active(services, profile) == set(PROFILES[profile].values())
+
+
+def test_the_trace_ui_is_a_profile_of_its_own(services: dict[str, dict]) -> None:
+    assert services["jaeger"]["profiles"] == ["jaeger"] and services["phoenix"]["profiles"] == ["phoenix"]
+    assert services["phoenix"]["build"]["target"] == "phoenix"
+    assert services["phoenix"]["environment"]["PHOENIX_GRPC_PORT"] == "4317"  # OTLP in, as Jaeger
 
 
 @each_profile
 def test_start_order_follows_health(services: dict[str, dict], profile: str) -> None:
     name = PROFILES[profile]
     running = active(services, profile)
-    expected = {"target": {"jaeger": "service_started"}, "draft": {name["target"]: "service_healthy"},
+    expected = {"draft": {name["target"]: "service_healthy"},
                 "gateway": {name["target"]: "service_healthy", name["draft"]: "service_healthy"},
                 "smg": {name["gateway"]: "service_healthy"}}
+    assert "depends_on" not in services[name["target"]]  # traces are exported in the background: no UI needed
     for role, deps in expected.items():
         got = {dep: cond["condition"] for dep, cond in services[name[role]]["depends_on"].items()}
         assert got == deps, role
@@ -99,21 +106,32 @@ def test_draft_shares_the_target_ipc_and_pid_namespaces(services: dict[str, dict
 
 
 @each_profile
-def test_smg_fronts_the_gateway_and_traces_go_to_jaeger(services: dict[str, dict], profile: str) -> None:
+def test_smg_fronts_the_gateway_and_traces_go_to_the_ui(services: dict[str, dict], profile: str) -> None:
     name = PROFILES[profile]
     smg = services[name["smg"]]["command"]
     assert smg[0] == "launch" and smg[smg.index("--worker-urls") + 1] == f"grpc://{name['gateway']}:50051"
     for role in ("target", "draft", "gateway"):
         env = services[name[role]]["environment"]
-        assert env["OTEL_TRACES_EXPORTER"] == "otlp" and env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        assert env["OTEL_TRACES_EXPORTER"] == "otlp" and env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${SPECSPLIT_OTLP_ENDPOINT:-http://jaeger:4317}"
     assert "receivers.otlp.protocols.grpc.endpoint=0.0.0.0:4317" in services["jaeger"]["command"]
+    assert services[name["gateway"]]["environment"]["SPECSPLIT_SERVED_MODEL_NAME"].startswith(
+        "${SPECSPLIT_SERVED_MODEL_NAME:-")
     if profile == "cpu":
         assert services[name["target"]]["environment"]["SPECSPLIT_MODEL"] == "smollm2"
+        assert services[name["gateway"]]["environment"]["SPECSPLIT_SERVED_MODEL_NAME"] == (
+            "${SPECSPLIT_SERVED_MODEL_NAME:-SmolLM2-135M-Instruct}")
         assert services[name["draft"]]["environment"]["SPECSPLIT_HEAD"] == "default"
 
 
 def test_only_loopback_ports_are_published(services: dict[str, dict]) -> None:
     published = {name: s.get("ports", []) for name, s in services.items()}
-    assert {n for n, p in published.items() if p} == {"jaeger", "gateway", "smg", "gateway-cpu", "smg-cpu"}
+    assert {n for n, p in published.items() if p} == {"jaeger", "phoenix", "gateway", "smg", "gateway-cpu",
+                                                             "smg-cpu"}
     for ports in published.values():
         assert all(p.startswith("127.0.0.1:") for p in ports), ports
+
+
+def test_no_build_argument_points_at_another_index_by_default() -> None:
+    text = COMPOSE.read_text()
+    assert "TORCH_INDEX_URL: ${SPECSPLIT_TORCH_INDEX_URL:-}" in text
+    assert 'ARG TORCH_INDEX_URL=""' in (ROOT / "docker/Dockerfile").read_text()

@@ -87,7 +87,7 @@ def run(stub: sgl_grpc.SglangSchedulerStub, req: sgl.GenerateRequest) -> tuple[l
 def test_model_server_info_and_health(sglang: sgl_grpc.SglangSchedulerStub, smollm2_dir: Path) -> None:
     info = sglang.GetModelInfo(sgl.GetModelInfoRequest(), timeout=10)
     assert Path(info.tokenizer_path) == smollm2_dir and (Path(info.tokenizer_path) / "tokenizer.json").exists()
-    assert info.is_generation and info.served_model_name and info.max_context_length == 512
+    assert info.is_generation and info.served_model_name == "SmolLM2-135M-Instruct" and info.max_context_length == 512
     assert info.vocab_size == 49152 and list(info.eos_token_ids) == [2]
     server = sglang.GetServerInfo(sgl.GetServerInfoRequest(), timeout=10)
     assert server.server_type == "grpc" and server.server_args["dp_size"] == 1
@@ -319,6 +319,7 @@ def wait_log_count(stack: ServiceStack, text: str, more_than: int, timeout: floa
 def test_smg_chat_returns_the_gateway_text(smg: tuple[int, str], stack: ServiceStack, codec: TextCodec,
                                            stream: bool) -> None:
     port, model = smg
+    assert model == "SmolLM2-135M-Instruct"  # the served name, not the GGUF's internal one
     client = GatewayClient(stack.addr("gateway"))
     direct = client.generate(make_request(PROMPT, max_new_tokens=24))
     client.close()

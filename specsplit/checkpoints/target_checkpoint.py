@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from specsplit.checkpoints import EMBEDDED_DEFAULT
 from specsplit.checkpoints.shapes import SHAPE_PREFIX, write_shape_target
 from specsplit.models.config import LlamaConfig
 
-EMBEDDED_DEFAULT = "smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
