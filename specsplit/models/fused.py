@@ -56,6 +56,7 @@ class FusedLlama:
 
         self.model, self.pdl, self.k, self.rows = model, pdl, decode, verify
         self.max_rows = verify.MAX_ROWS
+        self.ws = verify.Workspace(model.embed_tokens.weight.device)  # split projections' partials and counters
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens [T] of a padded batch of one sequence (device tensors, so a graph replays any
@@ -97,21 +98,21 @@ class FusedLlama:
 
     def _verify(self, tokens: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor, cache: KVCache, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        m, cfg, pdl, k = self.model, self.model.cfg, self.pdl, self.rows
+        m, cfg, pdl, k, ws = self.model, self.model.cfg, self.pdl, self.rows, self.ws
         eps = cfg.rms_norm_eps
         cos, sin = m.rotary.cos, m.rotary.sin
         h = m.embed_tokens(tokens)  # [T, H]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = k.norm_mm(h, attn.qkv_proj.weight, layer.input_layernorm.weight, eps, pdl)  # [T, (Hq+2Hkv)*D]
+            qkv = k.norm_mm(h, attn.qkv_proj.weight, layer.input_layernorm.weight, eps, pdl, ws=ws)  # [T, (Hq+2Hkv)*D]
             o = k.tree_attention(qkv, cos, sin, positions, entries, slots, mask, cache.k[i], cache.v[i],
                                  attn.shard.q_count, attn.shard.kv_count, pdl)  # [T, Hq*D]
-            h = k.mm_residual(o, attn.o_proj.weight, h, pdl)  # [T, H]
-            a = k.gate_up_silu(h, mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight, eps, pdl)  # [T, I]
-            h = k.mm_residual(a, mlp.down_proj.weight, h, pdl)
+            h = k.mm_residual(o, attn.o_proj.weight, h, pdl, ws)  # [T, H]
+            a = k.gate_up_silu(h, mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight, eps, pdl, ws)  # [T, I]
+            h = k.mm_residual(a, mlp.down_proj.weight, h, pdl, ws)
             if capture and i in m.aux_layer_ids:
                 captured[i] = h
-        logits = k.norm_mm(h, m.lm_head.weight, m.norm.weight, eps, pdl, torch.float32)[:, : m.lm_head.vocab]
+        logits = k.norm_mm(h, m.lm_head.weight, m.norm.weight, eps, pdl, torch.float32, ws)[:, : m.lm_head.vocab]
         aux = torch.cat([captured[i] for i in m.aux_layer_ids], -1) if capture else None
         return logits, aux

@@ -10,19 +10,24 @@ sees the committed entries, its ancestors and itself).
                  entries start..start+T-1, attention over the committed entries [0, start) and
                  the new ones that `mask` [T, T] allows: one program per query head
 
-A weight is read once for all T rows (a program's tile of W times the rows padded to 16, on the
-tensor cores), so a verify of 16 tokens streams the same bytes as a decode of one. The RMS norm
-is folded in as in kernels.decode (rstd per row, its sum of squares accumulated in the same pass).
-fp32 models multiply in IEEE fp32 (no TF32), so they agree with the unfused model to fp32 rounding.
+A weight is read once for all T rows: a program multiplies its tile of W [BLOCK_N, BLOCK_K] by the
+rows padded to 16 (32, 64) on the tensor cores. A projection as narrow as SmolLM2's (576) has
+few tiles of columns, so K is split too (split-K, `plan`): program (tile, s) covers columns
+tile·BLOCK_N.. over the K chunk s, writes its fp32 partial product to a workspace and counts
+itself in the tile's counter; the tile's last program sums the S partials in the order s = 0..S-1
+(whoever arrives last: the result does not depend on timing) and applies the epilogue (RMS norm
+scale, SiLU·mul, residual add), then resets the counter. The plan depends on (N, K) and the GPU's
+multiprocessor count only, never on timing: a given GPU model computes the same bits in every
+process, and rows ≤ 16 the same bits whatever T.
 
-At SmolLM2's shape on an H200 a 16-token verify costs ~2.3x a fused decode (docs/benchmarks.md):
-tl.dot's tiles of 16 output columns leave ~36 programs for a 576-wide projection, each looping
-over K with one tile in flight, so the kernels are latency-bound.
+The RMS norm is folded in as in kernels.decode (rstd per row: each program sums the squares of its
+chunk, the last adds them up). fp32 models multiply in IEEE fp32 (no TF32), so they agree with the
+unfused model to fp32 rounding.
 """
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,17 +37,69 @@ import triton.language as tl
 from specsplit.models.kernels.decode import _launch, _tile, _wait
 
 MAX_ROWS = 64  # tokens a fused verify takes (register budget of tree_attention's [rows, head_dim] tiles)
+MAX_TILES = 4096  # column tiles of one split projection (the counters of a workspace)
 
 
-def _configs() -> list[Any]:
-    """Block shapes tried once per (M, N, K): tl.dot needs tiles of at least 16. With N as small
-    as 576 there are few programs, so a step is the latency of each program's serial loop over
-    K: long tiles (fewer iterations) with more warps are among the candidates."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64})]
-    shapes = ((16, 128, 4), (16, 256, 4), (16, 512, 8), (16, 1024, 8), (32, 128, 4), (32, 512, 8), (64, 64, 4),
-              (64, 128, 8))
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k, w in shapes]
+@dataclass(frozen=True)
+class Plan:
+    """How one projection [N, K] runs: column tiles of block_n, K in `splits` chunks of chunk
+    columns (a multiple of block_k)."""
+    block_n: int
+    block_k: int
+    splits: int
+    chunk: int
+    warps: int = 4
+
+    @property
+    def split(self) -> bool:
+        return self.splits > 1
+
+
+def plan(n: int, k: int, sms: int) -> Plan:
+    """The rule: 32 columns a tile (64 past 8192), 128 columns of K a step (64 below K = 1024),
+    and K split until there are about two programs per multiprocessor."""
+    block_n = 32 if n <= 8192 else 64
+    block_k = 128 if k >= 1024 else 64
+    tiles = triton.cdiv(n, block_n)
+    splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(2 * sms, tiles)))
+    chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    return Plan(block_n, block_k, triton.cdiv(k, chunk), chunk)
+
+
+class Workspace:
+    """Partial products and per-tile counters of split projections, for the kernels of one stream:
+    each kernel leaves its counters at zero, and the next waits for it before it counts."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        # the interpreter (TRITON_INTERPRET=1, on the CPU) plans as for an H200
+        self.sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                    if self.device.type == "cuda" else 132)
+        self.counters = torch.zeros(MAX_TILES, dtype=torch.int32, device=self.device)
+        self._plans: dict[tuple[int, int], Plan] = {}
+
+    def plan(self, n: int, k: int) -> Plan:
+        key = (n, k)
+        if key not in self._plans:
+            self._plans[key] = plan(n, k, self.sms)
+        return self._plans[key]
+
+    def partials(self, p: Plan, n: int, per_program: int) -> torch.Tensor:
+        """fp32 space for what each program of a split projection hands over (per_program values)."""
+        tiles = triton.cdiv(n, p.block_n)
+        if p.split and tiles > MAX_TILES:
+            raise ValueError(f"a split projection has at most {MAX_TILES} column tiles, got {tiles}")
+        return torch.empty(tiles * p.splits * per_program if p.split else 1, dtype=torch.float32, device=self.device)
+
+
+_WORKSPACES: dict[torch.device, Workspace] = {}
+
+
+def workspace(device: torch.device) -> Workspace:
+    """The default workspace of a device (FusedLlama keeps its own)."""
+    if device not in _WORKSPACES:
+        _WORKSPACES[device] = Workspace(device)
+    return _WORKSPACES[device]
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -54,90 +111,176 @@ def _block_m(rows: int) -> int:
 
 
 @triton.jit
-def _rows_mm(x_ptr, nw_ptr, w_ptr, M, N, K, stride_xm, stride_wn, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
-             DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's columns of (X·nw) · Wᵀ: (rows m, m_ok, columns n, n_ok, acc [BLOCK_M,
-    BLOCK_N] fp32, Σ x² per row [BLOCK_M] — 0 without a norm)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    m = tl.arange(0, BLOCK_M)
-    m_ok = m < M
-    w_rows = w_ptr + n[:, None] * stride_wn
-    w = _tile(w_rows, n_ok, 0, K, BLOCK_K)  # [BLOCK_N, BLOCK_K]: before the wait, as in decode
-    _wait(USE_PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & (cols < K)[None, :],
+def _chunk_dot(x_ptr, nw_ptr, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, w, acc, sq,
+               HAS_NORM: tl.constexpr, DOT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += (X·nw)[:, k0:k_end] · W[:, k0:k_end]ᵀ and sq += Σ x² there; w is the tile at k0 (loaded by
+    the caller, before its wait), the next one is prefetched while this one multiplies."""
+    for i in range(0, CHUNK, BLOCK_K):
+        c = k0 + i
+        cols = c + tl.arange(0, BLOCK_K)
+        c_ok = cols < k_end
+        x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & c_ok[None, :],
                     other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
         if HAS_NORM:
             sq += tl.sum(x * x, axis=1)
-            x = x * tl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+            x = x * tl.load(nw_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
         acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=DOT)
-        w = _tile(w_rows, n_ok, k0 + BLOCK_K, K, BLOCK_K)
-    return m, m_ok, n, n_ok, acc, sq
+        w = _tile(w_rows, n_ok, c + BLOCK_K, k_end, BLOCK_K)
+    return acc, sq
 
 
-@triton.autotune(configs=_configs(), key=["M", "N", "K"])
 @triton.jit
-def _norm_mm(x_ptr, nw_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps, HAS_NORM: tl.constexpr,
-             USE_PDL: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    m, m_ok, n, n_ok, y, sq = _rows_mm(x_ptr, nw_ptr, w_ptr, M, N, K, stride_xm, stride_wn, HAS_NORM, USE_PDL, DOT,
-                                       BLOCK_M, BLOCK_N, BLOCK_K)
-    if HAS_NORM:
-        y = y * tl.rsqrt(sq / K + eps)[:, None]
-    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+def _arrive(counter_ptr, SPLITS):
+    """Count this program in its tile; True for the tile's last one (its partials all written)."""
+    tl.debug_barrier()  # every thread of the program has stored its part
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
 
 
-@triton.autotune(configs=_configs(), key=["M", "N", "K"])
 @triton.jit
-def _gate_up_silu_mm(x_ptr, nw_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, eps, USE_PDL: tl.constexpr,
-                     DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """w [2N, K]: gate rows, then up rows; a program's gate and up tiles stream in the same pass."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gather(p_ptr, at, SPLITS, stride_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Σ over s = 0..SPLITS-1 of the partials [BLOCK_M, BLOCK_N] at p_ptr + s·stride_split + at, in order."""
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in range(SPLITS):
+        total += tl.load(p_ptr + s * stride_split + at, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def _gather_sq(q_ptr, m, SPLITS, BLOCK_M: tl.constexpr):
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(SPLITS):
+        total += tl.load(q_ptr + s * BLOCK_M + m, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def _norm_mm(x_ptr, nw_ptr, w_ptr, y_ptr, p_ptr, q_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
+             CHUNK, SPLITS, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    tile, s = tl.program_id(0), tl.program_id(1)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
+    k0 = s * CHUNK
+    k_end = tl.minimum(K, k0 + CHUNK)
+    w_rows = w_ptr + n[:, None] * stride_wn
+    w = _tile(w_rows, n_ok, k0, k_end, BLOCK_K)  # [BLOCK_N, BLOCK_K]: before the wait, as in decode
+    _wait(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, sq = _chunk_dot(x_ptr, nw_ptr, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, w, acc, sq, HAS_NORM,
+                         DOT,
+                         BLOCK_K)
+    last = True
+    if SPLIT:
+        at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        part = p_ptr + tile * SPLITS * BLOCK_M * BLOCK_N
+        tl.store(part + s * BLOCK_M * BLOCK_N + at, acc, cache_modifier=".cg")
+        if HAS_NORM:
+            tl.store(q_ptr + (tile * SPLITS + s) * BLOCK_M + m, sq, cache_modifier=".cg")
+        last = _arrive(c_ptr + tile, SPLITS)
+        if last:
+            acc = _gather(part, at, SPLITS, BLOCK_M * BLOCK_N, BLOCK_M, BLOCK_N)
+            if HAS_NORM:
+                sq = _gather_sq(q_ptr + tile * SPLITS * BLOCK_M, m, SPLITS, BLOCK_M)
+            tl.store(c_ptr + tile, 0)
+    if last:
+        y = acc
+        if HAS_NORM:
+            y = y * tl.rsqrt(sq / K + eps)[:, None]
+        tl.store(y_ptr + m[:, None] * stride_ym + n[None, :],
+                 y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gate_up_silu_mm(x_ptr, nw_ptr, w_ptr, y_ptr, p_ptr, q_ptr, c_ptr, M, N, K, stride_xm, stride_wn, eps,
+                     CHUNK, SPLITS, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w [2N, K]: gate rows, then up rows; a program's gate and up tiles stream in the same pass."""
+    tile, s = tl.program_id(0), tl.program_id(1)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    k0 = s * CHUNK
+    k_end = tl.minimum(K, k0 + CHUNK)
     g_rows = w_ptr + n[:, None] * stride_wn
     u_rows = w_ptr + (n + N)[:, None] * stride_wn
-    wg = _tile(g_rows, n_ok, 0, K, BLOCK_K)
-    wu = _tile(u_rows, n_ok, 0, K, BLOCK_K)
+    wg = _tile(g_rows, n_ok, k0, k_end, BLOCK_K)
+    wu = _tile(u_rows, n_ok, k0, k_end, BLOCK_K)
     _wait(USE_PDL)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & (cols < K)[None, :],
+    for i in range(0, CHUNK, BLOCK_K):
+        c = k0 + i
+        cols = c + tl.arange(0, BLOCK_K)
+        c_ok = cols < k_end
+        x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & c_ok[None, :],
                     other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
         sq += tl.sum(x * x, axis=1)
-        xn = (x * tl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]).to(wg.dtype)
+        xn = (x * tl.load(nw_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]).to(wg.dtype)
         acc_g = tl.dot(xn, tl.trans(wg), acc_g, input_precision=DOT)
         acc_u = tl.dot(xn, tl.trans(wu), acc_u, input_precision=DOT)
-        wg = _tile(g_rows, n_ok, k0 + BLOCK_K, K, BLOCK_K)
-        wu = _tile(u_rows, n_ok, k0 + BLOCK_K, K, BLOCK_K)
-    rstd = tl.rsqrt(sq / K + eps)[:, None]
-    dt = y_ptr.dtype.element_ty
-    g = (acc_g * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
-    u = (acc_u * rstd).to(dt).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(y_ptr + m[:, None] * N + n[None, :], (silu * u).to(dt), mask=m_ok[:, None] & n_ok[None, :])
+        wg = _tile(g_rows, n_ok, c + BLOCK_K, k_end, BLOCK_K)
+        wu = _tile(u_rows, n_ok, c + BLOCK_K, k_end, BLOCK_K)
+    last = True
+    if SPLIT:
+        at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        size: tl.constexpr = BLOCK_M * BLOCK_N
+        part = p_ptr + tile * SPLITS * 2 * size
+        tl.store(part + (2 * s) * size + at, acc_g, cache_modifier=".cg")
+        tl.store(part + (2 * s + 1) * size + at, acc_u, cache_modifier=".cg")
+        tl.store(q_ptr + (tile * SPLITS + s) * BLOCK_M + m, sq, cache_modifier=".cg")
+        last = _arrive(c_ptr + tile, SPLITS)
+        if last:
+            acc_g = _gather(part, at, SPLITS, 2 * size, BLOCK_M, BLOCK_N)
+            acc_u = _gather(part + size, at, SPLITS, 2 * size, BLOCK_M, BLOCK_N)
+            sq = _gather_sq(q_ptr + tile * SPLITS * BLOCK_M, m, SPLITS, BLOCK_M)
+            tl.store(c_ptr + tile, 0)
+    if last:
+        rstd = tl.rsqrt(sq / K + eps)[:, None]
+        dt = y_ptr.dtype.element_ty
+        g = (acc_g * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
+        u = (acc_u * rstd).to(dt).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(y_ptr + m[:, None] * N + n[None, :], (silu * u).to(dt), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.autotune(configs=_configs(), key=["M", "N", "K"])
 @triton.jit
-def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, USE_PDL: tl.constexpr,
-                 DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    m, m_ok, n, n_ok, y, _ = _rows_mm(x_ptr, x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, False, USE_PDL, DOT,
-                                      BLOCK_M, BLOCK_N, BLOCK_K)
-    dt = y_ptr.dtype.element_ty
-    at = m[:, None] * N + n[None, :]
-    ok = m_ok[:, None] & n_ok[None, :]
-    y = y.to(dt).to(tl.float32) + tl.load(r_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + at, y.to(dt), mask=ok)
+def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, CHUNK, SPLITS,
+                 SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    tile, s = tl.program_id(0), tl.program_id(1)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    k0 = s * CHUNK
+    k_end = tl.minimum(K, k0 + CHUNK)
+    w_rows = w_ptr + n[:, None] * stride_wn
+    w = _tile(w_rows, n_ok, k0, k_end, BLOCK_K)
+    _wait(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, sq = _chunk_dot(x_ptr, x_ptr, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, w, acc, sq, False, DOT,
+                         BLOCK_K)
+    last = True
+    if SPLIT:
+        at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        part = p_ptr + tile * SPLITS * BLOCK_M * BLOCK_N
+        tl.store(part + s * BLOCK_M * BLOCK_N + at, acc, cache_modifier=".cg")
+        last = _arrive(c_ptr + tile, SPLITS)
+        if last:
+            acc = _gather(part, at, SPLITS, BLOCK_M * BLOCK_N, BLOCK_M, BLOCK_N)
+            tl.store(c_ptr + tile, 0)
+    if last:
+        dt = y_ptr.dtype.element_ty
+        at = m[:, None] * N + n[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+        y = acc.to(dt).to(tl.float32) + tl.load(r_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + at, y.to(dt), mask=ok)
 
 
 @triton.jit
@@ -217,42 +360,58 @@ def _tree_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, s
 ATTENTION_BLOCK = (64, 4)  # committed keys per iteration, warps
 
 
-def _grid(n: int) -> Any:
-    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)
-
-
-def _constants(x: torch.Tensor, pdl: bool) -> dict[str, Any]:
-    return {"USE_PDL": pdl, "DOT": _precision(x.dtype), "BLOCK_M": _block_m(x.shape[0]), **_launch(pdl)}
+def _run(kernel: Any, ws: Workspace, p: Plan, n: int, x: torch.Tensor, pdl: bool, *args: Any,
+         **constants: Any) -> None:
+    grid = (triton.cdiv(n, p.block_n), p.splits)
+    kernel[grid](*args, p.chunk, p.splits, SPLIT=p.split, USE_PDL=pdl, DOT=_precision(x.dtype),
+                 BLOCK_M=_block_m(x.shape[0]), BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps,
+                 num_stages=3, **constants, **_launch(pdl))
 
 
 def norm_mm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, pdl: bool = False,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None, ws: Workspace | None = None) -> torch.Tensor:
     """x [T, K] -> rms_norm(x, norm_weight) · weightᵀ [T, N] (no norm when norm_weight is None),
     rounded to x's dtype and stored as out_dtype (default: x's)."""
     (m, k), n = x.shape, weight.shape[0]
+    ws = ws or workspace(x.device)
+    p = ws.plan(n, k)
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     nw = x if norm_weight is None else norm_weight
-    _norm_mm[_grid(n)](x, nw, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), eps,
-                       HAS_NORM=norm_weight is not None, **_constants(x, pdl))
+    bm = _block_m(m)
+    parts, sq = ws.partials(p, n, bm * p.block_n), ws.partials(p, n, bm)
+    _run(_norm_mm, ws, p, n, x, pdl, x, nw, weight, y, parts, sq, ws.counters, m, n, k, x.stride(0),
+         weight.stride(0), y.stride(0), eps, HAS_NORM=norm_weight is not None)
     return y
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                 pdl: bool = False) -> torch.Tensor:
+                 pdl: bool = False, ws: Workspace | None = None) -> torch.Tensor:
     """x [T, K], weight [2I, K] (gate; up) -> silu(n·gateᵀ) * (n·upᵀ) [T, I], n = rms_norm(x)."""
     (m, k), n = x.shape, weight.shape[0] // 2
+    ws = ws or workspace(x.device)
+    p = ws.plan(n, k)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    _gate_up_silu_mm[_grid(n)](x, norm_weight, weight, y, m, n, k, x.stride(0), weight.stride(0), eps,
-                               **_constants(x, pdl))
+    bm = _block_m(m)
+    parts, sq = ws.partials(p, n, 2 * bm * p.block_n), ws.partials(p, n, bm)
+    _run(_gate_up_silu_mm, ws, p, n, x, pdl, x, norm_weight, weight, y, parts, sq, ws.counters, m, n, k,
+         x.stride(0), weight.stride(0), eps)
     return y
 
 
-def mm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def mm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, pdl: bool = False,
+                ws: Workspace | None = None) -> torch.Tensor:
     """x [T, K], weight [N, K], residual [T, N] -> residual + x · weightᵀ [T, N]."""
     (m, k), n = x.shape, weight.shape[0]
+    ws = ws or workspace(x.device)
+    p = ws.plan(n, k)
     y = torch.empty_like(residual)
-    _mm_residual[_grid(n)](x, weight, residual, y, m, n, k, x.stride(0), weight.stride(0), **_constants(x, pdl))
+    _run(_mm_residual, ws, p, n, x, pdl, x, weight, residual, y, ws.partials(p, n, _block_m(m) * p.block_n), ws.counters,
+         m, n, k, x.stride(0), weight.stride(0))
     return y
+
+
+def _constants(x: torch.Tensor, pdl: bool) -> dict[str, Any]:
+    return {"USE_PDL": pdl, "DOT": _precision(x.dtype), "BLOCK_M": _block_m(x.shape[0]), **_launch(pdl)}
 
 
 def tree_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
