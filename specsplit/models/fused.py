@@ -105,11 +105,12 @@ class FusedLlama:
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = k.norm_mm(h, attn.qkv_proj.weight, layer.input_layernorm.weight, eps, pdl, ws=ws)  # [T, (Hq+2Hkv)*D]
+            qkv = k.norm_mm(h, attn.qkv_proj.weight, layer.input_layernorm.weight, eps, pdl, ws=ws)  # [T, (Hq+2Hkv)D]
             o = k.tree_attention(qkv, cos, sin, positions, entries, slots, mask, cache.k[i], cache.v[i],
                                  attn.shard.q_count, attn.shard.kv_count, pdl)  # [T, Hq*D]
             h = k.mm_residual(o, attn.o_proj.weight, h, pdl, ws)  # [T, H]
-            a = k.gate_up_silu(h, mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight, eps, pdl, ws)  # [T, I]
+            norm = layer.post_attention_layernorm.weight
+            a = k.gate_up_silu(h, mlp.gate_up_proj.weight, norm, eps, pdl, ws)  # [T, I]
             h = k.mm_residual(a, mlp.down_proj.weight, h, pdl, ws)
             if capture and i in m.aux_layer_ids:
                 captured[i] = h

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specsplit.models.kernels.decode import _launch, _tile, _wait
+from specsplit.models.kernels.decode import _launch, _wait
 
 MAX_ROWS = 64  # tokens a fused verify takes (register budget of tree_attention's [rows, head_dim] tiles)
 MAX_TILES = 4096  # column tiles of one split projection (the counters of a workspace)
@@ -56,9 +56,9 @@ class Plan:
 
 
 def plan(n: int, k: int, sms: int) -> Plan:
-    """The rule: 32 columns a tile (64 past 8192), 128 columns of K a step (64 below K = 1024),
+    """The rule: 32 columns a tile (64 past 16384), 128 columns of K a step (64 below K = 1024),
     and K split until there are about two programs per multiprocessor."""
-    block_n = 32 if n <= 8192 else 64
+    block_n = 32 if n <= 16384 else 64
     block_k = 128 if k >= 1024 else 64
     tiles = triton.cdiv(n, block_n)
     splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(2 * sms, tiles)))
@@ -111,21 +111,22 @@ def _block_m(rows: int) -> int:
 
 
 @triton.jit
-def _chunk_dot(x_ptr, nw_ptr, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, w, acc, sq,
-               HAS_NORM: tl.constexpr, DOT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += (X·nw)[:, k0:k_end] · W[:, k0:k_end]ᵀ and sq += Σ x² there; w is the tile at k0 (loaded by
-    the caller, before its wait), the next one is prefetched while this one multiplies."""
+def _chunk_dot(x_ptr, nw_ptr, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, acc, sq, HAS_NORM: tl.constexpr,
+               DOT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += (X·nw)[:, k0:k_end] · W[:, k0:k_end]ᵀ and sq += Σ x² there. The loads stay in the loop,
+    so the compiler pipelines them (num_stages tiles in flight)."""
     for i in range(0, CHUNK, BLOCK_K):
-        c = k0 + i
-        cols = c + tl.arange(0, BLOCK_K)
+        cols = k0 + i + tl.arange(0, BLOCK_K)
         c_ok = cols < k_end
+        w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
         x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+                    other=0.0)  # [BLOCK_M, BLOCK_K]
         if HAS_NORM:
-            sq += tl.sum(x * x, axis=1)
-            x = x * tl.load(nw_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            xf = x.to(tl.float32)
+            sq += tl.sum(xf * xf, axis=1)
+            x = (xf * tl.load(nw_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]).to(w.dtype)
         acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=DOT)
-        w = _tile(w_rows, n_ok, c + BLOCK_K, k_end, BLOCK_K)
     return acc, sq
 
 
@@ -165,11 +166,10 @@ def _norm_mm(x_ptr, nw_ptr, w_ptr, y_ptr, p_ptr, q_ptr, c_ptr, M, N, K, stride_x
     k0 = s * CHUNK
     k_end = tl.minimum(K, k0 + CHUNK)
     w_rows = w_ptr + n[:, None] * stride_wn
-    w = _tile(w_rows, n_ok, k0, k_end, BLOCK_K)  # [BLOCK_N, BLOCK_K]: before the wait, as in decode
     _wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, sq = _chunk_dot(x_ptr, nw_ptr, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, w, acc, sq, HAS_NORM,
+    acc, sq = _chunk_dot(x_ptr, nw_ptr, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, acc, sq, HAS_NORM,
                          DOT,
                          BLOCK_K)
     last = True
@@ -207,24 +207,22 @@ def _gate_up_silu_mm(x_ptr, nw_ptr, w_ptr, y_ptr, p_ptr, q_ptr, c_ptr, M, N, K, 
     k_end = tl.minimum(K, k0 + CHUNK)
     g_rows = w_ptr + n[:, None] * stride_wn
     u_rows = w_ptr + (n + N)[:, None] * stride_wn
-    wg = _tile(g_rows, n_ok, k0, k_end, BLOCK_K)
-    wu = _tile(u_rows, n_ok, k0, k_end, BLOCK_K)
     _wait(USE_PDL)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for i in range(0, CHUNK, BLOCK_K):
-        c = k0 + i
-        cols = c + tl.arange(0, BLOCK_K)
+        cols = k0 + i + tl.arange(0, BLOCK_K)
         c_ok = cols < k_end
+        w_ok = n_ok[:, None] & c_ok[None, :]
+        wg = tl.load(g_rows + cols[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+        wu = tl.load(u_rows + cols[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & c_ok[None, :],
                     other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
         sq += tl.sum(x * x, axis=1)
         xn = (x * tl.load(nw_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]).to(wg.dtype)
         acc_g = tl.dot(xn, tl.trans(wg), acc_g, input_precision=DOT)
         acc_u = tl.dot(xn, tl.trans(wu), acc_u, input_precision=DOT)
-        wg = _tile(g_rows, n_ok, c + BLOCK_K, k_end, BLOCK_K)
-        wu = _tile(u_rows, n_ok, c + BLOCK_K, k_end, BLOCK_K)
     last = True
     if SPLIT:
         at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -260,11 +258,10 @@ def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, s
     k0 = s * CHUNK
     k_end = tl.minimum(K, k0 + CHUNK)
     w_rows = w_ptr + n[:, None] * stride_wn
-    w = _tile(w_rows, n_ok, k0, k_end, BLOCK_K)
     _wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, sq = _chunk_dot(x_ptr, x_ptr, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, w, acc, sq, False, DOT,
+    acc, sq = _chunk_dot(x_ptr, x_ptr, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, acc, sq, False, DOT,
                          BLOCK_K)
     last = True
     if SPLIT:
@@ -405,8 +402,9 @@ def mm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, p
     ws = ws or workspace(x.device)
     p = ws.plan(n, k)
     y = torch.empty_like(residual)
-    _run(_mm_residual, ws, p, n, x, pdl, x, weight, residual, y, ws.partials(p, n, _block_m(m) * p.block_n), ws.counters,
-         m, n, k, x.stride(0), weight.stride(0))
+    parts = ws.partials(p, n, _block_m(m) * p.block_n)
+    _run(_mm_residual, ws, p, n, x, pdl, x, weight, residual, y, parts, ws.counters, m, n, k, x.stride(0),
+         weight.stride(0))
     return y
 
 
