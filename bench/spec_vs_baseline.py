@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import os
+import platform
 import subprocess
 import time
 from typing import Any
