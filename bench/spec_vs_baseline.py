@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import time
@@ -21,6 +22,9 @@ from specsplit.cli.launcher import ServiceStack, StackConfig
 
 
 def git_commit() -> str:
+    """The commit measured: SPECSPLIT_COMMIT where set (a copy of the tree on another machine), else git's HEAD."""
+    if os.environ.get("SPECSPLIT_COMMIT"):
+        return os.environ["SPECSPLIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

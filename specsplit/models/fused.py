@@ -3,8 +3,8 @@
 
 A decoder layer of the padded path is ~20 kernels (norms, projections, rotary, KV writes,
 attention, SiLU·mul, residual adds); at batch 1 an 8B step is then ~640 short kernels on top
-of the weight streaming. Here a layer is five (kernels.decode for one token, kernels.verify
-for T):
+of the weight streaming. Here a layer is five (kernels.decode for one token, kernels.projections
+and kernels.verify for T):
 
     qkv = W_qkv · rms_norm(h)                       norm_gemv / norm_mm
     o   = attention(rope(q), rope(k) → cache, v → cache)   rope_attention / tree_attention
@@ -12,7 +12,9 @@ for T):
     a   = silu(W_g · rms_norm(h)) * (W_u · rms_norm(h))    gate_up_silu
     h   = h + W_down · a                            gemv_residual / mm_residual
 
-plus the embedding lookup and one more norm + GEMM for the final norm and lm_head. At batch 1
+plus the embedding lookup and one more norm + GEMM for the final norm and lm_head (for T tokens
+the norms are split around the GEMMs: each residual add also writes the next norm's scaled
+input, kernels.projections.Normed). At batch 1
 attention is latency-bound: its kernel reads everything that does not depend on the previous
 kernel (position, slot, rotary tables, the first block of committed keys and values) before
 waiting for it. A verify of T tokens streams the same weights once for all its rows.
@@ -52,10 +54,12 @@ class FusedLlama:
         reason = fused_decode_unsupported(model)
         if reason:
             raise ValueError(reason)
-        from specsplit.models.kernels import decode, verify  # Triton: imported only when a fused step is made
+        # Triton: imported only when a fused step is made
+        from specsplit.models.kernels import decode, projections, verify
 
-        self.model, self.pdl, self.k, self.rows = model, pdl, decode, verify
+        self.model, self.pdl, self.k, self.proj, self.tree = model, pdl, decode, projections, verify
         self.max_rows = verify.MAX_ROWS
+        self.ws = projections.Workspace(model.embed_tokens.weight.device)  # split projections' partials, counters
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens [T] of a padded batch of one sequence (device tensors, so a graph replays any
@@ -97,21 +101,25 @@ class FusedLlama:
 
     def _verify(self, tokens: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor, cache: KVCache, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        m, cfg, pdl, k = self.model, self.model.cfg, self.pdl, self.rows
+        m, cfg, pdl, k, ws = self.model, self.model.cfg, self.pdl, self.proj, self.ws
         eps = cfg.rms_norm_eps
         cos, sin = m.rotary.cos, m.rotary.sin
         h = m.embed_tokens(tokens)  # [T, H]
+        # every residual add also scales its output for the next RMS norm (kernels.verify.Normed)
+        norms = [w for layer in m.layers for w in (layer.input_layernorm.weight,
+                                                   layer.post_attention_layernorm.weight)] + [m.norm.weight]
+        x = k.prenorm(h, norms[0])
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = k.norm_mm(h, attn.qkv_proj.weight, layer.input_layernorm.weight, eps, pdl)  # [T, (Hq+2Hkv)*D]
-            o = k.tree_attention(qkv, cos, sin, positions, entries, slots, mask, cache.k[i], cache.v[i],
-                                 attn.shard.q_count, attn.shard.kv_count, pdl)  # [T, Hq*D]
-            h = k.mm_residual(o, attn.o_proj.weight, h, pdl)  # [T, H]
-            a = k.gate_up_silu(h, mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight, eps, pdl)  # [T, I]
-            h = k.mm_residual(a, mlp.down_proj.weight, h, pdl)
+            qkv = k.norm_mm(x, attn.qkv_proj.weight, eps, pdl, ws=ws)  # [T, (Hq+2Hkv)*D]
+            o = self.tree.tree_attention(qkv, cos, sin, positions, entries, slots, mask, cache.k[i], cache.v[i],
+                                         attn.shard.q_count, attn.shard.kv_count, pdl)  # [T, Hq*D]
+            h, x = k.mm_residual(o, attn.o_proj.weight, h, pdl, ws, norms[2 * i + 1])  # [T, H]
+            a = k.gate_up_silu(x, mlp.gate_up_proj.weight, eps, pdl, ws)  # [T, I]
+            h, x = k.mm_residual(a, mlp.down_proj.weight, h, pdl, ws, norms[2 * i + 2])
             if capture and i in m.aux_layer_ids:
                 captured[i] = h
-        logits = k.norm_mm(h, m.lm_head.weight, m.norm.weight, eps, pdl, torch.float32)[:, : m.lm_head.vocab]
+        logits = k.norm_mm(x, m.lm_head.weight, eps, pdl, torch.float32, ws)[:, : m.lm_head.vocab]
         aux = torch.cat([captured[i] for i in m.aux_layer_ids], -1) if capture else None
         return logits, aux

@@ -1,0 +1,366 @@
+"""Triton kernels of the fused multi-row step's projections (specsplit.models.fused, T > 1 tokens of
+one sequence: a verify's chain or tree):
+
+  prenorm        X·nw and the partial Σ x² of each row, for the first layer's input
+  norm_mm        Y = rms_norm(X) · Wᵀ          q|k|v, and the final norm + lm_head
+  gate_up_silu   A = silu(rms_norm(X)·Gᵀ) * (rms_norm(X)·Uᵀ)
+  mm_residual    H' = H + A · Wᵀ               the o and down projections with the residual add; it also
+                                               leaves H'·nw and the partial Σ h'² for the next norm
+
+A weight is read once for all T rows: a program multiplies its tile of W [BLOCK_N, BLOCK_K] by the
+rows padded to 16 (32, 64) on the tensor cores, its loads pipelined by the compiler. A projection
+as narrow as SmolLM2's (576) has few tiles of columns, so K is split too (split-K, `plan`):
+program (tile, s) covers columns tile·BLOCK_N.. over the K chunk s, writes its fp32 partial
+product to a workspace and counts itself in the tile's counter; the tile's last program sums the
+S partials in the order s = 0..S-1 (whoever arrives last: the result does not depend on timing),
+applies the epilogue and resets the counter. The plan depends on (N, K) and the GPU's
+multiprocessor count only, never on timing: a given GPU model computes the same bits in every
+process, and rows ≤ 16 the same bits whatever T.
+
+The RMS norm is split around the GEMM: rms_norm(x)·w = rstd · Σ W[n,k] (x[k]·nw[k]). The kernel
+that writes x (the residual add before, or prenorm) also writes x·nw rounded to the activations'
+dtype (`Normed.scaled`, the GEMM's operand) and Σ x² over its tile of columns; the projection adds
+those up in tile order for rstd. The GEMM's loop then only streams operands, as a plain GEMM does
+(folding the norm into the loop costs 2.8x at 8B's q|k|v). fp32 models multiply in IEEE fp32 (no
+TF32), so they agree with the unfused model to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from specsplit.models.kernels.decode import _launch, _wait
+
+MAX_TILES = 4096  # column tiles of one split projection (the counters of a workspace)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one projection [N, K] runs: column tiles of block_n, K in `splits` chunks of chunk
+    columns (a multiple of block_k)."""
+    block_n: int
+    block_k: int
+    splits: int
+    chunk: int
+    warps: int = 4
+
+    @property
+    def split(self) -> bool:
+        return self.splits > 1
+
+
+def plan(n: int, k: int, sms: int) -> Plan:
+    """The rule: 32 columns a tile (64 past 16384), 128 columns of K a step (64 below K = 1024),
+    and K split until there are about two programs per multiprocessor."""
+    block_n = 32 if n <= 16384 else 64
+    block_k = 128 if k >= 1024 else 64
+    tiles = triton.cdiv(n, block_n)
+    splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(2 * sms, tiles)))
+    chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    return Plan(block_n, block_k, triton.cdiv(k, chunk), chunk)
+
+
+class Workspace:
+    """Partial products and per-tile counters of split projections, for the kernels of one stream:
+    each kernel leaves its counters at zero, and the next waits for it before it counts."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        # the interpreter (TRITON_INTERPRET=1, on the CPU) plans as for an H200
+        self.sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                    if self.device.type == "cuda" else 132)
+        self.counters = torch.zeros(MAX_TILES, dtype=torch.int32, device=self.device)
+        self._plans: dict[tuple[int, int], Plan] = {}
+
+    def plan(self, n: int, k: int) -> Plan:
+        key = (n, k)
+        if key not in self._plans:
+            self._plans[key] = plan(n, k, self.sms)
+        return self._plans[key]
+
+    def partials(self, p: Plan, n: int, per_program: int) -> torch.Tensor:
+        """fp32 space for what each program of a split projection hands over (per_program values)."""
+        tiles = triton.cdiv(n, p.block_n)
+        if p.split and tiles > MAX_TILES:
+            raise ValueError(f"a split projection has at most {MAX_TILES} column tiles, got {tiles}")
+        return torch.empty(tiles * p.splits * per_program if p.split else 1, dtype=torch.float32, device=self.device)
+
+
+_WORKSPACES: dict[torch.device, Workspace] = {}
+
+
+def workspace(device: torch.device) -> Workspace:
+    """The default workspace of a device (FusedLlama keeps its own)."""
+    if device not in _WORKSPACES:
+        _WORKSPACES[device] = Workspace(device)
+    return _WORKSPACES[device]
+
+
+def precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # (bf16/fp16 operands ignore it)
+
+
+def block_m(rows: int) -> int:
+    return max(16, triton.next_power_of_2(rows))
+
+
+@triton.jit
+def _chunk_dot(x_ptr, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, acc, DOT: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """acc += X[:, k0:k_end] · W[:, k0:k_end]ᵀ. Operands come straight from memory, so the compiler
+    pipelines their loads (num_stages tiles in flight)."""
+    for i in range(0, CHUNK, BLOCK_K):
+        cols = k0 + i + tl.arange(0, BLOCK_K)
+        c_ok = cols < k_end
+        w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
+        x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                    other=0.0)  # [BLOCK_M, BLOCK_K]
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT)
+    return acc
+
+
+@triton.jit
+def _arrive(counter_ptr, SPLITS):
+    """Count this program in its tile; True for the tile's last one (its partials all written)."""
+    tl.debug_barrier()  # every thread of the program has stored its part
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+
+
+@triton.jit
+def _gather(p_ptr, at, SPLITS, stride_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Σ over s = 0..SPLITS-1 of the partials [BLOCK_M, BLOCK_N] at p_ptr + s·stride_split + at, in order."""
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in range(SPLITS):
+        total += tl.load(p_ptr + s * stride_split + at, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def _rstd(q_ptr, TILES, m, K, eps, BLOCK_M: tl.constexpr):
+    """1 / rms of each row from its partial Σ x² [TILES, BLOCK_M], summed in tile order."""
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for t in range(TILES):
+        sq += tl.load(q_ptr + t * BLOCK_M + m)
+    return tl.rsqrt(sq / K + eps)
+
+
+@triton.jit
+def _put_normed(y, m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, BLOCK_M: tl.constexpr):
+    """For the next RMS norm: y·nw rounded to the activations' dtype, and this tile's Σ y² per row."""
+    nw = tl.load(nw_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(xn_ptr + m[:, None] * N + n[None, :], (y * nw[None, :]).to(xn_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(q_ptr + tile * BLOCK_M + m, tl.sum(tl.where(n_ok[None, :], y * y, 0.0), axis=1))
+
+
+@triton.jit
+def _prenorm(x_ptr, nw_ptr, xn_ptr, q_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile = tl.program_id(0)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    x = tl.load(x_ptr + m[:, None] * N + n[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+    _put_normed(x.to(tl.float32), m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, BLOCK_M)
+
+
+@triton.jit
+def _norm_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
+             CHUNK, SPLITS, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y = rstd · (X·nw) · Wᵀ, with X·nw and the partial Σ x² as _put_normed leaves them."""
+    tile, s = tl.program_id(0), tl.program_id(1)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    k0 = s * CHUNK
+    w_rows = w_ptr + n[:, None] * stride_wn
+    _wait(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _chunk_dot(x_ptr, w_rows, n_ok, m, m_ok, k0, tl.minimum(K, k0 + CHUNK), CHUNK, stride_xm, acc, DOT,
+                     BLOCK_K)
+    last = True
+    if SPLIT:
+        at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        part = p_ptr + tile * SPLITS * BLOCK_M * BLOCK_N
+        tl.store(part + s * BLOCK_M * BLOCK_N + at, acc, cache_modifier=".cg")
+        last = _arrive(c_ptr + tile, SPLITS)
+        if last:
+            acc = _gather(part, at, SPLITS, BLOCK_M * BLOCK_N, BLOCK_M, BLOCK_N)
+            tl.store(c_ptr + tile, 0)
+    if last:
+        y = acc * _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M)[:, None]
+        tl.store(y_ptr + m[:, None] * stride_ym + n[None, :],
+                 y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, eps,
+                     CHUNK, SPLITS, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w [2N, K]: gate rows, then up rows; a program's gate and up tiles stream in the same pass."""
+    tile, s = tl.program_id(0), tl.program_id(1)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    k0 = s * CHUNK
+    k_end = tl.minimum(K, k0 + CHUNK)
+    g_rows = w_ptr + n[:, None] * stride_wn
+    u_rows = w_ptr + (n + N)[:, None] * stride_wn
+    _wait(USE_PDL)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i in range(0, CHUNK, BLOCK_K):
+        cols = k0 + i + tl.arange(0, BLOCK_K)
+        c_ok = cols < k_end
+        w_ok = n_ok[:, None] & c_ok[None, :]
+        wg = tl.load(g_rows + cols[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+        wu = tl.load(u_rows + cols[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                    other=0.0)  # [BLOCK_M, BLOCK_K]
+        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=DOT)
+        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=DOT)
+    last = True
+    if SPLIT:
+        at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        size: tl.constexpr = BLOCK_M * BLOCK_N
+        part = p_ptr + tile * SPLITS * 2 * size
+        tl.store(part + (2 * s) * size + at, acc_g, cache_modifier=".cg")
+        tl.store(part + (2 * s + 1) * size + at, acc_u, cache_modifier=".cg")
+        last = _arrive(c_ptr + tile, SPLITS)
+        if last:
+            acc_g = _gather(part, at, SPLITS, 2 * size, BLOCK_M, BLOCK_N)
+            acc_u = _gather(part + size, at, SPLITS, 2 * size, BLOCK_M, BLOCK_N)
+            tl.store(c_ptr + tile, 0)
+    if last:
+        rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M)[:, None]
+        dt = y_ptr.dtype.element_ty
+        g = (acc_g * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
+        u = (acc_u * rstd).to(dt).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(y_ptr + m[:, None] * N + n[None, :], (silu * u).to(dt), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, nw_ptr, xn_ptr, q_ptr, M, N, K, stride_xm, stride_wn,
+                 CHUNK, SPLITS, SPLIT: tl.constexpr, NEXT_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+                 DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """H' = H + X · Wᵀ; with NEXT_NORM also H'·nw and its partial Σ h'² for the next projection."""
+    tile, s = tl.program_id(0), tl.program_id(1)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    k0 = s * CHUNK
+    w_rows = w_ptr + n[:, None] * stride_wn
+    _wait(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _chunk_dot(x_ptr, w_rows, n_ok, m, m_ok, k0, tl.minimum(K, k0 + CHUNK), CHUNK, stride_xm, acc, DOT,
+                     BLOCK_K)
+    last = True
+    if SPLIT:
+        at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        part = p_ptr + tile * SPLITS * BLOCK_M * BLOCK_N
+        tl.store(part + s * BLOCK_M * BLOCK_N + at, acc, cache_modifier=".cg")
+        last = _arrive(c_ptr + tile, SPLITS)
+        if last:
+            acc = _gather(part, at, SPLITS, BLOCK_M * BLOCK_N, BLOCK_M, BLOCK_N)
+            tl.store(c_ptr + tile, 0)
+    if last:
+        dt = y_ptr.dtype.element_ty
+        at = m[:, None] * N + n[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+        y = (acc.to(dt).to(tl.float32) + tl.load(r_ptr + at, mask=ok, other=0.0).to(tl.float32)).to(dt)
+        tl.store(y_ptr + at, y, mask=ok)
+        if NEXT_NORM:
+            _put_normed(y.to(tl.float32), m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, BLOCK_M)
+
+
+def _run(kernel: Any, p: Plan, n: int, x: torch.Tensor, pdl: bool, *args: Any, **constants: Any) -> None:
+    grid = (triton.cdiv(n, p.block_n), p.splits)
+    kernel[grid](*args, p.chunk, p.splits, SPLIT=p.split, USE_PDL=pdl, DOT=precision(x.dtype),
+                 BLOCK_M=block_m(x.shape[0]), BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps,
+                 num_stages=3, **constants, **_launch(pdl))
+
+
+@dataclass
+class Normed:
+    """Rows on their way into an RMS-normed projection: x·nw rounded to the activations' dtype
+    [T, K], and each row's Σ x² in partial sums over column tiles [tiles, BLOCK_M] (fp32), added
+    up in tile order by the projection."""
+    scaled: torch.Tensor
+    squares: torch.Tensor
+    tiles: int
+
+
+PRENORM_BLOCK = 64  # columns a program of prenorm
+
+
+def prenorm(x: torch.Tensor, norm_weight: torch.Tensor) -> Normed:
+    """x [T, K] -> Normed for a projection after rms_norm(·, norm_weight) (the first layer's input)."""
+    (m, k), bm = x.shape, block_m(x.shape[0])
+    tiles = triton.cdiv(k, PRENORM_BLOCK)
+    out = Normed(torch.empty_like(x), torch.empty(tiles * bm, dtype=torch.float32, device=x.device), tiles)
+    _prenorm[(tiles,)](x, norm_weight, out.scaled, out.squares, m, k, BLOCK_M=bm, BLOCK_N=PRENORM_BLOCK)
+    return out
+
+
+def norm_mm(x: Normed, weight: torch.Tensor, eps: float, pdl: bool = False, out_dtype: torch.dtype | None = None,
+            ws: Workspace | None = None) -> torch.Tensor:
+    """rms_norm(x) · weightᵀ [T, N] for x from prenorm or mm_residual(next_norm=...), weight [N, K],
+    rounded to the activations' dtype and stored as out_dtype (default: theirs)."""
+    xs = x.scaled
+    (m, k), n = xs.shape, weight.shape[0]
+    ws = ws or workspace(xs.device)
+    p = ws.plan(n, k)
+    y = torch.empty(m, n, device=xs.device, dtype=out_dtype or xs.dtype)
+    parts = ws.partials(p, n, block_m(m) * p.block_n)
+    _run(_norm_mm, p, n, xs, pdl, xs, x.squares, x.tiles, weight, y, parts, ws.counters, m, n, k, xs.stride(0),
+         weight.stride(0), y.stride(0), eps)
+    return y
+
+
+def gate_up_silu(x: Normed, weight: torch.Tensor, eps: float, pdl: bool = False,
+                 ws: Workspace | None = None) -> torch.Tensor:
+    """silu(n·gateᵀ) * (n·upᵀ) [T, I] for n = rms_norm(x), x a Normed [T, K], weight [2I, K] (gate; up)."""
+    xs = x.scaled
+    (m, k), n = xs.shape, weight.shape[0] // 2
+    ws = ws or workspace(xs.device)
+    p = ws.plan(n, k)
+    y = torch.empty(m, n, device=xs.device, dtype=xs.dtype)
+    parts = ws.partials(p, n, 2 * block_m(m) * p.block_n)
+    _run(_gate_up_silu_mm, p, n, xs, pdl, xs, x.squares, x.tiles, weight, y, parts, ws.counters, m, n, k,
+         xs.stride(0), weight.stride(0), eps)
+    return y
+
+
+def mm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, pdl: bool = False,
+                ws: Workspace | None = None, next_norm: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, Normed | None]:
+    """x [T, K], weight [N, K], residual [T, N] -> (h = residual + x · weightᵀ [T, N], and with
+    next_norm [N] the Normed of h for the projection after rms_norm(h, next_norm))."""
+    (m, k), n = x.shape, weight.shape[0]
+    ws = ws or workspace(x.device)
+    p = ws.plan(n, k)
+    bm = block_m(m)
+    y = torch.empty_like(residual)
+    normed = None
+    if next_norm is not None:
+        tiles = triton.cdiv(n, p.block_n)
+        normed = Normed(torch.empty_like(residual), torch.empty(tiles * bm, dtype=torch.float32, device=x.device),
+                        tiles)
+    parts = ws.partials(p, n, bm * p.block_n)
+    nw, xn, q = (next_norm, normed.scaled, normed.squares) if normed is not None else (y, y, parts)
+    _run(_mm_residual, p, n, x, pdl, x, weight, residual, y, parts, ws.counters, nw, xn, q, m, n, k, x.stride(0),
+         weight.stride(0), NEXT_NORM=normed is not None)
+    return y, normed
+
+
