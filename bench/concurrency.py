@@ -1,15 +1,29 @@
-"""Aggregate tokens/s with N concurrent streams against the same N requests one at a
-time, through the running services (per-cycle batching at work). JSON lines.
+"""The serving curve: N concurrent client streams through the services, for each N of --streams and
+each mode of --modes (speculation off, chains, trees), every stream --max-new-tokens tokens
+(ignore_eos) of a chat prompt from bench/prompts.py, each client on a connection of its own.
+One JSON line per (mode, N):
+  aggregate tokens/s over the wall time of the N streams (prefill included),
+  time to first token p50 / p99 (ms from the call to the first token),
+  time per output token p50 / p99 (ms, a stream's (last token - first token) / (tokens - 1)),
+  the ratio of aggregate tokens/s to the same mode at the first N (1 by default) and, for chains and trees, to
+  speculation off at the same N, and the mean accepted length.
+Each (mode, N) runs once with 8 tokens a stream first (warm-up: CUDA graphs of that batch size).
 
-  python -m bench.concurrency --streams 1,8,32 --max-new-tokens 32
+  python -m bench.concurrency --streams 1,2,4,8 --max-new-tokens 32                      (CPU)
+  python -m bench.concurrency --device cuda:0 --dtype bfloat16 --head default --fused-decode pdl \\
+      --hidden-backend cuda_ipc --streams 1,2,4,8,16,32,64 --max-new-tokens 128 --modes off,trees
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import platform
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from bench.prompts import CHAT_PROMPTS
 from bench.spec_vs_baseline import git_commit
@@ -17,53 +31,119 @@ from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
 
 
-def run(addr: str, n: int, concurrent: bool, max_new: int, steps: int) -> tuple[int, float]:
-    reqs = [make_request(CHAT_PROMPTS[i % len(CHAT_PROMPTS)], max_new_tokens=max_new, ignore_eos=True,
-                         num_steps=steps, speculation=steps > 0) for i in range(n)]
-    counts = [0] * n
+@dataclass
+class Stream:
+    tokens: int = 0
+    ttft_s: float = math.nan
+    tpot_s: float = math.nan
+    accepted: float = 0.0  # the request's mean accepted length (0 without speculation)
+    error: str = ""
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of the values that are numbers; nan when none are."""
+    v = sorted(x for x in values if not math.isnan(x))
+    return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))] if v else math.nan
+
+
+def mode_settings(mode: str, a: argparse.Namespace) -> dict[str, Any]:
+    if mode == "off":
+        return {"speculation": False}
+    if mode == "chains":
+        return {"speculation": True, "num_steps": a.chain_steps, "topk": 1}
+    if mode == "trees":
+        return {"speculation": True, "num_steps": a.tree_steps, "topk": a.tree_topk,
+                "num_draft_tokens": a.tree_tokens}
+    raise ValueError(f"unknown mode {mode!r} (off, chains, trees)")
+
+
+def run(addr: str, n: int, max_new: int, settings: dict[str, Any]) -> tuple[list[Stream], float]:
+    """N streams at once -> each stream's figures, and the wall seconds from the first call to the last token."""
+    streams = [Stream() for _ in range(n)]
+    start = threading.Barrier(n + 1)
 
     def one(i: int) -> None:
         client = GatewayClient(addr)
-        counts[i] = len(client.generate(reqs[i], timeout=3600).token_ids)
-        client.close()
+        req = make_request(CHAT_PROMPTS[i % len(CHAT_PROMPTS)], max_new_tokens=max_new, ignore_eos=True, **settings)
+        start.wait()
+        t0 = time.perf_counter()
+        try:
+            gen = client.generate(req, timeout=3600)
+        except Exception as e:  # noqa: BLE001 -- a failed stream is reported, not fatal
+            streams[i].error = str(e)[:200]
+            return
+        finally:
+            client.close()
+        s = streams[i]
+        s.tokens = len(gen.token_ids)
+        if gen.chunk_times:
+            s.ttft_s = gen.chunk_times[0] - t0
+        if s.tokens > 1:
+            s.tpot_s = (gen.chunk_times[-1] - gen.chunk_times[0]) / (s.tokens - 1)
+        s.accepted = gen.final.speculation.mean_accepted_length if gen.final is not None else 0.0
 
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    start.wait()
     t0 = time.perf_counter()
-    if concurrent:
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    else:
-        for i in range(n):
-            one(i)
-    return sum(counts), time.perf_counter() - t0
+    for t in threads:
+        t.join()
+    return streams, time.perf_counter() - t0
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--head", default="random")
-    p.add_argument("--streams", default="1,8,32")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--num-steps", default="0,3")
+    p.add_argument("--head", default="default", help="EAGLE-3 head (default: the shipped one for --model)")
+    p.add_argument("--device", default=None, help="the services' device (default: theirs, the CPU)")
+    p.add_argument("--draft-device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--fused-decode", default=None, help="the target's --fused-decode (CUDA)")
+    p.add_argument("--hidden-backend", default=None, help="the target's --hidden-backend")
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--streams", default="1,2,4,8,16,32,64")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--modes", default="off,trees", help="off, chains, trees")
+    p.add_argument("--chain-steps", type=int, default=3)
+    p.add_argument("--tree-steps", type=int, default=5)
+    p.add_argument("--tree-topk", type=int, default=4)
+    p.add_argument("--tree-tokens", type=int, default=16, help="a tree's size counting the root")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of each service (CPU)")
     a = p.parse_args()
     streams = [int(x) for x in a.streams.split(",")]
+    modes = a.modes.split(",")
     t_start = time.time()
-    with ServiceStack(StackConfig.of(model=a.model, head=a.head, max_context=512, max_sequences=max(streams))) as st:
-        addr = st.addr("gateway")
-        run(addr, 1, False, 4, 0)  # warm-up
-        for steps in [int(x) for x in a.num_steps.split(",")]:
+    cfg = StackConfig.of(model=a.model, head=a.head, device=a.device, draft_device=a.draft_device, dtype=a.dtype,
+                         fused_decode=a.fused_decode, hidden_backend=a.hidden_backend, max_context=a.max_context,
+                         max_sequences=max(streams), threads=a.threads)
+    common = {"bench": "concurrency", "model": a.model, "head": a.head, "device": a.device or "cpu",
+              "draft_device": a.draft_device or a.device or "cpu", "dtype": a.dtype, "fused_decode": a.fused_decode,
+              "max_new_tokens": a.max_new_tokens, "commit": git_commit(), "machine": platform.machine()}
+    tokens_per_s: dict[tuple[str, int], float] = {}
+    with ServiceStack(cfg) as stack:
+        addr = stack.addr("gateway")
+        for mode in modes:
+            settings = mode_settings(mode, a)
             for n in streams:
-                tok_c, s_c = run(addr, n, True, a.max_new_tokens, steps)
-                tok_s, s_s = (tok_c, s_c) if n == 1 else run(addr, n, False, a.max_new_tokens, steps)
-                print(json.dumps({
-                    "streams": n, "num_steps": steps, "tokens": tok_c,
-                    "concurrent_tokens_per_s": round(tok_c / s_c, 3),
-                    "one_at_a_time_tokens_per_s": round(tok_s / s_s, 3),
-                    "ratio": round((tok_c / s_c) / (tok_s / s_s), 3), "model": a.model, "head": a.head,
-                }), flush=True)
-    print(json.dumps({"commit": git_commit(), "wall_s": round(time.time() - t_start, 1)}))
+                run(addr, n, 8, settings)  # warm-up
+                done, wall = run(addr, n, a.max_new_tokens, settings)
+                ok = [s for s in done if not s.error]
+                tps = sum(s.tokens for s in ok) / wall
+                tokens_per_s[mode, n] = tps
+                row = {**common, "mode": mode, "streams": n, "aggregate_tokens_per_s": round(tps, 2),
+                       "ttft_ms_p50": round(percentile([s.ttft_s for s in ok], 50) * 1e3, 2),
+                       "ttft_ms_p99": round(percentile([s.ttft_s for s in ok], 99) * 1e3, 2),
+                       "tpot_ms_p50": round(percentile([s.tpot_s for s in ok], 50) * 1e3, 3),
+                       "tpot_ms_p99": round(percentile([s.tpot_s for s in ok], 99) * 1e3, 3),
+                       "over_one_stream": round(tps / tokens_per_s[mode, streams[0]], 3),
+                       "mean_accepted_length": round(sum(s.accepted for s in ok) / max(1, len(ok)), 3),
+                       "errors": [s.error for s in done if s.error][:3], **settings}
+                if mode != "off" and ("off", n) in tokens_per_s:
+                    row["over_speculation_off"] = round(tps / tokens_per_s["off", n], 3)
+                print(json.dumps(row), flush=True)
+    print(json.dumps({**common, "summary": {f"{m}@{n}": round(v, 2) for (m, n), v in tokens_per_s.items()},
+                      "wall_s": round(time.time() - t_start, 1)}), flush=True)
 
 
 if __name__ == "__main__":
