@@ -19,6 +19,7 @@ from specsplit.checkpoints.tiny import tiny_config, write_tiny_target
 from specsplit.cli.main import main as cli_main
 from specsplit.ops import Sampling
 from specsplit.training.config import TrainConfig
+from specsplit.training.loop import Trainer
 from specsplit.training.pipeline import run
 from specsplit.training.prompts import encode, load_records, select
 from target_service.config import TargetConfig
@@ -139,3 +140,38 @@ def test_feature_cache_gives_the_same_losses(bigram_target: Path, one_thread: No
     with pytest.raises(ValueError, match="CUDA"):
         choose_store("gpu", target, 1)
     assert choose_store("off", target, 1) is None
+
+
+def test_a_run_resumed_after_an_interrupt_trains_what_one_run_trains(bigram_target: Path, tmp_path: Path,
+                                                                     one_thread: None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = {"target": str(bigram_target), "num_prompts": 32, "max_new_tokens": 24, "draft_vocab": 128,
+                "ttt_length": 2, "batch_size": 8, "max_steps": 12, "eval_every": 0, "save_every_s": 0.0,
+                "save_dtype": "float32", "resume": True}
+    run(TrainConfig(out=str(tmp_path / "whole"), **settings))
+
+    steps = 0
+    forward = Trainer.forward
+
+    def stopped_at_step_6(self: Trainer, batch: object, idx: list[int] | None = None) -> object:
+        nonlocal steps
+        if idx is not None:  # a training step (evaluation passes no indices)
+            steps += 1
+            if steps == 6:
+                raise KeyboardInterrupt  # as a command stopped mid-run
+        return forward(self, batch, idx)
+
+    monkeypatch.setattr(Trainer, "forward", stopped_at_step_6)
+    first = run(TrainConfig(out=str(tmp_path / "split"), **settings))
+    assert first["training"]["stop"] == "interrupt"
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="lr 0.0006 -> 0.001"):
+        run(TrainConfig(out=str(tmp_path / "split"), **{**settings, "lr": 1e-3}))
+    second = run(TrainConfig(out=str(tmp_path / "split"), **settings))
+    assert second["training"]["stop"] == "steps" and second["training"]["steps"] == 12
+    assert second["generation"] == first["generation"]  # the saved responses, not generated again
+    whole = load_file(tmp_path / "whole" / "model.safetensors")
+    split = load_file(tmp_path / "split" / "model.safetensors")
+    assert whole.keys() == split.keys()
+    for name in whole:
+        assert torch.equal(whole[name], split[name]), name

@@ -33,6 +33,8 @@ _HELP = {
     "save_dtype": "dtype of the written weights",
     "aux_layer_ids": "comma-separated target layers to capture (default: the EAGLE-3 default)",
     "save_every_s": "also write the head this often while training (0: only at the end)",
+    "resume": "go on with the run saved in --out (its generated data and training state; the same settings but "
+              "device, time budget, logging and saving), or start one there that a later --resume continues",
 }
 
 
@@ -45,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, required=True, help=_HELP[f.name])
         elif f.name == "aux_layer_ids":
             p.add_argument(flag, default=None, help=_HELP[f.name])
+        elif isinstance(f.default, bool):
+            p.add_argument(flag, action="store_true", help=_HELP[f.name])
         else:
             p.add_argument(flag, type=type(f.default), default=f.default, help=_HELP.get(f.name, " "))
 

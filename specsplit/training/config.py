@@ -50,6 +50,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 0  # torch CPU threads (0: torch's default)
     name: str = "specsplit-eagle3"
+    resume: bool = False  # go on with the run saved in `out` (its data and training state), else start one there
 
     def validate(self) -> TrainConfig:
         import torch
@@ -81,6 +82,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0")
         if not (self.epochs or self.max_steps or self.time_budget):
             raise ValueError("give at least one limit: epochs, max_steps or time_budget")
+        if self.resume and not (self.epochs or self.max_steps):
+            raise ValueError("resume: a run that spans commands needs epochs or max_steps (its schedule)")
         if not 0 < self.gen_fraction < 1:
             raise ValueError("gen_fraction must be in (0, 1)")
         if not 0 <= self.val_fraction < 0.5:

@@ -85,6 +85,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.autocast_on = target.dtype != torch.float32  # bf16 / fp16 matmuls, fp32 master weights
         self.cache: FeatureCache | None = None  # the training sequences' target features, once built
+        self.position: dict = {}  # where training stands: batches, next batch, step, rng (see state)
 
     def _autocast(self):  # noqa: ANN202
         return torch.autocast(self.device.type, dtype=self.target.dtype) if self.autocast_on else nullcontext()
@@ -156,28 +157,48 @@ class Trainer:
         self.head.train()
         return stats.summary()
 
+    def state(self) -> dict:
+        """What a later command needs to go on with this run (train-head --resume)."""
+        return {"head": self.head.state_dict(), "opt": self.opt.state_dict(), **self.position}
+
+    def restore(self, state: dict) -> None:
+        self.head.load_state_dict(state["head"])
+        self.opt.load_state_dict(state["opt"])
+        self.position = {k: v for k, v in state.items() if k not in ("head", "opt")}
+
     def train(self, train: list[Sample], val: list[Sample], deadline: float | None,
               save: Callable[[], None] | None = None) -> dict:
-        """Train until the step / epoch limit or `deadline` (time.monotonic()); returns the history."""
+        """Train until the step / epoch limit or `deadline` (time.monotonic()), from the position
+        `restore` set if any; returns the history (of every command of the run)."""
         cfg = self.cfg
-        rng = random.Random(cfg.seed)
         lengths = [len(s.ids) for s in train]
         self.cache = self._build_cache(train, lengths, deadline)
-        epoch_batches = make_batches(lengths, cfg.batch_size, cfg.batch_tokens, rng)
+        pos = self.position
+        if pos:  # a resumed run: the same batches from where it stopped
+            rng = random.Random()
+            rng.setstate(pos["rng"])
+            epoch_batches, epoch, first, step, tokens_total = (pos["batches"], pos["epoch"], pos["next_batch"],
+                                                               pos["step"], pos["tokens"])
+            history = pos["history"]
+            history["stop"] = ""
+        else:
+            rng = random.Random(cfg.seed)
+            epoch_batches = make_batches(lengths, cfg.batch_size, cfg.batch_tokens, rng)
+            epoch, first, step, tokens_total = 0, 0, 0, 0
+            history = {"train": [], "val": [], "steps_per_epoch": len(epoch_batches), "stop": ""}
         limits = [cfg.max_steps] if cfg.max_steps else []
         if cfg.epochs:
             limits.append(max(1, round(cfg.epochs * len(epoch_batches))))
         max_steps = min(limits) if limits else None
-        t0 = time.monotonic()
-        span = (deadline - t0) if deadline is not None else None
-        history: dict = {"train": [], "val": [], "steps_per_epoch": len(epoch_batches), "stop": ""}
+        t0, tokens0 = time.monotonic(), tokens_total  # this command's start
+        span = (deadline - t0) if deadline is not None and not cfg.resume else None  # resumable: by steps only
         self.history = history  # readable after an interrupt
         bar = Progress("train", max_steps)
-        stats, step, epoch, last_save, step_time, lr = Stats(cfg.ttt_length), 0, 0, t0, 0.0, cfg.lr
-        tokens_total = 0
+        stats, last_save, step_time, lr = Stats(cfg.ttt_length), t0, 0.0, cfg.lr
         self.head.train()
         while True:
-            for bi, idx in enumerate(epoch_batches):
+            for bi in range(first, len(epoch_batches)):
+                idx = epoch_batches[bi]
                 now = time.monotonic()
                 if max_steps is not None and step >= max_steps:
                     history["stop"] = "steps"
@@ -199,9 +220,12 @@ class Trainer:
                 stats.add(vec, tokens)
                 tokens_total += tokens
                 step += 1
+                self.position = {"rng": rng.getstate(), "batches": epoch_batches, "epoch": epoch,
+                                 "next_batch": bi + 1, "step": step, "tokens": tokens_total, "history": history}
                 step_time = 0.8 * step_time + 0.2 * (time.monotonic() - now) if step > 1 else time.monotonic() - now
                 if step % cfg.log_every == 0:
-                    rec = self._record(stats, step, epoch + (bi + 1) / len(epoch_batches), lr, t0, tokens_total)
+                    at = epoch + (bi + 1) / len(epoch_batches)
+                    rec = self._record(stats, step, at, lr, t0, tokens_total - tokens0)
                     history["train"].append(rec)
                     stats = Stats(cfg.ttt_length)
                     eta = (deadline - time.monotonic()) if deadline is not None and max_steps is None else None
@@ -215,15 +239,16 @@ class Trainer:
                     last_save = time.monotonic()
             if history["stop"]:
                 break
-            epoch += 1
+            epoch, first = epoch + 1, 0
             epoch_batches = make_batches(lengths, cfg.batch_size, cfg.batch_tokens, rng)
+            self.position.update(rng=rng.getstate(), batches=epoch_batches, epoch=epoch, next_batch=0)
         if stats.batches:
-            history["train"].append(self._record(stats, step, epoch, lr, t0, tokens_total))
+            history["train"].append(self._record(stats, step, epoch, lr, t0, tokens_total - tokens0))
         if val and (not history["val"] or history["val"][-1]["step"] != step):
             history["val"].append({"step": step, **self.evaluate(val)})
         seconds = time.monotonic() - t0
         history.update(steps=step, seconds=round(seconds, 2), tokens=tokens_total,
-                       tokens_per_s=round(tokens_total / seconds, 1) if seconds else 0.0,
+                       tokens_per_s=round((tokens_total - tokens0) / seconds, 1) if seconds else 0.0,
                        epochs=round(step / max(len(epoch_batches), 1), 3))
         bar.close(step, f"stopped on {history['stop']} after {step} steps")
         return history

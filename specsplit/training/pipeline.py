@@ -19,6 +19,7 @@ from specsplit.models.batch import Batch
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.tokenizer import TextCodec
 from specsplit.training import prompts as prompt_set
+from specsplit.training import resume
 from specsplit.training.config import TrainConfig
 from specsplit.training.distill import Sample, generate_all
 from specsplit.training.loop import Trainer
@@ -39,7 +40,10 @@ def head_bytes(head: TrainableHead, vocab: DraftVocab, dtype: torch.dtype) -> in
     return params * torch.empty((), dtype=dtype).element_size() + vocab.d2t.numel() * 8 + vocab.t2d.numel()
 
 
-def save(out: Path, head: TrainableHead, vocab: DraftVocab, cfg: TrainConfig) -> None:
+def save(out: Path, head: TrainableHead, vocab: DraftVocab, cfg: TrainConfig, trainer: Trainer | None = None) -> None:
+    """The head as a checkpoint, and for a resumable run the trainer's state."""
+    if cfg.resume and trainer is not None and trainer.position:
+        resume.save_state(out, trainer.state())
     save_head(out, head.cfg, head.export(vocab, cfg_dtype(cfg.save_dtype)))
     hf = json.loads((out / "config.json").read_text())
     hf["torch_dtype"] = cfg.save_dtype
@@ -88,6 +92,37 @@ def self_instructed(cfg: TrainConfig, target: BatchedTarget, codec: TextCodec | 
     return [{"text": t, "split": "train", "kind": "self_instruct", "raw": False} for t in texts]
 
 
+def generate_data(cfg: TrainConfig, target: BatchedTarget, codec: TextCodec | None, t_start: float, log: dict
+                  ) -> tuple[list[Sample], list[Sample], DraftVocab]:
+    """The target's responses to the prompts, split into train and held-out, and the draft vocabulary."""
+    tcfg = target.cfg
+    records = prompt_set.select(prompt_set.load_records(cfg.prompts), "train", cfg.num_prompts, cfg.seed)
+    gen_deadline = t_start + cfg.gen_fraction * cfg.time_budget if cfg.time_budget else None
+    if cfg.self_instruct:
+        records += self_instructed(cfg, target, codec, t_start, log)
+        random.Random(cfg.seed).shuffle(records)  # a deadline then drops a tail of both kinds alike
+    prompt_ids = prompt_set.encode(records, codec, tcfg.vocab_size, cfg.max_prompt_tokens)
+    bar = Progress("generate", len(prompt_ids))
+    say(f"generating up to {cfg.max_new_tokens} tokens for {len(prompt_ids)} prompts, batch {cfg.gen_batch_size}")
+    samples, gstats = generate_all(
+        target, prompt_ids, cfg.max_new_tokens, cfg.gen_batch_size, tcfg.eos_token_ids, cfg.temperature, cfg.seed,
+        gen_deadline, lambda done, total, s: bar.update(done, f"{s.new_tokens_per_s():.0f} new tok/s"))
+    bar.close(gstats.prompts, f"{gstats.new_tokens} new tokens in {gstats.seconds:.1f} s")
+    log["generation"] = gstats.as_dict()
+    if codec is not None:
+        log["generation"]["examples"] = [codec.decode(s.ids[s.prompt_len:].tolist())[:400] for s in samples[:3]]
+    if len(samples) < 2:
+        raise RuntimeError(f"only {len(samples)} responses were generated: raise the budget or lower the batch")
+
+    random.Random(cfg.seed).shuffle(samples)
+    n_val = min(max(1, round(len(samples) * cfg.val_fraction)), len(samples) - 1) if cfg.val_fraction else 0
+    val, train = samples[:n_val], samples[n_val:]
+    vocab = build_vocab(count_response_tokens(train, tcfg.vocab_size), min(cfg.draft_vocab, tcfg.vocab_size))
+    say(f"draft vocabulary {vocab.size} tokens: {100 * vocab.coverage:.2f}% of the response tokens; "
+        f"{len(train)} train / {len(val)} held-out sequences")
+    return train, val, vocab
+
+
 def run(cfg: TrainConfig) -> dict:
     cfg.validate()
     t_start = time.monotonic()
@@ -113,31 +148,15 @@ def run(cfg: TrainConfig) -> dict:
     say(f"target {tcfg.name}: {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, vocab {tcfg.vocab_size}, "
         f"{cfg.dtype} on {dev} (loaded in {time.monotonic() - t_start:.1f} s)")
 
-    records = prompt_set.select(prompt_set.load_records(cfg.prompts), "train", cfg.num_prompts, cfg.seed)
-    gen_deadline = t_start + cfg.gen_fraction * cfg.time_budget if cfg.time_budget else None
-    if cfg.self_instruct:
-        records += self_instructed(cfg, target, codec, t_start, log)
-        random.Random(cfg.seed).shuffle(records)  # a deadline then drops a tail of both kinds alike
-    prompt_ids = prompt_set.encode(records, codec, tcfg.vocab_size, cfg.max_prompt_tokens)
-    bar = Progress("generate", len(prompt_ids))
-    say(f"generating up to {cfg.max_new_tokens} tokens for {len(prompt_ids)} prompts, batch {cfg.gen_batch_size}")
-    samples, gstats = generate_all(
-        target, prompt_ids, cfg.max_new_tokens, cfg.gen_batch_size, tcfg.eos_token_ids, cfg.temperature, cfg.seed,
-        gen_deadline, lambda done, total, s: bar.update(done, f"{s.new_tokens_per_s():.0f} new tok/s"))
-    bar.close(gstats.prompts, f"{gstats.new_tokens} new tokens in {gstats.seconds:.1f} s")
-    log["generation"] = gstats.as_dict()
-    if codec is not None:
-        log["generation"]["examples"] = [codec.decode(s.ids[s.prompt_len:].tolist())[:400] for s in samples[:3]]
-    if len(samples) < 2:
-        raise RuntimeError(f"only {len(samples)} responses were generated: raise the budget or lower the batch")
-
-    random.Random(cfg.seed).shuffle(samples)
-    n_val = min(max(1, round(len(samples) * cfg.val_fraction)), len(samples) - 1) if cfg.val_fraction else 0
-    val, train = samples[:n_val], samples[n_val:]
-    vocab = build_vocab(count_response_tokens(train, tcfg.vocab_size), min(cfg.draft_vocab, tcfg.vocab_size))
+    saved = resume.load_data(out, cfg) if cfg.resume else None
+    if saved is not None:
+        train, val, vocab, log["generation"] = saved
+        say(f"resuming the run in {out}: {len(train)} train / {len(val)} held-out sequences")
+    else:
+        train, val, vocab = generate_data(cfg, target, codec, t_start, log)
+        if cfg.resume:
+            resume.save_data(out, cfg, train, val, vocab, log["generation"])
     log["vocab"] = {"size": vocab.size, "coverage": round(vocab.coverage, 5)}
-    say(f"draft vocabulary {vocab.size} tokens: {100 * vocab.coverage:.2f}% of the response tokens; "
-        f"{len(train)} train / {len(val)} held-out sequences")
 
     head = TrainableHead(head_config(tcfg, vocab.size, target.aux_layer_ids, cfg.name), target.embed).to(dev)
     head.init_from_target(target.lm_head, target.norm, vocab)
@@ -146,18 +165,22 @@ def run(cfg: TrainConfig) -> dict:
         raise ValueError(f"the head would take {size / 1e6:.1f} MB > max_head_mb {cfg.max_head_mb}: "
                          "lower draft_vocab or save in bfloat16")
     trainer = Trainer(cfg, target, head, vocab)
+    state = resume.load_state(out) if cfg.resume else None
+    if state is not None:
+        trainer.restore(state)
+        say(f"resuming at step {state['step']}")
     reserve = max(10.0, 0.03 * cfg.time_budget)  # saving, the load check, the plot
     say(f"training {sum(p.numel() for p in head.parameters()) / 1e6:.2f} M parameters, TTT length {cfg.ttt_length}"
         + (f", {deadline - reserve - time.monotonic():.0f} s left for it" if deadline else ""))
     try:
         train_deadline = deadline - reserve if deadline else None
-        history = trainer.train(train, val, train_deadline, lambda: save(out, head, vocab, cfg))
+        history = trainer.train(train, val, train_deadline, lambda: save(out, head, vocab, cfg, trainer))
     except KeyboardInterrupt:
         history = trainer.history
         history["stop"] = "interrupt"
         say("interrupted: saving what was trained")
 
-    save(out, head, vocab, cfg)
+    save(out, head, vocab, cfg, trainer)
     log["head"] = {"dir": str(out), "bytes": (out / "model.safetensors").stat().st_size, "dtype": cfg.save_dtype,
                    "inference_check": inference_check(out, head, target, val[0] if val else train[0])}
     log["training"] = {k: v for k, v in history.items() if k not in ("train", "val")}
