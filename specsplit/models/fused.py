@@ -105,7 +105,7 @@ class FusedLlama:
         eps = cfg.rms_norm_eps
         cos, sin = m.rotary.cos, m.rotary.sin
         h = m.embed_tokens(tokens)  # [T, H]
-        # every residual add also scales its output for the next RMS norm (kernels.verify.Normed)
+        # every residual add also scales its output for the next RMS norm (kernels.projections.Normed)
         norms = [w for layer in m.layers for w in (layer.input_layernorm.weight,
                                                    layer.post_attention_layernorm.weight)] + [m.norm.weight]
         x = k.prenorm(h, norms[0])
