@@ -10,3 +10,13 @@ CHAT_PROMPTS = [
     "How do I reverse a string in JavaScript?",
     "Give me a recipe for a simple tomato soup.",
 ]
+
+# Where a draft does well and where it does not: code, chat, repetitive text (bench/adaptive_steps.py)
+MIXED_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring and type hints.",
+    "Write a bash script that counts the lines of every .py file in a directory.",
+    "Explain in three sentences why the sky is blue.",
+    "Give me three tips for sleeping better.",
+    "Repeat the sentence 'The quick brown fox jumps over the lazy dog.' ten times, one per line.",
+    "Count from 1 to 60, separated by commas.",
+]

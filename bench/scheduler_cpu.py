@@ -77,13 +77,13 @@ class InstantDraft:
                 for op in ops if isinstance(op, ExtendPropose)], StepTiming()
 
 
-async def measure(batch: int, cycles: int, num_steps: int, noop_spans: bool = False) -> dict:
+async def measure(batch: int, cycles: int, num_steps: int, noop_spans: bool = False, adaptive: bool = False) -> dict:
     s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=batch, limits=Limits(max_queue=batch))
     s.spans.enabled = noop_spans  # True: build every cycle's span and trace context with the no-op tracer
     s.draft_restored()
     s.start()
     tokens = cycles * (num_steps + 1)
-    req = GenerationRequest([1, 2, 3], tokens, Sampling(), set(), num_steps)
+    req = GenerationRequest([1, 2, 3], tokens, Sampling(), set(), num_steps, adaptive=adaptive)
     seqs = [s.submit(req) for _ in range(batch)]
     cpu0, wall0, cycles0 = time.thread_time(), time.perf_counter(), s.cycles
     for seq in seqs:
@@ -91,7 +91,8 @@ async def measure(batch: int, cycles: int, num_steps: int, noop_spans: bool = Fa
             pass
     cpu, wall, n = time.thread_time() - cpu0, time.perf_counter() - wall0, s.cycles - cycles0
     await s.stop()
-    return {"bench": "scheduler_cpu", "batch": batch, "num_steps": num_steps, "noop_spans": noop_spans, "cycles": n,
+    return {"bench": "scheduler_cpu", "batch": batch, "num_steps": "adaptive" if adaptive else num_steps,
+            "noop_spans": noop_spans, "cycles": n,
             "cpu_us_per_cycle": round(cpu / n * 1e6, 1), "wall_us_per_cycle": round(wall / n * 1e6, 1),
             "cpu_us_per_sequence_cycle": round(cpu / n / batch * 1e6, 1)}
 
@@ -104,10 +105,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="each batch size this many times; the best is reported")
     p.add_argument("--noop-spans", default="off", help="off,on: also (on) build cycle spans with the no-op tracer, "
                    "as the loop did before it skipped them without an exporter")
+    p.add_argument("--adaptive", default="off", help="off,on: also (on) with the shape chosen per cycle "
+                   "(gateway.adaptive)")
     a = p.parse_args()
     install_uvloop()
-    for b, spans in ((int(x), s == "on") for x in a.batch.split(",") for s in a.noop_spans.split(",")):
-        rows = [asyncio.run(measure(b, a.cycles, a.num_steps, spans)) for _ in range(a.rounds)]
+    for b, spans, adaptive in ((int(x), s == "on", m == "on") for x in a.batch.split(",")
+                               for s in a.noop_spans.split(",") for m in a.adaptive.split(",")):
+        rows = [asyncio.run(measure(b, a.cycles, a.num_steps, spans, adaptive)) for _ in range(a.rounds)]
         best = min(rows, key=lambda r: r["cpu_us_per_cycle"])
         best.update({"rounds": a.rounds, "all_cpu_us_per_cycle": [r["cpu_us_per_cycle"] for r in rows],
                      "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),

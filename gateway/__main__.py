@@ -97,7 +97,7 @@ async def connect(cfg: GatewayConfig, telemetry: Telemetry, on_target_state: Cal
     limits = Limits(cfg.max_queue, cfg.max_queued_per_client, cfg.step_timeout_s, cfg.draft_timeout_s,
                     cfg.stream_buffer, cfg.unread_timeout_s)
     scheduler = Scheduler(target, loop_draft, info.max_sequences, limits, telemetry.tracer,
-                          GatewayMetrics.create(telemetry.meter))
+                          GatewayMetrics.create(telemetry.meter), cfg.max_num_steps)
     scheduler.on_target_state.append(on_target_state)
     recovery = Recovery(scheduler, target, draft, info.hidden_store, list(info.aux_layer_ids), cfg.max_num_steps,
                         cfg.draft_retry_s, cfg.step_sockets, cfg.max_topk, watches)

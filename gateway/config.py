@@ -35,6 +35,8 @@ class GatewayConfig:
     port: int = flag(50051, "--port", "port to serve on")
     default_num_steps: int = flag(4, "--num-steps", "default draft steps per cycle (0: speculation off by default)")
     max_num_steps: int = flag(8, "--max-num-steps", "most draft steps per cycle a request may ask for")
+    adaptive_steps: bool = flag(True, "--no-adaptive-steps", "draft the default shape every cycle: no choice per "
+                                "cycle for greedy requests that leave num_steps unset (gateway.adaptive)")
     default_topk: int = flag(1, "--topk", "default tree branching for greedy requests (1: chain drafts; sampled "
                              "requests always draft a chain)")
     max_topk: int = flag(8, "--max-topk", "widest tree branching a request may ask for")

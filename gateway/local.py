@@ -41,7 +41,8 @@ class LocalEngines:
                         ) -> list[LocalResult]:
         draft = draft_client or (LocalDraft(self.draft) if self.draft is not None else None)
         sched = Scheduler(LocalTarget(self.target), draft, self.target.cfg.max_sequences,
-                          Limits(max_queue=10_000, max_queued_per_client=10_000, stream_buffer=1 << 30))
+                          Limits(max_queue=10_000, max_queued_per_client=10_000, stream_buffer=1 << 30),
+                          max_steps=self.draft.cfg.max_steps if self.draft is not None else 8)
         self.scheduler = sched  # for tests that inject faults
         if draft is not None:
             sched.draft_restored()

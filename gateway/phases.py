@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from gateway.adaptive import Shape
 from gateway.sequence import Sequence
 from specsplit.ops import (
     Code,
@@ -68,9 +69,13 @@ async def draft_phase(sched: Scheduler) -> None:
     sched.draft_releases = []
     users = [s for s in sched.running if s.spec and s.pending is not None and not s.unread_since]
     for s in users:
+        if s.req.adaptive:
+            choice = sched.chooser.choose(s, len(users))
+            s.shape = choice.shape
+            s.cycle_span.set_attributes(choice.attributes())
         tokens, ref, position = s.pending  # type: ignore[misc]
-        ops.append(ExtendPropose(s.seq_id, tokens, ref, s.req.num_steps, s.req.sampling, s.trace, position,
-                                 s.req.topk, s.req.num_draft_tokens))
+        ops.append(ExtendPropose(s.seq_id, tokens, ref, s.shape.steps, s.req.sampling, s.trace, position,
+                                 s.shape.topk, s.shape.tokens))
         s.in_draft = True
         sched.free_generations.append(ref.generation)  # read before the draft replies: reclaim whatever happens
         s.pending = None
@@ -90,6 +95,10 @@ async def draft_phase(sched: Scheduler) -> None:
     seconds = time.perf_counter() - t0
     sched.draft_deadline.record(ops, seconds)
     ms = seconds * 1e3
+    if users and not sched.draft_deadline.is_long(ops):  # a cycle's draft call: what the chooser prices
+        sched.cycle_ms["draft"] = ms
+        sched.chooser.costs.record_draft(len(users), max(s.shape.family for s in users),
+                                         max(s.shape.steps for s in users), ms)
     by_id: dict[int, DraftResult] = {r.seq_id: r for r in results}
     for s in users:
         r = by_id.get(s.seq_id)
@@ -142,6 +151,10 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
     async with asyncio.timeout(sched.step_timeout_s):
         results, timing = await sched.target.step(ops, releases, sched.step_timeout_s)
     ms = (time.perf_counter() - t0) * 1e3
+    verifies = [op for op in ops if isinstance(op, Verify)]
+    if verifies and len(verifies) == len(work):  # verifies only (no prefill): what the chooser prices
+        sched.cycle_ms["verify"] = ms
+        sched.chooser.costs.record_verify(len(verifies), max(len(op.draft_ids) + 1 for op in verifies), ms)
     by_id = {r.seq_id: r for r in results}
     kinds = {op.seq_id: op for op in ops if not isinstance(op, Release | Suspend)}
     for s in work:
@@ -181,7 +194,10 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         else:
             sched.free_generations.append(r.hidden.generation)
     if isinstance(op, Verify):  # a verify cycle (the prefill's first token is not a cycle)
-        s.stats.record_verify(len(r.tokens), ms, compute_ms, s.sent_drafts, r.num_accepted)
+        s.stats.record_verify(len(r.tokens), ms, compute_ms, s.sent_drafts, r.num_accepted,
+                              s.shape if s.sent_drafts else Shape.chain(0))
+        if s.sent_drafts:
+            sched.chooser.observe(s, s.shape, r.num_accepted)
         sched.totals.record_verify(len(r.tokens), s.sent_drafts, r.num_accepted)
         sched.metrics.accepted_length.record(len(r.tokens))
         s.cycle_span.set_attributes({"spec.draft_tokens": s.sent_drafts, "spec.accepted_length": len(r.tokens),

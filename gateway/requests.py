@@ -11,6 +11,7 @@ from gateway.scheduler import GenerationRequest
 from gateway.validation import (
     InvalidRequest,
     ModelLimits,
+    adaptive,
     check_fits,
     check_prompt_tokens,
     check_stop_count,
@@ -77,13 +78,15 @@ def parse(req: gateway_pb2.GenerateRequest, codec: TextCodec | None, cfg: Gatewa
     spec = req.speculation
     if spec.mode not in SPECULATION:
         raise InvalidRequest(f"unknown speculation mode {spec.mode}")
-    steps = num_steps(spec.num_steps if spec.HasField("num_steps") else None, SPECULATION[spec.mode], cfg, limits)
+    requested = spec.num_steps if spec.HasField("num_steps") else None
+    steps = num_steps(requested, SPECULATION[spec.mode], cfg, limits)
     topk, num_draft_tokens = tree_shape(spec.topk if spec.HasField("topk") else None,
                                         spec.num_draft_tokens if spec.HasField("num_draft_tokens") else None,
                                         cfg, limits, steps, sample.temperature)
     ids = prompt_ids(req, codec, cfg, limits)
     check_prompt_tokens(len(ids), limits)
     check_fits(len(ids), max_new, cfg, limits)
+    chosen, min_steps = adaptive(requested, SPECULATION[spec.mode], steps, sample.temperature, cfg)
     return GenerationRequest(ids, max_new, sample, with_eos(stops, limits, req.ignore_eos), steps, topk,
-                             num_draft_tokens)
+                             num_draft_tokens, adaptive=chosen, min_steps=min_steps)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
+from gateway.adaptive import StepChooser
 from gateway.clients import DraftClient, TargetClient
 from gateway.observe import NOOP_METRICS, NOOP_TRACER, CycleSpans, GatewayMetrics
 from gateway.phases import DraftDeadline, draft_phase, target_phase
@@ -71,7 +72,7 @@ def first_sequence_id() -> int:
 class Scheduler:
     def __init__(self, target: TargetClient, draft: DraftClient | None, max_sequences: int,
                  limits: Limits | None = None, tracer: trace.Tracer = NOOP_TRACER,
-                 metrics: GatewayMetrics = NOOP_METRICS) -> None:
+                 metrics: GatewayMetrics = NOOP_METRICS, max_steps: int = 8) -> None:
         self.target, self.draft = target, draft
         self.tracer, self.metrics = tracer, metrics
         self.limits = limits = limits or Limits()
@@ -89,6 +90,8 @@ class Scheduler:
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop (and thread) the cycles run on
         self.thread_id = 0
         self.spans = CycleSpans(tracer)
+        self.chooser = StepChooser(max_steps)  # adaptive requests' shape per cycle, from measured costs
+        self.cycle_ms: dict[str, float] = {}  # this cycle's draft and verify-only call times
         self.cycles = 0
         self.totals = LoopTotals()
         self.in_cycle = False
@@ -277,14 +280,18 @@ class Scheduler:
         newcomers = self._admit()
         t0, batch = time.perf_counter(), len(self.running)
         traced = self.spans.open(self.running, newcomers)
+        self.cycle_ms = {}
         try:
             await draft_phase(self)
             if not self.target_down:
                 await target_phase(self, newcomers)
         finally:
             self.spans.close(traced)
+        ms = (time.perf_counter() - t0) * 1e3
         if batch > len(newcomers):
-            self.metrics.cycle_duration.record((time.perf_counter() - t0) * 1e3)
+            self.metrics.cycle_duration.record(ms)
+        if len(self.cycle_ms) == 2:  # the rest of a speculative cycle: host work, transport
+            self.chooser.costs.record_rest(batch, max(ms - sum(self.cycle_ms.values()), 0.0))
         self.cycles += 1
 
     def _admit(self) -> list[Sequence]:

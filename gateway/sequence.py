@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
+from gateway.adaptive import DepthAcceptance, Shape
 from specsplit.ops import HiddenRef, Sampling, SparseDist
 
 
@@ -24,6 +25,8 @@ class GenerationRequest:
     topk: int = 1  # > 1: a tree of drafts (greedy only)
     num_draft_tokens: int = 0  # a tree's size counting the root; a chain: num_steps + 1 (0 means that)
     client: str = ""  # who asked (gateway.stream.client_key): the unit of fairness and of per-client limits
+    adaptive: bool = False  # the shape is chosen per cycle (gateway.adaptive); num_steps etc. are the first cycles'
+    min_steps: int = 0  # the fewest steps an adaptive cycle drafts (1: speculation was asked for)
 
     def __post_init__(self) -> None:
         if self.topk == 1:
@@ -53,13 +56,24 @@ class SeqStats:
     first_token_at: float = 0.0
     draft_tokens: int = 0  # draft tokens sent to verify
     accepted_drafts: int = 0  # of those, accepted
+    shapes: Counter[Shape] = field(default_factory=Counter)  # verify cycles by what they drafted
+
+    @property
+    def steps_histogram(self) -> list[int]:
+        """Index i: verify cycles that drafted i steps."""
+        out = [0] * (max((sh.steps for sh in self.shapes), default=-1) + 1)
+        for sh, n in self.shapes.items():
+            out[sh.steps] += n
+        return out
 
     @property
     def mean_accepted_length(self) -> float:
         return sum(k * v for k, v in self.histogram.items()) / self.cycles if self.cycles else 0.0
 
-    def record_verify(self, emitted: int, ms: float, compute_ms: float, drafts: int, accepted: int) -> None:
+    def record_verify(self, emitted: int, ms: float, compute_ms: float, drafts: int, accepted: int,
+                      shape: Shape) -> None:
         self.cycles += 1
+        self.shapes[shape] += 1
         self.histogram[emitted] += 1
         self.verify_ms += ms
         self.verify_compute_ms += compute_ms
@@ -102,6 +116,8 @@ class Sequence:
         self.drafts: list[int] = []
         self.dists: list[SparseDist] = []
         self.parents: list[int] = []  # a tree's shape (empty: a chain)
+        self.shape = Shape.of(req)  # what this cycle drafts (an adaptive request: chosen per cycle)
+        self.acceptance: dict[tuple[int, int], DepthAcceptance] = {}  # an adaptive request's own, per family
         self.draft_failures = 0  # in a row
         self.stats = SeqStats()
         self.submitted_at = time.perf_counter()
@@ -116,7 +132,6 @@ class Sequence:
             self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self.loop = None
-
 
     @property
     def unread(self) -> int:

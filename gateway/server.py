@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 
+from gateway.adaptive import Shape
 from gateway.config import GatewayConfig
 from gateway.detok import IncrementalDetokenizer
 from gateway.requests import ModelLimits, parse
@@ -50,11 +51,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _final(seq: Sequence, end: Finished, detok: IncrementalDetokenizer | None) -> gateway_pb2.GenerateResponse:
         st, now = seq.stats, time.perf_counter()
         hist = [st.histogram.get(i, 0) for i in range(max(st.histogram, default=0) + 1)] if st.cycles else []
+        # an adaptive request's most used shape
+        shape = st.shapes.most_common(1)[0][0] if seq.req.adaptive and st.shapes else Shape.of(seq.req)
         spec = gateway_pb2.SpeculationStats(
-            enabled=seq.req.num_steps > 0, num_steps=seq.req.num_steps, cycles=st.cycles,
+            enabled=seq.req.num_steps > 0, num_steps=shape.steps, cycles=st.cycles,
             mean_accepted_length=st.mean_accepted_length, accepted_length_histogram=hist, draft_ms=st.draft_ms,
             verify_ms=st.verify_ms, draft_compute_ms=st.draft_compute_ms, verify_compute_ms=st.verify_compute_ms,
-            topk=seq.req.topk if seq.req.num_steps else 0, num_draft_tokens=seq.req.num_draft_tokens)
+            topk=shape.topk if shape.steps else 0, num_draft_tokens=shape.tokens, adaptive=seq.req.adaptive,
+            num_steps_histogram=st.steps_histogram)
         final = gateway_pb2.Final(
             finish_reason=end.reason,
             usage=gateway_pb2.Usage(prompt_tokens=len(seq.req.prompt_ids), completion_tokens=len(seq.generated)),

@@ -14,6 +14,7 @@ from gateway.scheduler import GenerationRequest
 from gateway.validation import (
     InvalidRequest,
     ModelLimits,
+    adaptive,
     check_fits,
     check_prompt_tokens,
     check_stop_count,
@@ -107,5 +108,6 @@ def parse_sglang(req: sgl.GenerateRequest, codec: TextCodec | None, cfg: Gateway
     check_stop_ids(stops, limits)
     steps = num_steps(None, None, cfg, limits)  # the gateway's defaults
     topk, num_draft_tokens = tree_shape(None, None, cfg, limits, steps, sample.temperature)
+    chosen, min_steps = adaptive(None, None, steps, sample.temperature, cfg)
     return GenerationRequest(ids, max_new, sample, with_eos(stops, limits, p.ignore_eos), steps, topk,
-                             num_draft_tokens)
+                             num_draft_tokens, adaptive=chosen, min_steps=min_steps)

@@ -60,7 +60,7 @@ class GenerateCall:
         """Queue the request: speculation off without a usable draft (none configured, or refused
         at attach); a full queue ends the call with RESOURCE_EXHAUSTED, a lost target with UNAVAILABLE."""
         if self.scheduler.draft is None:
-            req.num_steps = 0
+            req.num_steps, req.adaptive = 0, False
         req.client = self.client
         self.span.set_attributes({
             "gen_ai.request.max_tokens": req.max_new_tokens, "gen_ai.request.temperature": req.sampling.temperature,

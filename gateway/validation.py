@@ -101,6 +101,16 @@ def num_steps(requested: int | None, on: bool | None, cfg: GatewayConfig, limits
     return steps if limits.draft_available else 0
 
 
+def adaptive(requested: int | None, on: bool | None, steps: int, temperature: float, cfg: GatewayConfig
+             ) -> tuple[bool, int]:
+    """(whether the shape is chosen per cycle, the fewest steps a cycle drafts): for a greedy
+    request that speculates and leaves num_steps unset, with --adaptive-steps on; a request
+    that turned speculation on drafts at least one step."""
+    if not cfg.adaptive_steps or requested is not None or steps == 0 or temperature > 0:
+        return False, 0
+    return True, 1 if on else 0
+
+
 def tree_shape(topk: int | None, num_draft_tokens: int | None, cfg: GatewayConfig, limits: ModelLimits, steps: int,
                temperature: float) -> tuple[int, int]:
     """(topk, num_draft_tokens) of a request (None: the gateway's default); a chain is (1, steps + 1)."""

@@ -59,7 +59,7 @@ def test_streams_tokens_then_a_summary(client: GatewayClient) -> None:
     final = chunks[-1].final
     ids = [t for c in chunks for t in c.token_ids]
     assert final.usage.completion_tokens == len(ids) and final.finish_reason in ("stop", "length")
-    assert final.speculation.enabled and final.speculation.num_steps == 3
+    assert final.speculation.enabled and final.speculation.adaptive  # num_steps unset: chosen per cycle
     assert final.speculation.cycles == sum(final.speculation.accepted_length_histogram)
     assert "Paris" in "".join(c.text for c in chunks)
 

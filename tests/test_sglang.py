@@ -36,7 +36,8 @@ DEFAULT_MAX_NEW_TOKENS = 12  # the gateway's --max-new-tokens here
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceStack]:
     cfg = StackConfig.of(model="smollm2", head="random", max_context=512, max_sequences=4, num_steps=3,
                          log_dir=tmp_path_factory.mktemp("logs"),
-                         extra_gateway_args=["--max-new-tokens", str(DEFAULT_MAX_NEW_TOKENS)])
+                         # a random head accepts nothing: with steps chosen per cycle, no cycle would draft
+                         extra_gateway_args=["--max-new-tokens", str(DEFAULT_MAX_NEW_TOKENS), "--no-adaptive-steps"])
     with ServiceStack(cfg) as s:
         yield s
 

@@ -68,7 +68,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("enabled", "num_steps", "cycles", "mean_accepted_length", "accepted_length_histogram", "draft_ms", "verify_ms", "draft_compute_ms", "verify_compute_ms", "topk", "num_draft_tokens")
+    __slots__ = ("enabled", "num_steps", "cycles", "mean_accepted_length", "accepted_length_histogram", "draft_ms", "verify_ms", "draft_compute_ms", "verify_compute_ms", "topk", "num_draft_tokens", "adaptive", "num_steps_histogram")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     CYCLES_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,8 @@ class SpeculationStats(_message.Message):
     VERIFY_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     num_steps: int
     cycles: int
@@ -91,7 +93,9 @@ class SpeculationStats(_message.Message):
     verify_compute_ms: float
     topk: int
     num_draft_tokens: int
-    def __init__(self, enabled: _Optional[bool] = ..., num_steps: _Optional[int] = ..., cycles: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    adaptive: bool
+    num_steps_histogram: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, enabled: _Optional[bool] = ..., num_steps: _Optional[int] = ..., cycles: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., num_steps_histogram: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "usage", "speculation", "elapsed_ms", "first_token_ms", "matched_stop_token")

@@ -1,0 +1,187 @@
+"""Draft steps chosen per cycle (gateway.adaptive): the choice follows measured costs and
+acceptance, and greedy output stays the target's own, in process and over gRPC."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.replay import ReplayDraft, Replayer
+from draft_service.config import DraftConfig
+from gateway.adaptive import PROBE_EVERY, CostModel, DepthAcceptance, Shape, StepChooser
+from gateway.clients import LocalDraft
+from gateway.local import LocalEngines
+from gateway.sequence import GenerationRequest, Sequence
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
+from specsplit.ops import Sampling
+from target_service.config import TargetConfig
+
+PROMPTS = [[1, 2, 3], [7] * 20, [100, 42, 17, 250, 3, 3, 9], list(range(10, 60))]
+
+
+def adaptive_request(ids: list[int], max_new: int = 40, topk: int = 1, min_steps: int = 0) -> GenerationRequest:
+    return GenerationRequest(ids, max_new, Sampling(), {511}, 3, topk, 8 if topk > 1 else 0, adaptive=True,
+                             min_steps=min_steps)
+
+
+def priced(draft_step_ms: float, verify_row_ms: float, decode_ms: float = 10.0) -> StepChooser:
+    """A chooser whose costs were measured at two shapes: a draft call of 0.5 + step x steps ms,
+    a verify of decode + row x (rows - 1) ms."""
+    chooser = StepChooser(8)
+    for steps in (0, 4):
+        chooser.costs.record_draft(1, 1, steps, 0.5 + draft_step_ms * steps)
+        chooser.costs.record_verify(1, steps + 1, decode_ms + verify_row_ms * steps)
+    return chooser
+
+
+def taught(chooser: StepChooser, req: GenerationRequest, accepted: int, cycles: int = 30) -> Sequence:
+    """A sequence whose drafts of 8 were accepted `accepted` deep every cycle."""
+    s = Sequence(1, req)
+    for _ in range(cycles):
+        chooser.observe(s, Shape.chain(8), accepted)
+    s.stats.cycles = PROBE_EVERY  # not a probing cycle
+    return s
+
+
+def test_depth_acceptance_counts_only_depths_reached() -> None:
+    acc = DepthAcceptance(8, decay=1.0)
+    acc.observe(steps=5, accepted=2)  # depths 1, 2 accepted, 3 rejected, 4 and 5 never tried
+    assert acc.trials[1:6] == [1, 1, 1, 0, 0] and acc.accepts[1:6] == [1, 1, 0, 0, 0]
+    acc.observe(steps=3, accepted=3)  # all three accepted: depth 4 was not drafted
+    assert acc.trials[1:5] == [2, 2, 2, 0] and acc.rate(3, prior=0.5, weight=2.0) == pytest.approx(2 / 4)
+
+
+def test_costs_take_measured_points_and_a_line_elsewhere() -> None:
+    costs = CostModel()
+    assert costs.cycle_ms(1, Shape.chain(3)) is None  # nothing measured: no price
+    costs.record_draft(1, 1, 2, 3.0)
+    costs.record_draft(1, 1, 4, 5.0)
+    costs.record_verify(1, 3, 10.0)
+    assert costs.cycle_ms(1, Shape.chain(2)) == pytest.approx(13.0)
+    assert costs.cycle_ms(1, Shape.chain(6)) == pytest.approx(7.0 + 10.0)  # the draft's line, the verify's one point
+    costs.record_rest(1, 1.0)
+    assert costs.cycle_ms(2, Shape.chain(2)) == pytest.approx(14.0)  # the nearest batch size measured
+    costs.record_draft(1, 1, 2, 100.0)  # a CUDA graph captured: not a cost
+    assert costs.draft[1][1][2] == 3.0
+    costs.record_draft(1, 1, 8, 100.0)  # a first call that captured
+    costs.record_draft(1, 1, 8, 9.0)  # the shape's real cost replaces it
+    assert costs.draft[1][1][8] == 9.0
+
+
+def test_no_acceptance_means_no_speculation() -> None:
+    chooser = priced(draft_step_ms=1.0, verify_row_ms=0.5)
+    s = taught(chooser, adaptive_request([1]), accepted=0)
+    choice = chooser.choose(s, 1)
+    assert choice.shape == Shape.chain(0) and choice.reason == "best"
+
+
+def test_a_request_that_asked_for_speculation_drafts_at_least_one_step() -> None:
+    chooser = priced(draft_step_ms=1.0, verify_row_ms=0.5)
+    s = taught(chooser, adaptive_request([1], min_steps=1), accepted=0)
+    assert chooser.choose(s, 1).shape == Shape.chain(1)
+
+
+def test_cheap_verifies_and_high_acceptance_draft_deep() -> None:
+    chooser = priced(draft_step_ms=0.1, verify_row_ms=0.0)  # a GPU: verifying 9 rows costs a decode
+    s = taught(chooser, adaptive_request([1]), accepted=8)
+    assert chooser.choose(s, 1).shape == Shape.chain(8)
+
+
+def test_costly_verifies_stop_short() -> None:
+    """Rows that cost as much as a decode (a CPU) pay only while acceptance is near certain."""
+    chooser = priced(draft_step_ms=0.5, verify_row_ms=10.0)
+    s = taught(chooser, adaptive_request([1]), accepted=8)
+    shape = chooser.choose(s, 1).shape
+    assert shape.steps == 0  # 1 token / 10.5 ms beats (1 + k) tokens / ((1 + k) 10 + ...) ms
+
+
+def test_moderate_acceptance_picks_an_interior_depth() -> None:
+    chooser = priced(draft_step_ms=1.0, verify_row_ms=1.0)
+    s = taught(chooser, adaptive_request([1]), accepted=2)
+    assert 1 <= chooser.choose(s, 1).shape.steps <= 4
+
+
+def test_probes_past_the_choice_every_few_cycles() -> None:
+    chooser = priced(draft_step_ms=1.0, verify_row_ms=0.5)
+    s = taught(chooser, adaptive_request([1]), accepted=0)
+    s.stats.cycles = PROBE_EVERY - 1
+    choice = chooser.choose(s, 1)
+    assert choice.reason == "probe" and choice.shape == Shape.chain(2)
+
+
+def test_trees_are_candidates_for_a_tree_request() -> None:
+    chooser = StepChooser(4)
+    shapes = chooser.candidates(adaptive_request([1], topk=4))
+    assert Shape.chain(0) in shapes and Shape(4, 4, 8) in shapes and Shape(1, 4, 5) in shapes
+    assert all(s.tokens <= 8 for s in shapes if s.topk > 1)
+
+
+def test_unmeasured_costs_draft_the_requests_own_shape() -> None:
+    chooser = StepChooser(8)
+    choice = chooser.choose(Sequence(1, adaptive_request([1])), 1)
+    assert choice.shape == Shape.chain(3) and choice.reason == "measuring"
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny_target: Path, tiny_head: Path) -> LocalEngines:
+    engines = LocalEngines(TargetConfig(model=str(tiny_target), max_context=256),
+                           DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
+    yield engines
+    engines.close()
+
+
+@pytest.mark.parametrize("topk", [1, 4])
+@pytest.mark.parametrize("rate", [None, 0.8])
+def test_adaptive_steps_are_lossless(tiny_engines: LocalEngines, topk: int, rate: float | None) -> None:
+    """Greedy output equals target-only output whatever each cycle drafts, solo and batched;
+    with replayed acceptance the chooser drafts more than one shape."""
+    base = tiny_engines.generate([GenerationRequest(p, 40, Sampling(), {511}, 0) for p in PROMPTS])
+    draft = None
+    if rate is not None:
+        refs = [p + b.tokens for p, b in zip(PROMPTS, base, strict=True)]
+        draft = ReplayDraft(LocalDraft(tiny_engines.draft), Replayer(refs, rate, 512))
+    out = tiny_engines.generate([adaptive_request(p, topk=topk) for p in PROMPTS], draft)
+    assert [r.tokens for r in out] == [b.tokens for b in base]
+    shapes = {sh for r in out for sh in r.stats.shapes}
+    assert len(shapes) > 1
+    if rate is not None:
+        assert max(sh.steps for sh in shapes) >= 3
+    assert tiny_engines.target.stats()["active_sequences"] == 0
+
+
+def test_adaptive_over_grpc_reports_its_choices(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
+    cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=256, num_steps=3,
+                         log_dir=tmp_path)
+    with ServiceStack(cfg) as stack:
+        client = GatewayClient(stack.addr("gateway"))
+        try:
+            base = client.generate(make_request(token_ids=PROMPTS[1], max_new_tokens=32, speculation=False,
+                                                ignore_eos=True))
+            free = client.generate(make_request(token_ids=PROMPTS[1], max_new_tokens=32, ignore_eos=True))
+            fixed = client.generate(make_request(token_ids=PROMPTS[1], max_new_tokens=32, num_steps=3,
+                                                 ignore_eos=True))
+            sampled = client.generate(make_request(token_ids=PROMPTS[1], max_new_tokens=8, temperature=0.7,
+                                                   seed=5, ignore_eos=True))
+        finally:
+            client.close()
+    assert free.token_ids == base.token_ids == fixed.token_ids
+    s = free.final.speculation
+    assert s.adaptive and s.enabled and sum(s.num_steps_histogram) == s.cycles
+    assert s.num_steps_histogram[s.num_steps] == max(s.num_steps_histogram)
+    f = fixed.final.speculation
+    assert not f.adaptive and f.num_steps == 3 and list(f.num_steps_histogram) == [0, 0, 0, f.cycles]
+    assert not sampled.final.speculation.adaptive  # a seed gives the same tokens in every process
+
+
+def test_adaptive_steps_can_be_turned_off(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
+    cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=256, num_steps=2,
+                         log_dir=tmp_path, extra_gateway_args=["--no-adaptive-steps"])
+    with ServiceStack(cfg) as stack:
+        client = GatewayClient(stack.addr("gateway"))
+        try:
+            s = client.generate(make_request(token_ids=PROMPTS[0], max_new_tokens=12)).final.speculation
+        finally:
+            client.close()
+    assert not s.adaptive and s.num_steps == 2
