@@ -78,7 +78,8 @@ class InstantDraft:
 
 
 async def measure(batch: int, cycles: int, num_steps: int, noop_spans: bool = False, adaptive: bool = False) -> dict:
-    s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=batch, limits=Limits(max_queue=batch))
+    s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=batch,
+                  limits=Limits(max_queue=batch, stream_buffer=1 << 30))  # events are read, never `taken`
     s.spans.enabled = noop_spans  # True: build every cycle's span and trace context with the no-op tracer
     s.draft_restored()
     s.start()

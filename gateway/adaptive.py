@@ -27,6 +27,7 @@ SHARED_DECAY = 0.999  # per observation: the gateway's profile follows the traff
 REQUEST_WEIGHT = 3.0  # pseudo-observations of the gateway's profile behind a request's own
 REQUEST_DECAY = 0.9  # per observation: a request's profile follows its text (code, then prose)
 OUTLIER = 4.0  # a call this many times slower than its shape's estimate is not a cost
+REPRICE = 32  # records (three a cycle) between two pricings of the candidates, unless a shape is new
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,13 @@ class CostModel:
     draft: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # topk -> batch -> steps -> ms
     verify: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> rows -> ms
     rest: dict[int, float] = field(default_factory=dict)  # batch -> ms
-    version: int = 0  # counts the records: prices computed from older ones are stale
+    version: int = 0  # prices computed under another version are stale: a new point, or every REPRICE records
+    records: int = 0
 
     def _avg(self, points: dict[int, float], x: int, ms: float) -> None:
         """Into the moving average at x. A call far slower than that average (a CUDA graph
         captured, a pause) is left out; one far faster replaces it (the first was such a call)."""
-        self.version += 1
+        self._count(x not in points)
         if x not in points or ms * OUTLIER < points[x]:
             points[x] = ms
         elif ms <= OUTLIER * points[x]:
@@ -127,8 +129,13 @@ class CostModel:
     def record_verify(self, batch: int, rows: int, ms: float) -> None:
         self._avg(self.verify.setdefault(batch, {}), rows, ms)
 
+    def _count(self, new_point: bool) -> None:
+        self.records += 1
+        if new_point or self.records % REPRICE == 0:
+            self.version += 1
+
     def record_rest(self, batch: int, ms: float) -> None:
-        self.version += 1
+        self._count(batch not in self.rest)
         self.rest[batch] = ms if batch not in self.rest else self.rest[batch] + self.alpha * (ms - self.rest[batch])
 
     def cycle_ms(self, batch: int, shape: Shape) -> float | None:
@@ -199,8 +206,8 @@ class StepChooser:
         return out
 
     def _priced(self, req: GenerationRequest, batch: int) -> list[tuple[Shape, float]] | None:
-        """The candidates of requests like `req` with their cycle's cost at `batch`, computed
-        once per batch size and request kind while the costs stay as they are."""
+        """The candidates of requests like `req` with their cycle's cost at `batch`, priced again
+        when a shape is measured for the first time and every REPRICE records (about ten cycles)."""
         key = (batch, req.min_steps, req.topk, req.num_draft_tokens)
         hit = self.prices.get(key)
         if hit is not None and hit[0] == self.costs.version:
