@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -44,6 +45,7 @@ def run(client: GatewayClient, prompts: list[str], max_new: int, settings: dict[
 
 
 def row(label: str, gens: list[Generation], off: list[Generation] | None) -> dict[str, Any]:
+    print(f"adaptive_steps: {label} done", file=sys.stderr, flush=True)
     tokens = sum(len(g.token_ids) - 1 for g in gens)
     seconds = sum(g.final.elapsed_ms - g.final.first_token_ms for g in gens) / 1e3
     spec = [g.final.speculation for g in gens]

@@ -1,17 +1,17 @@
 """The serving curve: N concurrent client streams through the services, for each N of --streams and
-each mode of --modes (speculation off, chains, trees), every stream --max-new-tokens tokens
-(ignore_eos) of a chat prompt from bench/prompts.py, each client on a connection of its own.
+each mode of --modes (speculation off, chains, trees, steps chosen per cycle), every stream
+--max-new-tokens tokens (ignore_eos) of a chat prompt from bench/prompts.py, each client on a connection of its own.
 One JSON line per (mode, N):
   aggregate tokens/s over the wall time of the N streams (prefill included),
   time to first token p50 / p99 (ms from the call to the first token),
   time per output token p50 / p99 (ms, a stream's (last token - first token) / (tokens - 1)),
-  the ratio of aggregate tokens/s to the same mode at the first N (1 by default) and, for chains and trees, to
-  speculation off at the same N, and the mean accepted length.
+  the ratio of aggregate tokens/s to the same mode at the first N (1 by default) and, for the
+  speculating modes, to speculation off at the same N, and the mean accepted length.
 Each (mode, N) runs once with 8 tokens a stream first (warm-up: CUDA graphs of that batch size).
 
   python -m bench.concurrency --streams 1,2,4,8 --max-new-tokens 32                      (CPU)
   python -m bench.concurrency --device cuda:0 --dtype bfloat16 --head default --fused-decode pdl \\
-      --hidden-backend cuda_ipc --streams 1,2,4,8,16,32,64 --max-new-tokens 128 --modes off,trees
+      --hidden-backend cuda_ipc --streams 1,2,4,8,16,32,64 --max-new-tokens 128
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def mode_settings(mode: str, a: argparse.Namespace) -> dict[str, Any]:
     if mode == "trees":
         return {"speculation": True, "num_steps": a.tree_steps, "topk": a.tree_topk,
                 "num_draft_tokens": a.tree_tokens}
-    raise ValueError(f"unknown mode {mode!r} (off, chains, trees)")
+    if mode == "adaptive":  # num_steps unset: the gateway chooses each cycle, trees of this shape included
+        return {"topk": a.tree_topk, "num_draft_tokens": a.tree_tokens}
+    raise ValueError(f"unknown mode {mode!r} (off, chains, trees, adaptive)")
 
 
 def run(addr: str, n: int, max_new: int, settings: dict[str, Any]) -> tuple[list[Stream], float]:
@@ -104,7 +106,8 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--streams", default="1,2,4,8,16,32,64")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--modes", default="off,trees", help="off, chains, trees")
+    p.add_argument("--modes", default="off,trees,adaptive", help="off, chains, trees, adaptive (steps chosen "
+                   "per cycle by the gateway)")
     p.add_argument("--chain-steps", type=int, default=3)
     p.add_argument("--tree-steps", type=int, default=5)
     p.add_argument("--tree-topk", type=int, default=4)

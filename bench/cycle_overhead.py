@@ -27,6 +27,7 @@ from bench.replay import LABEL, Replayer
 from bench.spec_vs_baseline import git_commit
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
+from gateway.forced import ForcedAcceptance
 from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
 from specsplit.cli.client import GatewayClient, Generation, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
@@ -48,7 +49,7 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
                ) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
     target = TargetRuntime(TargetConfig(model=a.model, dtype=a.dtype, device=a.device, hidden_backend=a.backend,
                                         max_context=a.max_context, max_sequences=2, compile=a.compile,
-                                        fused_decode=a.fused_decode,
+                                        fused_decode=a.fused_decode, forced_acceptance=forced(a) is not None,
                                         max_draft_tokens=max(16, tree_size(a))).validate(), TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
                                      max_context=a.max_context, max_sequences=2, compile=a.compile,
@@ -63,8 +64,8 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
         rows = {0: summarize("in_process", 0, base)}
         for steps in steps_list:
             replayer = None if a.accept_rate is None else Replayer(refs, a.accept_rate, target.model.cfg.vocab_size)
-            runs = [generate(target, draft, p, a.max_new_tokens, steps, replayer, tree_topk(a), tree_size(a))
-                    for p in prompts]
+            runs = [generate(target, draft, p, a.max_new_tokens, steps, replayer, tree_topk(a), tree_size(a),
+                             forced(a)) for p in prompts]
             rows[steps] = summarize("in_process", steps, runs)
             # in bfloat16 a verify of k+1 rows may round a near-tie differently from a one-row decode; then the
             # sequence leaves its reference (and replayed acceptance falls): reported, not hidden
@@ -77,6 +78,11 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
         del target, draft
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def forced(a: argparse.Namespace) -> ForcedAcceptance | None:
+    """The benchmark's forced acceptance profile (bench.end_to_end --forced-acceptance), if any."""
+    return ForcedAcceptance.parse(getattr(a, "forced_acceptance", ""))
 
 
 def tree_topk(a: argparse.Namespace) -> int:
@@ -143,10 +149,14 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
         replay = ["--replay-references", str(ref_file), "--replay-accept-rate", str(a.accept_rate)]
     engine_flags = (["--inline-steps"] if a.inline_steps else []) + (["--compile"] if a.compile else [])
     trees = ["--max-num-draft-tokens", str(max(16, tree_size(a)))]
+    target_only: list[str] = []
+    if forced(a) is not None:  # the gateway draws, the target commits
+        trees += ["--benchmark-forced-acceptance", a.forced_acceptance]
+        target_only = ["--benchmark-forced-acceptance"]
     gateway_extra, service_extra = variant_args(variant, a.spin_us)
     cfg = StackConfig.of(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
                          hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
-                         extra_target_args=[*engine_flags, *service_extra, "--max-draft-tokens",
+                         extra_target_args=[*engine_flags, *target_only, *service_extra, "--max-draft-tokens",
                                             str(max(16, tree_size(a))), "--fused-decode", a.fused_decode],
                          extra_draft_args=[*engine_flags, *service_extra, "--max-topk", str(max(8, tree_topk(a)))],
                          extra_gateway_args=[*replay, *trees, *gateway_extra],

@@ -6,11 +6,15 @@ generating exactly --max-new-tokens (ignore_eos), decode tokens/s of
   - target-only and speculation through the three services (gRPC streams + the hidden-state ring);
   - HF transformers `generate` on the same weights, plain and with prompt lookup (an outside reference).
 One JSON line per (mode, num_steps), then a summary line with the ratios over the in-process
-target-only baseline, the commit and the machine.
+target-only baseline, the commit and the machine. With --forced-acceptance (a shape with a random
+head: nothing would be accepted) each verify accepts a number of drafts drawn from a per-depth
+profile (gateway.forced) and every line says so in "acceptance".
 
   python -m bench.end_to_end --device cuda:0 --draft-device cuda:0          # one H200
   python -m bench.end_to_end --device cpu --draft-device cpu --dtype float32 --prompts 1 --max-new-tokens 32 \\
       --num-steps 3 --hf-prompts 1                                          # CPU smoke
+  python -m bench.end_to_end --model shape:llama-3.1-8b --head random --forced-acceptance shipped \
+      --num-steps 5 --topk 4 --num-draft-tokens 16 --fused-decode pdl       # the 8B shape, one H200
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from bench import cycle_overhead
 from bench.prompts import CHAT_PROMPTS
 from bench.spec_vs_baseline import git_commit
 from specsplit.checkpoints.eagle_head import trained_head_dir
-from specsplit.checkpoints.target_checkpoint import resolve_target_dir
+from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
 from specsplit.tokenizer import TextCodec
 
 
@@ -96,22 +100,32 @@ def main() -> None:
     p.add_argument("--num-draft-tokens", type=int, default=16, help="a tree's size counting the root (trees only)")
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the HF generate reference (0: skip it)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--forced-acceptance", default="", help="benchmark mode for heads without trained weights: each "
+                   "verify accepts a number of drafts drawn from this per-depth profile ('shipped' or rates, "
+                   "gateway.forced); every line says so")
     cycle_overhead.add_variant_args(p)
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     a.accept_rate = None  # the real draft: no replay
     a.backend = a.backend or ("cuda_ipc" if a.device.startswith("cuda") else "shm")
+    forced = cycle_overhead.forced(a)
     head_dir = trained_head_dir(a.head, a.model)
-    if head_dir is None:
-        raise SystemExit(f"--head {a.head!r} resolves to a random head for {a.model!r}: nothing would be accepted")
-    a.head = str(head_dir)
+    if head_dir is None and forced is None:
+        raise SystemExit(f"--head {a.head!r} resolves to a random head for {a.model!r}: nothing would be accepted "
+                         "(--forced-acceptance measures such a head)")
+    a.head = str(head_dir) if head_dir is not None else a.head
     steps_list = [int(x) for x in a.num_steps.split(",") if x]
     t0 = time.time()
     codec = TextCodec.from_checkpoint(resolve_target_dir(a.model))
-    if codec is None:
+    if codec is not None:
+        prompts = [codec.encode(codec.render_chat(t)) for t in CHAT_PROMPTS[: a.prompts]]
+    elif forced is not None:  # a shape without a tokenizer: prompts of 64 fixed token ids
+        vocab = load_target_config(resolve_target_dir(a.model)).vocab_size
+        prompts = [[1 + (i * 7919 + j * 104729) % (vocab - 1) for j in range(64)] for i in range(a.prompts)]
+        a.hf_prompts = 0
+    else:
         raise SystemExit(f"{a.model}: no tokenizer")
-    prompts = [codec.encode(codec.render_chat(t)) for t in CHAT_PROMPTS[: a.prompts]]
     refs, local = cycle_overhead.in_process(a, prompts, steps_list)
     remote: dict[str, dict[int, dict[str, Any]]] = {}
     for variant in a.variants.split(","):  # modes "services" (spin: the GPU default), "services_thread", ...
@@ -121,7 +135,8 @@ def main() -> None:
     base = local[0]["decode_tokens_per_s"]
     common = {"bench": "end_to_end", "model": a.model, "head": Path(a.head).name, "dtype": a.dtype,
               "topk": a.topk, "num_draft_tokens": a.num_draft_tokens if a.topk > 1 else None,
-              "max_new_tokens": a.max_new_tokens, "prompts": len(prompts)}
+              "max_new_tokens": a.max_new_tokens, "prompts": len(prompts),
+              **({"acceptance": forced.label} if forced is not None else {})}
     summary: dict[str, Any] = {}
     for steps in [0, *steps_list]:
         for mode, row in (("in_process", local[steps]), *((m, r[steps]) for m, r in remote.items())):
@@ -134,6 +149,7 @@ def main() -> None:
             print(json.dumps({**common, **row, "over_in_process_target_only": summary[row["mode"]]}), flush=True)
     best = max((k for k in summary if k.startswith("services_spec")), key=summary.__getitem__, default=None)
     print(json.dumps({"bench": "end_to_end", "summary": "decode tokens/s over in-process target-only (graphs)",
+                      **({"acceptance": forced.label} if forced is not None else {}),
                       "in_process_target_only_tokens_per_s": base, "ratios": summary, "best_services": best,
                       "target_device": a.device, "draft_device": a.draft_device, "inline_steps": a.inline_steps,
                       "step_transport": "grpc stream" if a.grpc_steps else "unix socket",

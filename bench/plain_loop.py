@@ -5,11 +5,13 @@ measured against (bench.cycle_overhead) and the fastest target-only decoding we 
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from dataclasses import dataclass
 
 from bench.replay import Replayer
 from draft_service.runtime import DraftRuntime
+from gateway.forced import ForcedAcceptance
 from specsplit.ops import ExtendPropose, Prefill, Release, Verify
 from target_service.runtime import TargetRuntime
 
@@ -34,15 +36,18 @@ class LoopRun:
 
 
 def generate(target: TargetRuntime, draft: DraftRuntime | None, prompt: list[int], max_new: int, steps: int,
-             replayer: Replayer | None = None, topk: int = 1, num_draft_tokens: int = 0) -> LoopRun:
+             replayer: Replayer | None = None, topk: int = 1, num_draft_tokens: int = 0,
+             forced: ForcedAcceptance | None = None) -> LoopRun:
     """Greedy; speculation when steps > 0 (then `draft` is required); a tree when topk > 1
-    (a replayer turns it into a chain)."""
+    (a replayer turns it into a chain); `forced`: each verify accepts a number drawn from that
+    profile (the target must allow it)."""
     sid, spec = next(_ids), steps > 0 and draft is not None
     (first,), _ = target.step([Prefill(sid, prompt, capture=spec)], [])
     if first.code:
         raise RuntimeError(f"prefill failed: {first.message}")
     out, feed, ref, position, release = list(first.tokens), prompt[1:] + first.tokens, first.hidden, 0, []
     cycles, draft_ms, verify_ms = 0, 0.0, 0.0
+    rng = random.Random(sid)
     t0 = time.perf_counter()
     while len(out) < max_new:
         drafts: list[int] = []
@@ -58,7 +63,8 @@ def generate(target: TargetRuntime, draft: DraftRuntime | None, prompt: list[int
                 drafts, parents = d.draft_ids, d.draft_parents
             release.append(ref.generation)  # consumed by the draft
             position += len(feed)
-        (v,), timing = target.step([Verify(sid, drafts, draft_parents=parents, capture=spec)], release)
+        accept = forced.draw(rng, steps) if forced is not None and drafts else -1
+        (v,), timing = target.step([Verify(sid, drafts, draft_parents=parents, capture=spec, forced=accept)], release)
         if v.code:
             raise RuntimeError(f"verify failed: {v.message}")
         verify_ms += timing.compute_ms

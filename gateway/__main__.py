@@ -12,6 +12,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc
 
 from gateway.clients import DraftClient, GrpcDraft, GrpcTarget
 from gateway.config import GatewayConfig
+from gateway.forced import ForcedAcceptance
 from gateway.liveness import ServiceWatch, Watches
 from gateway.loop_thread import LoopThread
 from gateway.observe import GatewayMetrics
@@ -144,6 +145,10 @@ async def serve(cfg: GatewayConfig, draft_wrap: DraftWrap | None = None) -> None
     draft_name = backend.recovery.draft_name
     if draft_name and draft_wrap is not None:
         draft_name = f"{draft_name} ({draft_wrap.label})"
+    scheduler.forced = ForcedAcceptance.parse(cfg.forced_acceptance)
+    if draft_name and scheduler.forced is not None:
+        log.warning("benchmark mode: %s (the output is not the model's)", scheduler.forced.label)
+        draft_name = f"{draft_name} ({scheduler.forced.label})"
     gateway_pb2_grpc.add_GatewayServicer_to_server(
         GatewayServicer(cfg, scheduler, codec, limits, cfg.served_name(), draft_name), server)
     sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(  # for smg, on the same port

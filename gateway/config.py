@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.forced import ForcedAcceptance
 from specsplit.checkpoints import EMBEDDED_DEFAULT, EMBEDDED_NAME
 from specsplit.flags import flag
 
@@ -71,6 +72,10 @@ class GatewayConfig:
                           "the gateway's state by itself", env="SPECSPLIT_LEASE")
     shutdown_grace_s: float = flag(5.0, "--shutdown-grace", "seconds a stopping gateway lets streams in flight "
                                    "finish before it ends them with UNAVAILABLE", env="SPECSPLIT_SHUTDOWN_GRACE")
+    forced_acceptance: str = flag("", "--benchmark-forced-acceptance", "benchmark only: each verify accepts a number "
+                                  "of drafts drawn from this per-depth profile ('shipped': the shipped head's, or "
+                                  "comma-separated rates of depths 1, 2, ...), the target started with the flag of the "
+                                  "same name; the output is not the model's (gateway.forced)")
     step_sockets: bool = flag(True, "--no-step-sockets", "always send Steps over the gRPC streams, even where a "
                               "service offers a Unix step socket")
     loop_thread: bool = flag(True, "--no-loop-thread", "run the speculation loop on the server's event loop instead "
@@ -113,6 +118,7 @@ class GatewayConfig:
         if self.lease_s < 2 * self.liveness_timeout_s:
             raise ValueError("lease_s must be at least twice liveness_timeout_s (a lease must outlive a heartbeat)")
         check_spin_us(self.step_spin_us)
+        ForcedAcceptance.parse(self.forced_acceptance)
         for name in ("max_queue", "max_streams", "max_queued_per_client", "max_streams_per_client", "stream_buffer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
 from gateway.clients import DraftClient, LocalDraft, LocalTarget
+from gateway.forced import ForcedAcceptance
 from gateway.scheduler import Failed, Finished, GenerationRequest, Limits, Scheduler, SeqStats
 from specsplit.models.parallel import TensorParallel
 from target_service.config import TargetConfig
@@ -27,6 +28,7 @@ class LocalEngines:
     def __init__(self, target_cfg: TargetConfig, draft_cfg: DraftConfig | None) -> None:
         self.target = TargetRuntime(target_cfg.validate(), TensorParallel())
         self.draft = None
+        self.forced: ForcedAcceptance | None = None  # a benchmark mode: the target must allow it (gateway.forced)
         if draft_cfg is not None:
             self.draft = DraftRuntime(draft_cfg.validate())
             assert self.target.writer is not None
@@ -43,6 +45,7 @@ class LocalEngines:
         sched = Scheduler(LocalTarget(self.target), draft, self.target.cfg.max_sequences,
                           Limits(max_queue=10_000, max_queued_per_client=10_000, stream_buffer=1 << 30),
                           max_steps=self.draft.cfg.max_steps if self.draft is not None else 8)
+        sched.forced = self.forced
         self.scheduler = sched  # for tests that inject faults
         if draft is not None:
             sched.draft_restored()

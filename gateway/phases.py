@@ -142,8 +142,12 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
             drafts = s.drafts if s.spec and s.synced and speculating else []
             s.sent_drafts = len(drafts)
             capture = s.spec and s.synced and speculating
+            forced = -1
+            if drafts and sched.forced is not None and s.req.sampling.greedy:
+                forced = sched.forced.draw(s.forced_rng, s.shape.steps)
+                s.cycle_span.set_attribute("spec.forced_acceptance", forced)
             ops.append(Verify(s.seq_id, drafts, s.dists if drafts else [], s.parents if drafts else [],
-                              capture=capture, trace=s.trace))
+                              capture=capture, trace=s.trace, forced=forced))
         work.append(s)
     if not ops and not releases:
         return

@@ -34,6 +34,7 @@ from opentelemetry import trace
 
 from gateway.adaptive import StepChooser
 from gateway.clients import DraftClient, TargetClient
+from gateway.forced import ForcedAcceptance
 from gateway.observe import NOOP_METRICS, NOOP_TRACER, CycleSpans, GatewayMetrics
 from gateway.phases import DraftDeadline, draft_phase, target_phase
 from gateway.sequence import (
@@ -92,6 +93,7 @@ class Scheduler:
         self.spans = CycleSpans(tracer)
         self.chooser = StepChooser(max_steps)  # adaptive requests' shape per cycle, from measured costs
         self.cycle_ms: dict[str, float] = {}  # this cycle's draft and verify-only call times
+        self.forced: ForcedAcceptance | None = None  # a benchmark mode (gateway.forced)
         self.cycles = 0
         self.totals = LoopTotals()
         self.in_cycle = False

@@ -4,6 +4,7 @@ statistics, and the events its stream reads."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -119,6 +120,7 @@ class Sequence:
         self.shape = Shape.of(req)  # what this cycle drafts (an adaptive request: chosen per cycle)
         self.acceptance: dict[tuple[int, int], DepthAcceptance] = {}  # an adaptive request's own, per family
         self.draft_failures = 0  # in a row
+        self.forced_rng = random.Random(seq_id)  # forced acceptance's draws (a benchmark mode)
         self.stats = SeqStats()
         self.submitted_at = time.perf_counter()
         self.done = False

@@ -65,6 +65,7 @@ class Verify:
     draft_parents: list[int] = field(default_factory=list)
     capture: bool = True
     trace: str = ""
+    forced: int = -1  # benchmark only (--benchmark-forced-acceptance): accept this many drafts; -1: verify
 
 
 @dataclass

@@ -85,3 +85,24 @@ def verify_tree(logits: torch.Tensor, draft_ids: list[int], parents: list[int]) 
         path.append(child)
         node = child
     return path, [draft_ids[i - 1] for i in path[1:]] + [best[node]]
+
+
+def forced_chain(logits: torch.Tensor, draft_ids: list[int], forced: int) -> tuple[int, list[int]]:
+    """Benchmark only: `forced` drafts accepted (at most all), then the target's argmax after
+    them. logits [k+1, V] as for verify_chain."""
+    a = min(forced, len(draft_ids))
+    return a, [*draft_ids[:a], int(torch.argmax(logits[a]))]
+
+
+def forced_tree(logits: torch.Tensor, draft_ids: list[int], parents: list[int], forced: int
+                ) -> tuple[list[int], list[int]]:
+    """Benchmark only: the path down each node's first child, `forced` deep (or to a leaf),
+    then the target's argmax after it; returns as verify_tree."""
+    path, node = [0], 0
+    while len(path) <= forced:
+        child = next((i + 1 for i, p in enumerate(parents) if p + 1 == node), None)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    return path, [draft_ids[i - 1] for i in path[1:]] + [int(torch.argmax(logits[node]))]

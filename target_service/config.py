@@ -48,6 +48,9 @@ class TargetConfig:
                              "verifies of chains and trees of up to 64 tokens) as the fused Triton step, five kernels "
                              "a layer (CUDA, tp 1); pdl: also with programmatic dependent launch (Hopper+)",
                              choices=FUSED_DECODE)
+    forced_acceptance: bool = flag(False, "--benchmark-forced-acceptance", "benchmark only: honour verifies that "
+                                   "force how many drafts are accepted (the gateway's --benchmark-forced-acceptance); "
+                                   "their output is not the model's")
     step_socket: str = flag("", "--step-socket", "also serve Step on this Unix socket, for a gateway on the same host "
                             "(default: gRPC only)", env="SPECSPLIT_TARGET_STEP_SOCKET")
     step_socket_spin_us: float = flag(-1.0, "--step-socket-spin-us", SPIN_HELP)

@@ -29,7 +29,7 @@ from specsplit.ops import (
     Verify,
 )
 from specsplit.runner.runner import ModelRunner, Row, Step
-from specsplit.sampling import select_token, verify_chain, verify_tree
+from specsplit.sampling import forced_chain, forced_tree, select_token, verify_chain, verify_tree
 from target_service.config import TargetConfig
 
 
@@ -126,6 +126,11 @@ class TargetEngine:
                 raise OpError(Code.INVALID_ARGUMENT, "sampling verify needs one draft distribution per token")
             if op.draft_parents:
                 self._check_tree(op, seq)
+            if op.forced >= 0 and not self.cfg.forced_acceptance:
+                raise OpError(Code.INVALID_ARGUMENT, "forced acceptance is a benchmark mode: start the target with "
+                                                     "--benchmark-forced-acceptance")
+            if op.forced >= 0 and not seq.sampling.greedy:
+                raise OpError(Code.INVALID_ARGUMENT, "forced acceptance is for greedy sequences")
 
     @staticmethod
     def _check_tree(op: Verify, seq: Sequence) -> None:
@@ -218,7 +223,10 @@ class TargetEngine:
         if _is_tree(op):
             return self._finish_tree(w, op, logits, rows)
         if isinstance(op, Verify):
-            accepted, emitted = verify_chain(logits, op.draft_ids, op.draft_dists, seq.sampling, seq.generator)
+            if op.forced >= 0:
+                accepted, emitted = forced_chain(logits, op.draft_ids, op.forced)
+            else:
+                accepted, emitted = verify_chain(logits, op.draft_ids, op.draft_dists, seq.sampling, seq.generator)
             seq.tokens += [seq.last_token, *op.draft_ids[:accepted]]
             seq.length += accepted + 1  # last token and the accepted drafts are now in the cache
             seq.last_token = emitted[-1]
@@ -231,7 +239,10 @@ class TargetEngine:
         """Accept the tree's longest matching path, then move the path's KV entries (written at
         start + node index) to start + depth, where the committed sequence continues."""
         seq, start = w.seq, w.row.start
-        path, emitted = verify_tree(logits, op.draft_ids, op.draft_parents)
+        if op.forced >= 0:
+            path, emitted = forced_tree(logits, op.draft_ids, op.draft_parents, op.forced)
+        else:
+            path, emitted = verify_tree(logits, op.draft_ids, op.draft_parents)
         if path != list(range(len(path))):
             src = torch.tensor(path, device=self.device) + start
             self.runner.cache.move(seq.slot, src, torch.arange(len(path), device=self.device) + start)

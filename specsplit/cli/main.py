@@ -80,6 +80,9 @@ def _request(a: argparse.Namespace, prompt: str, speculation: bool | None = None
 def _summary_line(s: dict) -> str:
     tree = f", tree topk {s['topk']} of {s['num_draft_tokens']}" if s.get("topk", 1) > 1 else ""
     spec = f"speculation {s['num_steps']} steps{tree}" if s["speculation"] else "speculation off"
+    if s["speculation"] and s.get("adaptive"):  # cycles by the steps chosen for them
+        chosen = ", ".join(f"{k}: {n}" for k, n in enumerate(s["num_steps_histogram"]) if n)
+        spec = f"speculation, steps chosen per cycle ({chosen}){tree}"
     return (f"[{spec}] {s['completion_tokens']} tokens in {s['elapsed_ms'] / 1e3:.2f} s = "
             f"{s['tokens_per_s']:.1f} tok/s | cycles {s['cycles']} | mean accepted length "
             f"{s['mean_accepted_length']:.2f} | draft {s['draft_ms']:.0f} ms, verify {s['verify_ms']:.0f} ms | "

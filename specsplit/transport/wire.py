@@ -73,7 +73,7 @@ def target_op_to_proto(op: TargetOp) -> target_pb2.TargetOp:
     if isinstance(op, Verify):
         return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, verify=target_pb2.TargetVerify(
             draft_ids=op.draft_ids, draft_dists=dists_to_proto(op.draft_dists), capture_hidden=op.capture,
-            draft_parents=op.draft_parents))
+            draft_parents=op.draft_parents, forced_accept=op.forced if op.forced >= 0 else None))
     if isinstance(op, Recapture):
         return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, recapture=target_pb2.TargetRecapture())
     if isinstance(op, Suspend):
@@ -91,7 +91,8 @@ def target_op_from_proto(p: target_pb2.TargetOp) -> TargetOp | None:
                        p.prefill.capture_hidden, p.traceparent)
     if kind == "verify":
         return Verify(p.seq_id, list(p.verify.draft_ids), dists_from_proto(p.verify.draft_dists),
-                      list(p.verify.draft_parents), p.verify.capture_hidden, p.traceparent)
+                      list(p.verify.draft_parents), p.verify.capture_hidden, p.traceparent,
+                      p.verify.forced_accept if p.verify.HasField("forced_accept") else -1)
     if kind == "release":
         return Release(p.seq_id, p.traceparent)
     if kind == "recapture":

@@ -52,16 +52,18 @@ class TargetPrefill(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., capture_hidden: _Optional[bool] = ...) -> None: ...
 
 class TargetVerify(_message.Message):
-    __slots__ = ("draft_ids", "draft_dists", "capture_hidden", "draft_parents")
+    __slots__ = ("draft_ids", "draft_dists", "capture_hidden", "draft_parents", "forced_accept")
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTS_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_ACCEPT_FIELD_NUMBER: _ClassVar[int]
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_dists: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftDistribution]
     capture_hidden: bool
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, draft_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., capture_hidden: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    forced_accept: int
+    def __init__(self, draft_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., capture_hidden: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., forced_accept: _Optional[int] = ...) -> None: ...
 
 class TargetRelease(_message.Message):
     __slots__ = ()

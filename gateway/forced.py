@@ -1,0 +1,51 @@
+"""Forced acceptance, a benchmark mode for shapes without trained weights: a random head
+accepts nothing, so how fast a trained one would make a model cannot be measured with it.
+With --benchmark-forced-acceptance the gateway draws how many drafts each verify accepts from
+a per-depth acceptance profile and the target (started with the flag of the same name) accepts
+that many whatever its logits say. The target still verifies every draft and commits the
+accepted rows: the cycle costs what a real one costs. The output is not the model's; every
+benchmark line that uses the mode says "forced acceptance"."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+# The shipped SmolLM2 head's acceptance at depths 1..5 given the depths before it were accepted:
+# trees of topk 4 and 16 tokens, 5 steps, HumanEval and held-out chat prompts, bf16 on an H200
+# (bench/results/acceptance_h200_d02cb94_tree_k4n16_steps5-3.jsonl); deeper depths repeat the last.
+SHIPPED_PROFILE = (0.833, 0.784, 0.734, 0.714, 0.721)
+
+
+@dataclass(frozen=True)
+class ForcedAcceptance:
+    rates: tuple[float, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> ForcedAcceptance | None:
+        """'' (off), 'shipped', or comma-separated rates in [0, 1] of depths 1, 2, ..."""
+        if not text:
+            return None
+        if text == "shipped":
+            return cls(SHIPPED_PROFILE)
+        try:
+            rates = tuple(float(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"forced acceptance {text!r}: 'shipped' or comma-separated rates") from None
+        if not rates or any(not 0.0 <= r <= 1.0 for r in rates):
+            raise ValueError(f"forced acceptance {text!r}: every rate must be within [0, 1]")
+        return cls(rates)
+
+    def rate(self, depth: int) -> float:
+        return self.rates[min(depth, len(self.rates)) - 1]
+
+    def draw(self, rng: random.Random, steps: int) -> int:
+        """How many of `steps` drafts (a tree: levels) the next verify accepts."""
+        accepted = 0
+        while accepted < steps and rng.random() < self.rate(accepted + 1):
+            accepted += 1
+        return accepted
+
+    @property
+    def label(self) -> str:
+        return "forced acceptance " + ",".join(f"{r:g}" for r in self.rates)
