@@ -22,7 +22,17 @@ import torch
 
 from draft_service.tree import grow_trees, tree_result
 from specsplit.models.eagle3 import Eagle3Head
-from specsplit.ops import Code, DraftOp, DraftResult, ExtendPropose, OpError, Release, Sampling, SparseDist
+from specsplit.ops import (
+    MAX_EARLIER,
+    Code,
+    DraftOp,
+    DraftResult,
+    ExtendPropose,
+    OpError,
+    Release,
+    Sampling,
+    SparseDist,
+)
 from specsplit.runner.runner import ModelRunner, Row, Step, padded_rows
 from specsplit.sampling import probs_from_logits, sample
 from specsplit.transport.handoff.base import HiddenReader
@@ -120,8 +130,11 @@ class DraftEngine:
     def _check_and_read(self, op: ExtendPropose) -> torch.Tensor:
         if self.reader is None:
             raise OpError(Code.INVALID_ARGUMENT, "no hidden-state store attached")
-        rows = op.hidden.rows
-        if rows != len(op.tokens) or rows == 0:
+        if len(op.earlier) > MAX_EARLIER:
+            raise OpError(Code.INVALID_ARGUMENT, f"{len(op.earlier)} earlier feature references exceed {MAX_EARLIER}")
+        refs = [*op.earlier, op.hidden]
+        rows = sum(r.rows for r in refs)
+        if rows != len(op.tokens) or rows == 0 or any(r.rows == 0 for r in refs):
             raise OpError(Code.INVALID_ARGUMENT, f"{len(op.tokens)} tokens for {rows} feature rows")
         if op.num_steps > self.max_steps:
             raise OpError(Code.INVALID_ARGUMENT, f"num_steps {op.num_steps} exceeds the limit {self.max_steps}")
@@ -143,7 +156,8 @@ class DraftEngine:
         if op.position + rows > self.max_context:
             raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} would exceed the draft context")
         try:
-            return self.reader.read(op.hidden.offset, rows, op.hidden.inline).to(self.device)  # [rows, 3H]
+            parts = [self.reader.read(r.offset, r.rows, r.inline).to(self.device) for r in refs]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)  # [rows, 3H]
         except ValueError as e:
             raise OpError(Code.INVALID_ARGUMENT, f"bad hidden-state reference: {e}") from e
 

@@ -6,9 +6,10 @@ the shape (a chain or a tree, and how deep) with the most expected tokens per se
 E comes from the request's own acceptance at each draft depth, measured live and blended with
 every request's; the costs from this gateway's own calls, measured live per batch size (a shape
 not measured yet is priced by a line through the ones that were). Zero steps is speculation off
-for that cycle: the draft only extends (so it stays in step), the target verifies one row.
-Every PROBE_EVERY-th cycle of a request drafts PROBE_EXTRA steps past its choice, so that the
-depths its choice does not reach stay measured. Sampled requests keep a fixed shape: their
+for that cycle: no draft call (its extend is put off to the next cycle that drafts, or until
+32 tokens wait), the target verifies one row. Every PROBE_EVERY-th cycle of a request (every
+other one of those in its first EARLY_CYCLES) drafts PROBE_EXTRA steps past its choice, so that
+the depths its choice does not reach stay measured. Sampled requests keep a fixed shape: their
 tokens depend on the shape, and a seed must give the same tokens in every process."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 PROBE_EVERY = 8
 PROBE_EXTRA = 2
+EARLY_CYCLES = 32  # a request's first cycles probe twice as often: its own acceptance is not known yet
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # every request's acceptance before anything is measured
 SHARED_DECAY = 0.999  # per observation: the gateway's profile follows the traffic slowly
 REQUEST_WEIGHT = 3.0  # pseudo-observations of the gateway's profile behind a request's own
@@ -147,7 +149,8 @@ class CostModel:
         if draft is None or verify is None:
             return None
         rest = self.rest[min(self.rest, key=lambda b: (abs(b - batch), b))] if self.rest else 0.0
-        return _line(draft, shape.steps) + _line(verify, shape.rows) + rest
+        # nothing drafted: no draft call (the extend is put off, gateway.phases)
+        return (_line(draft, shape.steps) if shape.steps else 0.0) + _line(verify, shape.rows) + rest
 
 
 @dataclass
@@ -232,7 +235,8 @@ class StepChooser:
             tokens = expected[self._key(s.req, shape)][shape.steps]
             if tokens / ms > best_rate:
                 best, best_ms, best_tokens, best_rate = shape, ms, tokens, tokens / ms
-        if s.stats.cycles % PROBE_EVERY == PROBE_EVERY - 1 and best.steps < self.max_steps:
+        every = PROBE_EVERY if s.stats.cycles >= EARLY_CYCLES else PROBE_EVERY // 2
+        if s.stats.cycles % every == every - 1 and best.steps < self.max_steps:
             steps = min(self.max_steps, best.steps + PROBE_EXTRA)
             probe = Shape.tree(steps, best.topk, s.req.num_draft_tokens) if best.topk > 1 else Shape.chain(steps)
             return Choice(probe, self.expected_tokens(s, probe), self.costs.cycle_ms(batch, probe) or best_ms, "probe")

@@ -15,6 +15,7 @@ import grpc
 from gateway.adaptive import Shape
 from gateway.sequence import Sequence
 from specsplit.ops import (
+    MAX_EARLIER,
     Code,
     DraftOp,
     DraftResult,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specsplit.gateway")
 MAX_DRAFT_FAILURES = 3  # consecutive per-sequence draft errors before the sequence goes on target-only
+PUT_OFF_TOKENS = 32  # a cycle that drafts nothing puts the draft's extend off while fewer tokens wait
 
 
 class DraftDeadline:
@@ -67,17 +69,22 @@ async def draft_phase(sched: Scheduler) -> None:
         return
     ops: list[DraftOp] = [Release(i) for i in sched.draft_releases]
     sched.draft_releases = []
-    users = [s for s in sched.running if s.spec and s.pending is not None and not s.unread_since]
-    for s in users:
+    candidates = [s for s in sched.running if s.spec and s.pending is not None and not s.unread_since]
+    users = []
+    for s in candidates:
+        tokens, refs, position = s.pending  # type: ignore[misc]
         if s.req.adaptive:
-            choice = sched.chooser.choose(s, len(users))
+            choice = sched.chooser.choose(s, len(candidates))
             s.shape = choice.shape
             s.cycle_span.set_attributes(choice.attributes())
-        tokens, ref, position = s.pending  # type: ignore[misc]
-        ops.append(ExtendPropose(s.seq_id, tokens, ref, s.shape.steps, s.req.sampling, s.trace, position,
-                                 s.shape.topk, s.shape.tokens))
+            if not s.shape.steps and len(tokens) < PUT_OFF_TOKENS and len(refs) <= MAX_EARLIER:
+                continue  # nothing to draft: the extend waits for a cycle that drafts (or for more tokens)
+        ops.append(ExtendPropose(s.seq_id, tokens, refs[-1], s.shape.steps, s.req.sampling, s.trace, position,
+                                 s.shape.topk, s.shape.tokens, refs[:-1]))
+        users.append(s)
         s.in_draft = True
-        sched.free_generations.append(ref.generation)  # read before the draft replies: reclaim whatever happens
+        # read before the draft replies: reclaim whatever happens
+        sched.free_generations += [ref.generation for ref in refs]
         s.pending = None
     if not ops:
         return
@@ -95,7 +102,7 @@ async def draft_phase(sched: Scheduler) -> None:
     seconds = time.perf_counter() - t0
     sched.draft_deadline.record(ops, seconds)
     ms = seconds * 1e3
-    if users and not sched.draft_deadline.is_long(ops):  # a cycle's draft call: what the chooser prices
+    if users and not sched.draft_deadline.is_long(ops) and any(s.shape.steps for s in users):  # what's priced
         sched.cycle_ms["draft"] = ms
         sched.chooser.costs.record_draft(len(users), max(s.shape.family for s in users),
                                          max(s.shape.steps for s in users), ms)
@@ -185,7 +192,7 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         return
     if isinstance(op, Recapture | Resume):  # the draft restarts this sequence from position 0
         s.suspended = False
-        s.pending = (r.tokens, r.hidden, 0) if r.hidden is not None else None
+        s.pending = (r.tokens, [r.hidden], 0) if r.hidden is not None else None
         s.synced = r.hidden is not None
         return
     start = s.committed
@@ -193,7 +200,11 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
     if r.hidden is not None:
         if s.spec and sched.speculating:
             tokens = (s.req.prompt_ids[1:] + r.tokens) if isinstance(op, Prefill) else r.tokens
-            s.pending = (tokens, r.hidden, start)
+            if s.pending is not None:  # the extend was put off: these rows follow the ones it holds
+                before, refs, at = s.pending
+                s.pending = (before + tokens, [*refs, r.hidden], at)
+            else:
+                s.pending = (tokens, [r.hidden], start)
             s.synced = s.synced or isinstance(op, Prefill)
         else:
             sched.free_generations.append(r.hidden.generation)

@@ -188,7 +188,7 @@ class Scheduler:
         for s in self.running:
             s.synced, s.drafts, s.dists = False, [], []
             if s.pending is not None:
-                self.free_generations.append(s.pending[1].generation)
+                self.free_generations += [ref.generation for ref in s.pending[1]]
                 s.pending = None
 
     def draft_restored(self) -> None:
@@ -335,7 +335,7 @@ class Scheduler:
             self.draft_releases.append(s.seq_id)
             s.in_draft = False
         if s.pending is not None:
-            self.free_generations.append(s.pending[1].generation)
+            self.free_generations += [ref.generation for ref in s.pending[1]]
             s.pending = None
         s.synced, s.drafts, s.dists, s.parents = False, [], [], []
         self.waiting.push_front(s)
@@ -388,7 +388,7 @@ class Scheduler:
                 self.draft_releases.append(s.seq_id)
         if s.pending is not None:
             if not self.target_down:
-                self.free_generations.append(s.pending[1].generation)
+                self.free_generations += [ref.generation for ref in s.pending[1]]
             s.pending = None
         self.wake.set()
 

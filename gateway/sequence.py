@@ -113,7 +113,9 @@ class Sequence:
         self.prefilled = False
         self.committed = 0  # positions in the target's KV cache
         self.in_draft = False  # the draft may hold state for it
-        self.pending: tuple[list[int], HiddenRef, int] | None = None  # (tokens, rows, position) not yet extended
+        # (tokens, their feature rows, position) not extended yet: more than one reference after cycles
+        # that drafted nothing (the draft's extend is put off, gateway.phases)
+        self.pending: tuple[list[int], list[HiddenRef], int] | None = None
         self.drafts: list[int] = []
         self.dists: list[SparseDist] = []
         self.parents: list[int] = []  # a tree's shape (empty: a chain)

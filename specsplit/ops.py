@@ -119,6 +119,9 @@ class TargetResult:
     ended_ns: int = 0
 
 
+MAX_EARLIER = 64  # feature references of extends put off (ExtendPropose.earlier), at most
+
+
 @dataclass
 class ExtendPropose:
     seq_id: int
@@ -130,6 +133,7 @@ class ExtendPropose:
     position: int = 0  # position of the first row; 0 (re)starts the sequence
     topk: int = 1  # > 1: propose a tree (greedy only), num_steps deep, branching topk per expanded node
     num_draft_tokens: int = 0  # a tree's size counting the root (SGLang's meaning): keeps num_draft_tokens - 1 drafts
+    earlier: list[HiddenRef] = field(default_factory=list)  # rows before `hidden`'s, in order (extends put off)
 
 
 DraftOp = ExtendPropose | Release

@@ -10,7 +10,7 @@ import torch
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
 from specsplit.checkpoints.eagle_head import load_head
-from specsplit.ops import Code, ExtendPropose, HiddenRef, Release
+from specsplit.ops import MAX_EARLIER, Code, ExtendPropose, HiddenRef, Release
 from specsplit.transport.handoff import open_writer
 
 SPECFORGE_KEYS = {
@@ -60,6 +60,31 @@ def test_incremental_extend_equals_one_shot_extend(tiny_target: Path, tiny_head:
         assert r1.draft_ids == r2.draft_ids
         assert rt.engine.seqs[1].length == rt.engine.seqs[2].length == 30
         assert rt.opens == 1
+    finally:
+        writer.close()
+
+
+def test_extends_put_off_equal_extends_in_turn(tiny_target: Path, tiny_head: Path) -> None:
+    """Rows of several cycles in one ExtendPropose (`earlier` references, then `hidden`)
+    give the proposals of extending them cycle by cycle; too many references are refused."""
+    rt, writer = make_runtime(tiny_target, tiny_head)
+    try:
+        g = torch.Generator().manual_seed(1)
+        feats = torch.randn(20, writer.descriptor.width, generator=g)
+        tokens = torch.randint(0, 512, (20,), generator=g).tolist()
+        cuts = [(0, 12), (12, 13), (13, 14), (14, 20)]
+        for lo, hi in cuts:  # sequence 1: one extend a cycle, the first three extend only
+            (r1,) = rt.engine.execute([ExtendPropose(1, tokens[lo:hi], put(writer, feats[lo:hi]), 4 if hi == 20 else 0,
+                                                     position=lo)])
+        (r2,) = rt.engine.execute([ExtendPropose(2, tokens[:12], put(writer, feats[:12]), 0)])
+        refs = [put(writer, feats[lo:hi]) for lo, hi in cuts[1:]]  # sequence 2: three cycles' rows at once
+        (r3,) = rt.engine.execute([ExtendPropose(2, tokens[12:], refs[-1], 4, position=12, earlier=refs[:-1])])
+        assert r1.code == r2.code == r3.code == Code.OK and len(r1.draft_ids) == 4
+        assert r3.draft_ids == r1.draft_ids
+        many = [put(writer, feats[:1]) for _ in range(MAX_EARLIER + 1)]
+        (bad,) = rt.engine.execute([ExtendPropose(3, tokens[:MAX_EARLIER + 2], put(writer, feats[:1]), 0,
+                                                  earlier=many)])
+        assert bad.code == Code.INVALID_ARGUMENT and "earlier" in bad.message
     finally:
         writer.close()
 

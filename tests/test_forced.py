@@ -87,6 +87,6 @@ def test_a_target_without_the_flag_refuses_it(tiny_target: Path, tiny_head: Path
 
 
 def test_specsplit_up_has_no_forced_acceptance() -> None:
-    out = subprocess.run([sys.executable, "-m", "specsplit", "up", "--benchmark-forced-acceptance", "shipped"],
+    out = subprocess.run([sys.executable, "-m", "specsplit.cli", "up", "--benchmark-forced-acceptance", "shipped"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "unrecognized arguments" in out.stderr

@@ -120,7 +120,7 @@ def draft_op_to_proto(op: DraftOp) -> draft_pb2.DraftOp:
         return draft_pb2.DraftOp(seq_id=op.seq_id, traceparent=op.trace, extend_propose=draft_pb2.DraftExtendPropose(
             tokens=op.tokens, hidden=ref_to_proto(op.hidden), num_steps=op.num_steps,
             sampling=sampling_to_proto(op.sampling), position=op.position, topk=op.topk,
-            num_draft_tokens=op.num_draft_tokens))
+            num_draft_tokens=op.num_draft_tokens, earlier=[ref_to_proto(r) for r in op.earlier]))
     return draft_pb2.DraftOp(seq_id=op.seq_id, traceparent=op.trace, release=draft_pb2.DraftRelease())
 
 
@@ -130,7 +130,7 @@ def draft_op_from_proto(p: draft_pb2.DraftOp) -> DraftOp | None:
         e = p.extend_propose
         return ExtendPropose(p.seq_id, list(e.tokens), ref_from_proto(e.hidden), e.num_steps,
                              sampling_from_proto(e.sampling), p.traceparent, e.position, max(e.topk, 1),
-                             e.num_draft_tokens)
+                             e.num_draft_tokens, [ref_from_proto(r) for r in e.earlier])
     if kind == "release":
         return Release(p.seq_id, p.traceparent)
     return None

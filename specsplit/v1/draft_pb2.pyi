@@ -38,7 +38,7 @@ class DraftInfo(_message.Message):
     def __init__(self, head_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., attached: _Optional[bool] = ..., max_steps: _Optional[int] = ..., max_context: _Optional[int] = ..., max_sequences: _Optional[int] = ..., step_socket: _Optional[str] = ..., max_topk: _Optional[int] = ...) -> None: ...
 
 class DraftExtendPropose(_message.Message):
-    __slots__ = ("tokens", "hidden", "num_steps", "sampling", "position", "topk", "num_draft_tokens")
+    __slots__ = ("tokens", "hidden", "num_steps", "sampling", "position", "topk", "num_draft_tokens", "earlier")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class DraftExtendPropose(_message.Message):
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EARLIER_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     hidden: _common_pb2.HiddenRef
     num_steps: int
@@ -53,7 +54,8 @@ class DraftExtendPropose(_message.Message):
     position: int
     topk: int
     num_draft_tokens: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenRef, _Mapping]] = ..., num_steps: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., position: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    earlier: _containers.RepeatedCompositeFieldContainer[_common_pb2.HiddenRef]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenRef, _Mapping]] = ..., num_steps: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., position: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., earlier: _Optional[_Iterable[_Union[_common_pb2.HiddenRef, _Mapping]]] = ...) -> None: ...
 
 class DraftRelease(_message.Message):
     __slots__ = ()
