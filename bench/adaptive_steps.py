@@ -1,11 +1,11 @@
 """Steps chosen per cycle against every fixed setting, on a mixed prompt set (code, chat,
-repetitive text), through the three services, one stack, batch 1, greedy. Settings run in
-this order: a warm-up (speculation off and a 1-step chain, not counted), adaptive (the
-gateway's choice: num_steps unset, costs and acceptance measured from the warm-up on), the
-fixed settings, adaptive again (its costs and profiles now warm). One JSON line per setting
-(decode tokens/s over all prompts, tau, cycles per drafted steps, whether the tokens equal
-speculation off's), then a summary with each over speculation off and adaptive over the best
-fixed setting.
+repetitive text), through the three services, one stack, batch 1, greedy. The settings are
+interleaved: for each prompt, every setting in turn (the order rotating from prompt to prompt),
+so that a machine's drift falls on all of them alike; --rounds repeats the whole. A warm-up
+(speculation off and a 1-step chain on one prompt) comes first; the adaptive requests
+(num_steps unset) learn costs and acceptance as they go, as in serving. One JSON line per
+setting (decode tokens/s over all prompts, tau, cycles by drafted steps, whether the tokens
+equal speculation off's), then a summary with adaptive over the best fixed setting.
 
   python -m bench.adaptive_steps                                          # CPU, the embedded default
   python -m bench.adaptive_steps --device cuda:0 --dtype bfloat16 --fused-decode pdl \\
@@ -39,13 +39,11 @@ def fixed_settings(chains: list[int], trees: list[tuple[int, int, int]]) -> dict
     return out
 
 
-def run(client: GatewayClient, prompts: list[str], max_new: int, settings: dict[str, Any]) -> list[Generation]:
-    return [client.generate(make_request(p, max_new_tokens=max_new, ignore_eos=True, **settings), timeout=900)
-            for p in prompts]
+def one(client: GatewayClient, prompt: str, max_new: int, settings: dict[str, Any]) -> Generation:
+    return client.generate(make_request(prompt, max_new_tokens=max_new, ignore_eos=True, **settings), timeout=900)
 
 
 def row(label: str, gens: list[Generation], off: list[Generation] | None) -> dict[str, Any]:
-    print(f"adaptive_steps: {label} done", file=sys.stderr, flush=True)
     tokens = sum(len(g.token_ids) - 1 for g in gens)
     seconds = sum(g.final.elapsed_ms - g.final.first_token_ms for g in gens) / 1e3
     spec = [g.final.speculation for g in gens]
@@ -75,15 +73,16 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--chains", default="1,2,3,4,5", help="fixed chain depths to compare")
+    p.add_argument("--rounds", type=int, default=1, help="times the whole interleaved set runs")
     p.add_argument("--trees", default="3x4n8", help="fixed trees DEPTHxTOPKnTOKENS to compare ('' for none); the "
                    "adaptive requests get the first one's branching and size as their tree candidates")
     a = p.parse_args()
     chains = [int(x) for x in a.chains.split(",") if x]
     trees = [tuple(int(v) for v in t.replace("x", " ").replace("n", " ").split()) for t in a.trees.split(",") if t]
     settings = fixed_settings(chains, trees)  # type: ignore[arg-type]
-    adaptive: dict[str, Any] = {"topk": trees[0][1], "num_draft_tokens": trees[0][2]} if trees else {"topk": 1}
+    # num_steps unset: chosen per cycle, the first tree's branching and size among the candidates
+    settings["adaptive"] = {"topk": trees[0][1], "num_draft_tokens": trees[0][2]} if trees else {"topk": 1}
     t0 = time.time()
-    rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         cfg = StackConfig.of(model=a.model, head=a.head, device=a.device, draft_device=a.draft_device or None,
                              dtype=a.dtype, max_context=a.max_context, max_sequences=2, log_dir=Path(tmp),
@@ -93,31 +92,30 @@ def main() -> None:
             client = GatewayClient(stack.addr("gateway"))
             try:
                 for warm in ({"speculation": False}, {"num_steps": 1, "topk": 1}):
-                    run(client, MIXED_PROMPTS[:1], 16, warm)
-                off = run(client, MIXED_PROMPTS, a.max_new_tokens, settings["off"])
-                rows["adaptive"] = row("adaptive", run(client, MIXED_PROMPTS, a.max_new_tokens, adaptive), off)
-                rows["off"] = row("off", off, None)
-                for label, s in settings.items():
-                    if label != "off":
-                        rows[label] = row(label, run(client, MIXED_PROMPTS, a.max_new_tokens, s), off)
-                rows["adaptive_warm"] = row("adaptive_warm", run(client, MIXED_PROMPTS, a.max_new_tokens, adaptive),
-                                            off)
+                    one(client, MIXED_PROMPTS[0], 16, warm)
+                gens: dict[str, list[Generation]] = {label: [] for label in settings}
+                labels = list(settings)
+                for r in range(a.rounds):
+                    for i, prompt in enumerate(MIXED_PROMPTS):
+                        turn = (i + r) % len(labels)
+                        for label in labels[turn:] + labels[:turn]:
+                            gens[label].append(one(client, prompt, a.max_new_tokens, settings[label]))
+                    print(f"adaptive_steps: round {r + 1} of {a.rounds} done", file=sys.stderr, flush=True)
             finally:
                 client.close()
+    rows = {label: row(label, g, None if label == "off" else gens["off"]) for label, g in gens.items()}
     base = rows["off"]["decode_tokens_per_s"]
     for r in rows.values():
         r["over_off"] = round(r["decode_tokens_per_s"] / base, 3)
         print(json.dumps(r), flush=True)
-    best = max((k for k in rows if not k.startswith("adaptive")), key=lambda k: rows[k]["decode_tokens_per_s"])
+    best = max((k for k in rows if k != "adaptive"), key=lambda k: rows[k]["decode_tokens_per_s"])
     print(json.dumps({
         "bench": "adaptive_steps", "summary": "decode tokens/s, mixed prompts (code, chat, repetitive), batch 1",
         "best_fixed": best, "adaptive_over_best_fixed": round(rows["adaptive"]["decode_tokens_per_s"]
                                                               / rows[best]["decode_tokens_per_s"], 3),
-        "adaptive_warm_over_best_fixed": round(rows["adaptive_warm"]["decode_tokens_per_s"]
-                                               / rows[best]["decode_tokens_per_s"], 3),
         "all_same_tokens": all(r.get("same_tokens_as_off", True) for r in rows.values()),
         "model": a.model, "head": a.head, "device": a.device, "dtype": a.dtype, "prompts": len(MIXED_PROMPTS),
-        "max_new_tokens": a.max_new_tokens,
+        "max_new_tokens": a.max_new_tokens, "rounds": a.rounds,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
         "commit": git_commit(), "machine": platform.machine(), "wall_s": round(time.time() - t0, 1)}), flush=True)
 
