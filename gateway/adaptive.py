@@ -71,18 +71,23 @@ class DepthAcceptance:
     """How often draft depth i is accepted given depths 1..i-1 were, from decayed counts."""
 
     def __init__(self, depth: int, decay: float) -> None:
-        self.trials, self.accepts, self.decay = [0.0] * (depth + 1), [0.0] * (depth + 1), decay
+        # counts are kept in units of `scale` (1 / decay per observation) so that an observation
+        # touches only the depths it reached; scaled back to 1 before they grow large
+        self.trials, self.accepts, self.decay, self.scale = [0.0] * (depth + 1), [0.0] * (depth + 1), decay, 1.0
 
     def observe(self, steps: int, accepted: int) -> None:
-        for i in range(1, len(self.trials)):
-            self.trials[i] *= self.decay
-            self.accepts[i] *= self.decay
+        self.scale /= self.decay
+        if self.scale > 1e6:
+            self.trials = [t / self.scale for t in self.trials]
+            self.accepts = [a / self.scale for a in self.accepts]
+            self.scale = 1.0
         for i in range(1, min(accepted + 1, steps, len(self.trials) - 1) + 1):
-            self.trials[i] += 1.0
-            self.accepts[i] += float(i <= accepted)
+            self.trials[i] += self.scale
+            if i <= accepted:
+                self.accepts[i] += self.scale
 
     def rate(self, i: int, prior: float, weight: float) -> float:
-        return (self.accepts[i] + weight * prior) / (self.trials[i] + weight)
+        return (self.accepts[i] + weight * prior * self.scale) / (self.trials[i] + weight * self.scale)
 
 
 def _line(points: dict[int, float], x: int) -> float:
@@ -243,8 +248,9 @@ class StepChooser:
         return Choice(best, best_tokens, best_ms, "best")
 
     def observe(self, s: Sequence, shape: Shape, accepted: int) -> None:
-        """A verify of `shape` accepted `accepted` drafts (a tree: the accepted path's depth)."""
-        if not shape.steps:
+        """A verify of an adaptive request's `shape` accepted `accepted` drafts (a tree: the
+        accepted path's depth)."""
+        if not shape.steps or not s.req.adaptive:
             return
         key = self._key(s.req, shape)
         self.shared.setdefault(key, DepthAcceptance(self.max_steps, SHARED_DECAY)).observe(shape.steps, accepted)

@@ -51,6 +51,13 @@ def test_depth_acceptance_counts_only_depths_reached() -> None:
     assert acc.trials[1:6] == [1, 1, 1, 0, 0] and acc.accepts[1:6] == [1, 1, 0, 0, 0]
     acc.observe(steps=3, accepted=3)  # all three accepted: depth 4 was not drafted
     assert acc.trials[1:5] == [2, 2, 2, 0] and acc.rate(3, prior=0.5, weight=2.0) == pytest.approx(2 / 4)
+    decayed = DepthAcceptance(2, decay=0.5)
+    decayed.observe(steps=1, accepted=0)
+    decayed.observe(steps=1, accepted=1)  # the first observation now weighs 0.5: 1 of 1.5 accepted
+    assert decayed.rate(1, prior=0.0, weight=1.0) == pytest.approx(1 / 2.5)
+    for _ in range(40):  # rescaled on the way: the same rate as decayed in place
+        decayed.observe(steps=1, accepted=1)
+    assert decayed.rate(1, prior=0.0, weight=1.0) == pytest.approx(2 / 3, abs=1e-6)
 
 
 def test_costs_take_measured_points_and_a_line_elsewhere() -> None:
