@@ -27,7 +27,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -41,33 +40,21 @@ from gateway.sequence import (
     Failed,
     Finished,
     GenerationRequest,
+    Limits,
     LoopTotals,
     QueueFull,
     SeqStats,
     Sequence,
     Unavailable,
+    first_sequence_id,
 )
 from gateway.waiting import WaitingQueue
 
 log = logging.getLogger("specsplit.gateway")
-__all__ = ["Failed", "Finished", "GenerationRequest", "QueueFull", "Scheduler", "SeqStats", "Sequence", "Unavailable"]
+__all__ = ["Failed", "Finished", "GenerationRequest", "Limits", "QueueFull", "Scheduler", "SeqStats", "Sequence",
+           "Unavailable"]
 TARGET_LOST = "target service unavailable"
 READER_CHECK_S = 0.5
-
-
-@dataclass
-class Limits:
-    max_queue: int = 256  # requests waiting for a slot, in all
-    max_queued_per_client: int = 64
-    step_timeout_s: float = 30.0  # a target step slower than this fails the target
-    draft_timeout_s: float = 5.0  # the longest a draft step may take (see DraftDeadline)
-    stream_buffer: int = 1024  # tokens a client may leave unread before its sequence waits
-    unread_timeout_s: float = 30.0  # a sequence waiting on its reader this long ends
-
-
-def first_sequence_id() -> int:
-    """Sequence ids of one gateway start above every id of an earlier start (by the clock)."""
-    return (time.time_ns() // 1_000_000) << 20
 
 
 class Scheduler:

@@ -1,5 +1,5 @@
 """A request as the speculation loop holds it: what was asked, its state between cycles, its
-statistics, and the events its stream reads."""
+statistics, and the events its stream reads; and the loop's limits."""
 
 from __future__ import annotations
 
@@ -140,6 +140,21 @@ class Sequence:
     @property
     def unread(self) -> int:
         return self.posted - self.taken
+
+
+@dataclass
+class Limits:
+    max_queue: int = 256  # requests waiting for a slot, in all
+    max_queued_per_client: int = 64
+    step_timeout_s: float = 30.0  # a target step slower than this fails the target
+    draft_timeout_s: float = 5.0  # the longest a draft step may take (see DraftDeadline)
+    stream_buffer: int = 1024  # tokens a client may leave unread before its sequence waits
+    unread_timeout_s: float = 30.0  # a sequence waiting on its reader this long ends
+
+
+def first_sequence_id() -> int:
+    """Sequence ids of one gateway start above every id of an earlier start (by the clock)."""
+    return (time.time_ns() // 1_000_000) << 20
 
 
 class QueueFull(Exception):
