@@ -5,9 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from draft_service.config import DraftConfig
+from gateway.local import LocalEngines
 from specsplit.checkpoints.eagle_head import random_head, save_head
 from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
 from specsplit.checkpoints.tiny import tiny_config, write_tiny_target
+from target_service.config import TargetConfig
 
 torch.set_num_threads(2)
 
@@ -37,3 +40,12 @@ def tiny_head(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     return resolve_target_dir("smollm2")
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny_target: Path, tiny_head: Path) -> LocalEngines:
+    """The tiny target and its random head in one process (gateway.local)."""
+    engines = LocalEngines(TargetConfig(model=str(tiny_target), max_context=256),
+                           DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
+    yield engines
+    engines.close()

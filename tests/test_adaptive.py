@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from bench.replay import ReplayDraft, Replayer
-from draft_service.config import DraftConfig
 from gateway.adaptive import PROBE_EVERY, CostModel, DepthAcceptance, Shape, StepChooser
 from gateway.clients import LocalDraft
 from gateway.local import LocalEngines
@@ -16,7 +15,6 @@ from gateway.sequence import GenerationRequest, Sequence
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.ops import Sampling
-from target_service.config import TargetConfig
 
 PROMPTS = [[1, 2, 3], [7] * 20, [100, 42, 17, 250, 3, 3, 9], list(range(10, 60))]
 
@@ -129,14 +127,6 @@ def test_unmeasured_costs_draft_the_requests_own_shape() -> None:
     chooser = StepChooser(8)
     choice = chooser.choose(Sequence(1, adaptive_request([1])), 1)
     assert choice.shape == Shape.chain(3) and choice.reason == "measuring"
-
-
-@pytest.fixture(scope="module")
-def tiny_engines(tiny_target: Path, tiny_head: Path) -> LocalEngines:
-    engines = LocalEngines(TargetConfig(model=str(tiny_target), max_context=256),
-                           DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
-    yield engines
-    engines.close()
 
 
 @pytest.mark.parametrize("topk", [1, 4])

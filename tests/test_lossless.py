@@ -45,14 +45,6 @@ def check_lossless(engines: LocalEngines, prompts: list[list[int]], max_new: int
     return taus
 
 
-@pytest.fixture(scope="module")
-def tiny_engines(tiny_target: Path, tiny_head: Path) -> LocalEngines:
-    engines = LocalEngines(TargetConfig(model=str(tiny_target), max_context=256),
-                           DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
-    yield engines
-    engines.close()
-
-
 def test_tiny_random_model_lossless_steps_1_to_6(tiny_engines: LocalEngines) -> None:
     check_lossless(tiny_engines, TINY_PROMPTS, 40, {511}, range(1, 7))
 
