@@ -1,18 +1,20 @@
-"""One target step of T tokens of one sequence, replayed from a CUDA graph: what a verify costs
-on the GPU, without the engine's host work around it (bench.cycle_anatomy measures that).
+"""One target step of T tokens for each of B sequences, replayed from a CUDA graph: what a verify
+(or B sequences' decodes) costs on the GPU, without the engine's host work around it
+(bench.cycle_anatomy measures that).
 
-For each T of --rows (T = 1 is a decode; T > 1 a verify of a tree, each node branching
---branch ways, as the draft proposes them) and each of the --modes:
+For each B of --batch, each T of --rows (T = 1 is a decode; T > 1 a verify of a tree, each node
+branching --branch ways, as the draft proposes them) and each of the --modes:
   graphs     the runner's padded path with the tree's mask, what the target serves with
              --fused-decode off,
-  fused      the fused step (specsplit.models.fused: kernels.decode for T = 1, kernels.verify
-             for T > 1),
+  fused      the fused step (specsplit.models.fused: kernels.decode for one token, kernels.verify
+             for more), where B·T fits it,
   fused-pdl  the same with programmatic dependent launch (--fused-decode pdl),
-µs per step (mean of --iters replays after 10 warm-up ones, the committed context --start
-tokens long), its ratio to the first mode's at the same T, and its ratio to the same mode's
-T = 1 step. Random bf16 weights of --shape (default SmolLM2-135M's).
+µs per step (mean of --iters replays after 10 warm-up ones, every sequence's committed context
+--start tokens long), its ratio to the first mode's at the same (B, T), and its ratio to the
+same mode's first (B, T) step. Random bf16 weights of --shape (default SmolLM2-135M's).
 
   python -m bench.verify_step --rows 1,4,6,16,32 --modes graphs,fused,fused-pdl
+  python -m bench.verify_step --batch 1,2,4,8,16,32,64 --rows 1 --modes graphs,fused-pdl   # batched decodes
 """
 
 from __future__ import annotations
@@ -35,32 +37,32 @@ from specsplit.models.llama import LlamaModel
 from specsplit.runner.runner import ModelRunner
 
 
-def step_fn(model: LlamaModel, mode: str, t: int, start: int, branch: int, ctx: int
+def step_fn(model: LlamaModel, mode: str, b: int, t: int, start: int, branch: int, ctx: int
             ) -> tuple[ModelRunner, Callable[..., tuple], dict[str, torch.Tensor]]:
     """A runner, the step as a graph-capturable function of its device inputs, and those inputs."""
     parents = [-1, *((i - 1) // branch for i in range(1, t))]
     positions, rows, cols = tree_layout(start, parents)
     dev = "cuda"
-    mask = torch.zeros(1, t, t, dtype=torch.bool, device=dev)
-    mask[0, rows, [c - start for c in cols]] = True
-    inputs = {"tokens": torch.randint(0, model.cfg.vocab_size, (t,), device=dev),
-              "positions": torch.tensor([positions], device=dev),
-              "slots": torch.zeros(1, dtype=torch.long, device=dev),
-              "entries": torch.arange(start, start + t, device=dev).view(1, t), "mask": mask}
+    mask = torch.zeros(b, t, t, dtype=torch.bool, device=dev)
+    mask[:, rows, [c - start for c in cols]] = True
+    inputs = {"tokens": torch.randint(0, model.cfg.vocab_size, (b * t,), device=dev),
+              "positions": torch.tensor([positions] * b, device=dev),
+              "slots": torch.arange(b, device=dev),
+              "entries": torch.arange(start, start + t, device=dev).repeat(b, 1), "mask": mask}
     fused = FusedLlama(model, pdl=mode == "fused-pdl") if mode != "graphs" else None
-    runner = ModelRunner(model, 1, ctx, fused=fused)
+    runner = ModelRunner(model, b, ctx, fused=fused)
 
     def step(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
              mask: torch.Tensor) -> tuple:
         if fused is not None:
             return fused.forward(tokens, Batch.padded(positions, slots, entries, 0, mask), runner.cache)
-        return runner.padded_forward(tokens.view(1, t), positions, slots, entries, ctx, mask)
+        return runner.padded_forward(tokens.view(b, t), positions, slots, entries, ctx, mask)
     return runner, step, inputs
 
 
-def time_step(model: LlamaModel, mode: str, t: int, start: int, branch: int, ctx: int, iters: int,
+def time_step(model: LlamaModel, mode: str, b: int, t: int, start: int, branch: int, ctx: int, iters: int,
               profile: bool = False) -> float:
-    runner, fn, inputs = step_fn(model, mode, t, start, branch, ctx)
+    runner, fn, inputs = step_fn(model, mode, b, t, start, branch, ctx)
     for _ in range(10):
         runner.graphed((), fn, **inputs)
     torch.cuda.synchronize()
@@ -77,7 +79,7 @@ def time_step(model: LlamaModel, mode: str, t: int, start: int, branch: int, ctx
             for _ in range(10):
                 runner.graphed((), fn, **inputs)
             torch.cuda.synchronize()
-        print(f"== rows {t} {mode}", file=sys.stderr)
+        print(f"== batch {b} rows {t} {mode}", file=sys.stderr)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), file=sys.stderr)
     return us
 
@@ -85,7 +87,8 @@ def time_step(model: LlamaModel, mode: str, t: int, start: int, branch: int, ctx
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
-    p.add_argument("--rows", default="1,4,6,16,32")
+    p.add_argument("--rows", default="1,4,6,16,32", help="tokens a sequence")
+    p.add_argument("--batch", default="1", help="sequences a step")
     p.add_argument("--modes", default="graphs,fused,fused-pdl")
     p.add_argument("--start", type=int, default=256, help="committed tokens before the step")
     p.add_argument("--branch", type=int, default=4, help="children per tree node")
@@ -101,19 +104,21 @@ def main() -> None:
     if a.attention_blocks:
         modes = [m if m == "graphs" else f"{m}@{b}" for m in modes for b in a.attention_blocks.split(",")]
         modes = list(dict.fromkeys(modes))
+    from specsplit.models.kernels import verify as verify_kernels  # Triton: on the GPU machine only
+
     single: dict[str, float] = {}
-    for t in (int(x) for x in a.rows.split(",")):
+    for b, t in ((int(b), int(t)) for b in a.batch.split(",") for t in a.rows.split(",")):
         first = 0.0
         for mode in modes:
+            if mode != "graphs" and b * t > verify_kernels.MAX_ROWS:
+                continue  # beyond the fused step: the runner takes the padded path
             if "@" in mode:
-                from specsplit.models.kernels import verify as verify_kernels
-
                 block, warps = mode.split("@")[1].split("x")
                 verify_kernels.ATTENTION_BLOCK = (int(block), int(warps))
-            us = time_step(model, mode.split("@")[0], t, a.start, a.branch, ctx, a.iters, a.profile)
+            us = time_step(model, mode.split("@")[0], b, t, a.start, a.branch, ctx, a.iters, a.profile)
             first = first or us
             single.setdefault(mode, us)
-            print(json.dumps({"bench": "verify_step", "shape": a.shape, "rows": t, "mode": mode,
+            print(json.dumps({"bench": "verify_step", "shape": a.shape, "batch": b, "rows": t, "mode": mode,
                               "us_per_step": round(us, 1), f"x_{modes[0]}": round(first / us, 2),
                               "vs_first_rows": round(us / single[mode], 2), "start": a.start, "branch": a.branch,
                               "gpu": torch.cuda.get_device_name(), "commit": git_commit(),

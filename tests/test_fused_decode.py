@@ -22,6 +22,7 @@ from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
 from specsplit.ops import Sampling
 from specsplit.runner.graphs import GraphCache
+from specsplit.runner.runner import ModelRunner, Row, Step
 from target_service.config import TargetConfig
 from tests.test_gpu_services import TINY_PROMPTS, needs_gpus
 
@@ -52,7 +53,7 @@ def test_models_the_fused_step_cannot_run_are_refused_with_the_reason() -> None:
 
 class PaddedAsFused:
     """Stands in for FusedLlama on the CPU (no Triton): the batch the runner packs for a fused
-    step (tokens, rotary positions, KV entries, slot, the [T, T] mask) run by the model itself
+    step (tokens, rotary positions, KV entries, slots, the [B, T, T] masks) run by the model itself
     as a padded batch, so the packing is checked wherever the tests run."""
 
     max_rows = 64
@@ -61,20 +62,20 @@ class PaddedAsFused:
         self.model, self.rows = model, []
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: object) -> tuple[torch.Tensor, torch.Tensor | None]:
-        t = tokens.shape[0]
-        self.rows.append(t)
         assert batch.entries is not None and batch.slots is not None and batch.tree_mask is not None
-        start = int(batch.entries[0, 0])
-        assert batch.entries.tolist() == [list(range(start, start + t))] and batch.tree_mask.shape == (1, t, t)
-        padded = Batch.padded(batch.positions.view(1, t), batch.slots, batch.entries, start + t, batch.tree_mask,
-                              capture=batch.capture)
+        b, t = batch.entries.shape
+        self.rows.append((b, t))
+        starts = batch.entries[:, :1]
+        assert torch.equal(batch.entries, starts + torch.arange(t)) and batch.tree_mask.shape == (b, t, t)
+        padded = Batch.padded(batch.positions.view(b, t), batch.slots, batch.entries, int(starts.max()) + t,
+                              batch.tree_mask, capture=batch.capture)
         return self.model(tokens, padded, cache)  # type: ignore[arg-type]
 
 
 def test_engine_packs_fused_steps_as_the_static_path_runs_them(tiny_target: Path, tiny_head: Path) -> None:
     """CPU: the engine's fused-step inputs (one packed tensor: tokens, rotary positions, KV
-    entries, slot, mask) describe the static path's step — decode, chains and trees give
-    target-only decoding's tokens — and batches of one take the fused step, larger ones not."""
+    entries, slots, masks) describe the static path's step — decode, chains and trees give
+    target-only decoding's tokens, alone and two sequences a step (padded to the longest row)."""
     e = LocalEngines(TargetConfig(model=str(tiny_target), max_context=256),
                      DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
     try:
@@ -88,17 +89,22 @@ def test_engine_packs_fused_steps_as_the_static_path_runs_them(tiny_target: Path
         static = run(0)
         fused = e.target.engine.runner.fused = PaddedAsFused(e.target.model)  # type: ignore[assignment]
         assert run(0) == run(3) == run(3, topk=3) == static
-        assert {1, 4, 8} <= set(fused.rows)
+        assert {(1, 1), (1, 4), (1, 8)} <= set(fused.rows)
         fused.rows.clear()
-        both = e.generate([GenerationRequest(p, 8, Sampling(), set(), 3) for p in TINY_PROMPTS[:2]])
-        assert not fused.rows and [r.tokens for r in both] == [x[:8] for x in static]  # two sequences: static path
+        for steps in (0, 3):
+            both = e.generate([GenerationRequest(p, 8, Sampling(), set(), steps) for p in TINY_PROMPTS[:2]])
+            assert [r.tokens for r in both] == [x[:8] for x in static]
+        assert {(2, 1), (2, 4)} <= set(fused.rows)  # two sequences a step: fused together
     finally:
         e.close()
 
 
+DEV = "cuda"  # the Triton interpreter (TRITON_INTERPRET=1) runs these kernels on "cpu"
+
+
 def _random_model(cfg: object, dtype: torch.dtype) -> LlamaModel:
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEV):
         model = LlamaModel(cfg, TensorParallel(), [0, 1, 2]).eval()  # type: ignore[arg-type]
     with torch.no_grad():
         for p in model.parameters():
@@ -202,6 +208,67 @@ def test_fused_verify_matches_the_static_path(dtype: torch.dtype, pdl: bool, sha
     assert len(graphs.graphs) == 1 and graphs.replays == 3
 
 
+# each step: one row per sequence (None: the sequence sits the step out), as token counts or tree parents
+BATCHED_STEPS: list[list[int | list[int] | None]] = [
+    [1, 1, 1, 1],  # four decodes
+    [1, None, 1, None],  # two of them
+    [4, 4, 4, 4],  # four chains
+    [VERIFY_SHAPES["tree16"], 3, 1, None],  # a tree, a chain and a decode, padded to 16 tokens each
+    [VERIFY_SHAPES["chain6"], VERIFY_SHAPES["tree16"], 2, 5],
+]
+
+
+@pytest.mark.gpu
+@needs_gpus(1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_fused_steps_match_each_sequence_alone(dtype: torch.dtype) -> None:
+    """SmolLM2's shape (3 layers): four sequences of 60, 100, 130 and 170 committed tokens on
+    their own slots, stepped together through the fused step (decodes, chains, trees and mixes,
+    each row padded to the longest, the batch to its bucket), against the same rows stepped one
+    at a time through the fused step and together through the static path: logits, features,
+    and every KV entry written."""
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=3, vocab_size=4096)
+    model = _random_model(cfg, dtype)
+    together = ModelRunner(model, 4, 256, fused=FusedLlama(model, pdl=True))
+    alone = ModelRunner(model, 4, 256, fused=FusedLlama(model, pdl=True))
+    static = ModelRunner(model, 4, 256, padded_tokens=64)
+    lengths = [60, 100, 130, 170]
+    for n in lengths:
+        prompt = torch.randint(0, cfg.vocab_size, (n,)).tolist()
+        for r in (together, alone, static):
+            r.run(Step([Row(r.allocate(), 0, prompt)]))
+    tol = 1e-4 if dtype == torch.float32 else 4e-2
+    for spec in BATCHED_STEPS:
+        rows = []
+        for slot, row in enumerate(spec):
+            if row is None:
+                continue
+            parents = row if isinstance(row, list) else None
+            t = len(parents) if parents else int(row)  # type: ignore[arg-type]
+            rows.append(Row(slot, lengths[slot], torch.randint(0, cfg.vocab_size, (t,)).tolist(), parents))
+        got = together.run(Step(rows, capture=True))
+        each = [[x.clone() for x in alone.run(Step([row], capture=True))[0]] for row in rows]  # graph outputs
+        ref = static.run(Step(rows, capture=True))
+        for (logits, aux), (one, _), (want, want_aux) in zip(got, each, ref, strict=True):
+            assert logits.shape == one.shape == want.shape and aux is not None and want_aux is not None
+            scale = want.abs().max().item()
+            assert (logits - want).abs().max().item() <= tol * scale
+            assert (logits - one).abs().max().item() <= tol * scale
+            assert (aux.float() - want_aux.float()).abs().max().item() <= tol * want_aux.float().abs().max().item()
+            agree = (logits.argmax(-1) == want.argmax(-1)).float().mean().item()
+            assert agree == 1.0 if dtype == torch.float32 else agree >= 0.8
+        for row in rows:  # the rows' tokens join the committed entries
+            lengths[row.slot] += len(row.tokens)
+    if together.graphs.enabled:
+        assert {("fused", 4, 1, True), ("fused", 2, 1, True), ("fused", 4, 4, True), ("fused", 4, 16, True)
+                } <= set(together.graphs.graphs)
+    for slot, end in enumerate(lengths):
+        for ref_kv, kv in ((static.cache.k, together.cache.k), (static.cache.v, together.cache.v),
+                           (alone.cache.k, together.cache.k)):
+            written = (ref_kv[:, slot, :end].float() - kv[:, slot, :end].float()).abs().max().item()
+            assert written <= tol * ref_kv[:, slot, :end].float().abs().max().item()
+
+
 @pytest.mark.gpu
 @needs_gpus(1)
 def test_fused_step_refuses_more_rows_than_it_takes() -> None:
@@ -219,7 +286,8 @@ def test_fused_step_refuses_more_rows_than_it_takes() -> None:
 @needs_gpus(1)
 def test_engine_serves_decode_and_verify_through_the_fused_step(tiny_target: Path, tiny_head: Path) -> None:
     """fp32: target-only decoding with the fused step gives the static path's tokens, and
-    speculation verified by it (chains and trees) equals target-only decoding."""
+    speculation verified by it (chains and trees) equals target-only decoding, one sequence at a
+    time and all four in one batch."""
     runs = {}
     for fused in ("off", "pdl"):
         e = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="float32", max_context=512,
@@ -228,17 +296,21 @@ def test_engine_serves_decode_and_verify_through_the_fused_step(tiny_target: Pat
                                      max_context=512))
         try:
             def run(steps: int, topk: int = 1, e: LocalEngines = e) -> list[list[int]]:
-                # one sequence at a time: the fused step serves batches of one
                 return [e.generate([GenerationRequest(p, 48, Sampling(), set(), steps, topk, 12 if topk > 1 else 0)]
                                    )[0].tokens for p in TINY_PROMPTS]
 
             runs[fused] = (run(0), run(4), run(3, topk=3))
+            for steps, topk in ((0, 1), (4, 1), (3, 3)):  # every prompt in one batch: the solo runs' tokens
+                together = e.generate([GenerationRequest(p, 48, Sampling(), set(), steps, topk, 12 if topk > 1 else 0)
+                                       for p in TINY_PROMPTS])
+                assert [r.tokens for r in together] == runs[fused][0]
             keys = list(e.target.engine.runner.graphs.graphs)
-            fused_rows = sorted(k[1] for k in keys if k[0] == "fused")
+            fused_rows = sorted(k[2] for k in keys if k[0] == "fused")
             if fused == "off":
                 assert not fused_rows
             else:  # decode, the chain of 4 drafts, trees of 12: each from a graph of its own
                 assert fused_rows[0] == 1 and 5 in fused_rows and 12 in fused_rows
+                assert any(k[0] == "fused" and k[1] == 4 for k in keys)  # four sequences a step
         finally:
             e.close()
     assert runs["pdl"][0] == runs["off"][0]

@@ -1,5 +1,6 @@
-"""The fused steps of a Llama target for one sequence on one GPU: decode (one token) and verify
-(a chain or tree of up to kernels.verify.MAX_ROWS tokens).
+"""The fused steps of a Llama target on one GPU: one sequence's decode (one token), and B
+sequences of T tokens each (B decodes, or verifies of chains and trees), up to
+kernels.verify.MAX_ROWS tokens in all.
 
 A decoder layer of the padded path is ~20 kernels (norms, projections, rotary, KV writes,
 attention, SiLU·mul, residual adds); at batch 1 an 8B step is then ~640 short kernels on top
@@ -17,11 +18,12 @@ the norms are split around the GEMMs: each residual add also writes the next nor
 input, kernels.projections.Normed). At batch 1
 attention is latency-bound: its kernel reads everything that does not depend on the previous
 kernel (position, slot, rotary tables, the first block of committed keys and values) before
-waiting for it. A verify of T tokens streams the same weights once for all its rows.
+waiting for it. A step of B×T tokens streams the same weights once for all its rows; its
+attention runs one program per (query head, sequence), each sequence over its own slot.
 
-`FusedLlama.forward` takes what LlamaModel.forward takes, for a padded batch of one sequence,
-so the runner captures it in a CUDA graph like any step (`--fused-decode`); anything else
-(several sequences, tensor parallelism, biases, q/k norms) keeps the padded path.
+`FusedLlama.forward` takes what LlamaModel.forward takes, for a padded batch, so the runner
+captures it in a CUDA graph like any step (`--fused-decode`); anything else (more rows,
+tensor parallelism, biases, q/k norms) keeps the padded path.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def fused_decode_unsupported(model: LlamaModel) -> str | None:
 
 
 class FusedLlama:
-    """LlamaModel's forward for the tokens of one sequence (1 to max_rows), as fused kernels."""
+    """LlamaModel's forward for a padded batch of B sequences of T tokens (B·T ≤ max_rows), as fused kernels."""
 
     def __init__(self, model: LlamaModel, pdl: bool = False) -> None:
         reason = fused_decode_unsupported(model)
@@ -62,21 +64,23 @@ class FusedLlama:
         self.ws = projections.Workspace(model.embed_tokens.weight.device)  # split projections' partials, counters
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens [T] of a padded batch of one sequence (device tensors, so a graph replays any
-        position) -> logits [T, V] float32, aux [T, 3H] or None, as LlamaModel.forward. The
-        tokens write entries batch.entries [1, T] (consecutive) and see the committed entries
-        plus the step's own that batch.tree_mask [1, T, T] allows (default: causal)."""
-        t = tokens.shape[0]
-        if not batch.is_padded or batch.entries is None or batch.entries.shape != (1, t):
-            raise ValueError(f"a fused step takes a padded batch of one sequence, got {t} tokens")
-        if t > self.max_rows:
-            raise ValueError(f"a fused step takes at most {self.max_rows} tokens, got {t}")
+        """tokens [B*T] of a padded batch (device tensors, so a graph replays any position) ->
+        logits [B*T, V] float32, aux [B*T, 3H] or None, as LlamaModel.forward. Sequence b's
+        tokens write entries batch.entries[b] (consecutive) of slot batch.slots[b] and see its
+        committed entries plus the step's own that batch.tree_mask[b] [T, T] allows (default:
+        causal)."""
+        n = tokens.shape[0]
+        if not batch.is_padded or batch.entries is None or batch.entries.numel() != n:
+            raise ValueError(f"a fused step takes a padded batch, got {n} tokens")
+        if n > self.max_rows:
+            raise ValueError(f"a fused step takes at most {self.max_rows} tokens, got {n}")
         assert batch.slots is not None
-        if t == 1:
+        b, t = batch.entries.shape
+        if n == 1:
             return self._decode(tokens, batch.positions, batch.slots, cache, batch.capture)
-        mask = (torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril() if batch.tree_mask is None
-                else batch.tree_mask[0])
-        return self._verify(tokens, batch.positions, batch.entries[0], batch.slots, mask, cache, batch.capture)
+        mask = (torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril().expand(b, t, t).contiguous()
+                if batch.tree_mask is None else batch.tree_mask)
+        return self._rows(tokens, batch.positions, batch.entries, batch.slots, mask, cache, batch.capture)
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
                 capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -99,12 +103,12 @@ class FusedLlama:
         aux = torch.cat([captured[i] for i in m.aux_layer_ids]).view(1, -1) if capture else None
         return logits.view(1, -1), aux
 
-    def _verify(self, tokens: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
+    def _rows(self, tokens: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor, cache: KVCache, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         m, cfg, pdl, k, ws = self.model, self.model.cfg, self.pdl, self.proj, self.ws
         eps = cfg.rms_norm_eps
         cos, sin = m.rotary.cos, m.rotary.sin
-        h = m.embed_tokens(tokens)  # [T, H]
+        h = m.embed_tokens(tokens)  # [B*T, H]
         # every residual add also scales its output for the next RMS norm (kernels.projections.Normed)
         norms = [w for layer in m.layers for w in (layer.input_layernorm.weight,
                                                    layer.post_attention_layernorm.weight)] + [m.norm.weight]
@@ -112,11 +116,11 @@ class FusedLlama:
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = k.norm_mm(x, attn.qkv_proj.weight, eps, pdl, ws=ws)  # [T, (Hq+2Hkv)*D]
+            qkv = k.norm_mm(x, attn.qkv_proj.weight, eps, pdl, ws=ws)  # [B*T, (Hq+2Hkv)*D]
             o = self.tree.tree_attention(qkv, cos, sin, positions, entries, slots, mask, cache.k[i], cache.v[i],
-                                         attn.shard.q_count, attn.shard.kv_count, pdl)  # [T, Hq*D]
-            h, x = k.mm_residual(o, attn.o_proj.weight, h, pdl, ws, norms[2 * i + 1])  # [T, H]
-            a = k.gate_up_silu(x, mlp.gate_up_proj.weight, eps, pdl, ws)  # [T, I]
+                                         attn.shard.q_count, attn.shard.kv_count, pdl)  # [B*T, Hq*D]
+            h, x = k.mm_residual(o, attn.o_proj.weight, h, pdl, ws, norms[2 * i + 1])  # [B*T, H]
+            a = k.gate_up_silu(x, mlp.gate_up_proj.weight, eps, pdl, ws)  # [B*T, I]
             h, x = k.mm_residual(a, mlp.down_proj.weight, h, pdl, ws, norms[2 * i + 2])
             if capture and i in m.aux_layer_ids:
                 captured[i] = h

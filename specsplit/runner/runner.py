@@ -4,7 +4,8 @@ The engine says what to compute: a `Step` of rows, each one sequence's new token
 says how. It owns the model's KV cache and slots, the shape buckets and padding, the CUDA
 graphs, and the execution path of each step:
 
-- fused: one sequence's step as fused kernels (a `FusedLlama`), from a graph per token count;
+- fused: the rows as fused kernels (a `FusedLlama`), padded to (batch bucket, longest row) up to
+  its row limit, from a graph per shape;
 - padded: the rows padded to (batch bucket, longest row, context bucket), from a graph per shape
   (on CUDA; eagerly on the same shapes without graphs, with identical results);
 - eager: ragged, each row as long as it is (prompts, long rows, CPU serving).
@@ -16,6 +17,7 @@ them from `padded_forward` and capture them with `graphed`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,7 +57,7 @@ class ModelRunner:
     def __init__(self, model: Model, slots: int, max_len: int, *, cuda_graphs: bool = True,
                  compile: bool = False, fused: FusedLlama | None = None, padded_tokens: int = 0) -> None:
         """`slots` sequences of up to `max_len` KV entries each; rows of up to `padded_tokens`
-        tokens run padded on CUDA; `fused` (a FusedLlama) takes one-row steps it can run."""
+        tokens run padded on CUDA; `fused` (a FusedLlama) takes the steps whose padded rows fit it."""
         self.model = model
         self.device = next(model.parameters()).device
         self.cache: KVCache = model.new_cache(slots + 1, max_len)  # the extra slot takes padding rows
@@ -102,8 +104,8 @@ class ModelRunner:
         t = max(len(r.tokens) for r in step.rows)
         continuing = all(r.start > 0 for r in step.rows)  # prompts (rows from entry 0) run eager
         with self.mode():
-            if continuing and self.fused is not None and len(step.rows) == 1 and t <= self.fused.max_rows:
-                return [self._run_fused(step)]
+            if continuing and self.fused is not None and self.batch_bucket(len(step.rows)) * t <= self.fused.max_rows:
+                return self._run_fused(step)
             if continuing and self.padded and t <= self.padded_tokens:
                 return self._run_padded(step)
             return self._run_eager(step)
@@ -171,23 +173,28 @@ class ModelRunner:
         return [(logits[i, : len(r.tokens)], None if extra is None else extra[i, : len(r.tokens)])
                 for i, r in enumerate(rows)]
 
-    def _run_fused(self, step: Step) -> RowOutput:
-        """One row as the fused step, its inputs in one host tensor: tokens, rotary positions,
-        entries, slot, the [T, T] mask."""
-        (row,) = step.rows
-        t, fused = len(row.tokens), self.fused
+    def _run_fused(self, step: Step) -> list[RowOutput]:
+        """The rows padded to (batch bucket B, longest row T) as the fused step, its inputs in one
+        host tensor of fields side by side: tokens [B*T], rotary positions [B, T], entries [B, T],
+        slots [B], masks [B, T, T]."""
+        rows, fused = step.rows, self.fused
         assert fused is not None
-        packed = torch.tensor(_pack(row, t, True))
+        b, t = self.batch_bucket(len(rows)), max(len(r.tokens) for r in rows)
+        padded = [_pack(r, t, True) for r in [*rows, *[Row(self.pad_slot, 0, [])] * (b - len(rows))]]
+        cuts = [0, t, 2 * t, 3 * t, 3 * t + 1, 3 * t + 1 + t * t]
+        packed = torch.tensor([x for lo, hi in itertools.pairwise(cuts) for p in padded for x in p[lo:hi]])
+        bt = b * t
 
         def fn(packed: torch.Tensor) -> Outputs:
-            tokens, positions, entries = packed[:t], packed[t : 2 * t].view(1, t), packed[2 * t : 3 * t].view(1, t)
-            slots, mask = packed[3 * t : 3 * t + 1], packed[3 * t + 1 :].view(1, t, t)
+            tokens, positions, entries = packed[:bt], packed[bt : 2 * bt].view(b, t), packed[2 * bt : 3 * bt].view(b, t)
+            slots, mask = packed[3 * bt : 3 * bt + b], packed[3 * bt + b :].view(b, t, t)
             return fused.forward(tokens, Batch.padded(positions, slots, entries, 0, mask, capture=step.capture),
                                  self.cache)
 
-        logits, extra = self.graphs.run(("fused", t, step.capture), fn, packed=packed)
+        logits, extra = self.graphs.run(("fused", b, t, step.capture), fn, packed=packed)
         assert logits is not None
-        return logits, extra
+        return [(logits[i * t : i * t + len(r.tokens)], None if extra is None else extra[i * t : i * t + len(r.tokens)])
+                for i, r in enumerate(rows)]
 
 
 def _pack(row: Row, t: int, tree: bool) -> list[int]:

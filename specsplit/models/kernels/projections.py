@@ -1,5 +1,5 @@
-"""Triton kernels of the fused multi-row step's projections (specsplit.models.fused, T > 1 tokens of
-one sequence: a verify's chain or tree):
+"""Triton kernels of the fused multi-row step's projections (specsplit.models.fused: the rows of a
+verify's chain or tree, or of a batch of sequences):
 
   prenorm        X·nw and the partial Σ x² of each row, for the first layer's input
   norm_mm        Y = rms_norm(X) · Wᵀ          q|k|v, and the final norm + lm_head

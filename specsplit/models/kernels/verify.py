@@ -1,13 +1,12 @@
-"""Triton kernel of the fused multi-row step's attention (specsplit.models.fused, T > 1): rotary on q
-and k at each token's position, the T new k and v written to entries start..start+T-1, attention
-over the committed entries [0, start) and the new ones that `mask` [T, T] allows (causal for a
-chain; ancestors and itself for a tree): one program per query head. The step's projections are
-in specsplit.models.kernels.projections.
+"""Triton kernel of the fused multi-row step's attention (specsplit.models.fused): B sequences of T
+tokens each (decodes: T = 1; verifies: a chain or tree). For each sequence: rotary on q and k at
+each token's position, the T new k and v written to its slot's entries start..start+T-1, attention
+over the committed entries [0, start) and the new ones that its `mask` [T, T] allows (causal for a
+chain; ancestors and itself for a tree): one program per (query head, sequence). The step's
+projections are in specsplit.models.kernels.projections.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import triton
@@ -16,7 +15,7 @@ import triton.language as tl
 from specsplit.models.kernels.decode import _launch, _wait
 from specsplit.models.kernels.projections import block_m, precision
 
-MAX_ROWS = 64  # tokens a fused verify takes (register budget of tree_attention's [rows, head_dim] tiles)
+MAX_ROWS = 64  # tokens of a fused step, all sequences together (one BLOCK_M tile of the projections)
 
 
 @triton.jit
@@ -42,8 +41,14 @@ def _softmax_rows(scores, vb, m_i, den, acc, DOT: tl.constexpr):
 def _tree_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, slot_ptr, mask_ptr, k_ptr, v_ptr,
                     out_ptr, stride_slot, stride_pos, T, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale,
                     USE_PDL: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
-    h = tl.program_id(0)
+    h, b = tl.program_id(0), tl.program_id(1)  # query head, sequence
     kvh = h // (HQ // HKV)
+    qkv_ptr += b * T * stride_qkv  # this sequence's rows
+    out_ptr += b * T * HQ * D
+    pos_ptr += b * T
+    entry_ptr += b * T
+    slot_ptr += b
+    mask_ptr += b * T * T
     d = tl.arange(0, D)
     half: tl.constexpr = D // 2
     r = tl.arange(0, BLOCK_M)
@@ -96,23 +101,24 @@ def _tree_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, s
 ATTENTION_BLOCK = (64, 4)  # committed keys per iteration, warps
 
 
-def _constants(x: torch.Tensor, pdl: bool) -> dict[str, Any]:
-    return {"USE_PDL": pdl, "DOT": precision(x.dtype), "BLOCK_M": block_m(x.shape[0]), **_launch(pdl)}
-
-
 def tree_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                   entries: torch.Tensor, slot: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor,
+                   entries: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, pdl: bool = False) -> torch.Tensor:
-    """qkv [T, (Hq + 2 Hkv) * D] of T tokens at rotary `positions` [T], written to KV entries
-    `entries` [T] (consecutive: only the first is read) of slot `slot` [1]; mask [T, T] (nonzero:
-    token i sees new token j); k_cache, v_cache [slots, max_len, Hkv, D] of this layer. Every
-    token sees the committed entries [0, entries[0]) -> [T, Hq * D]."""
-    t, d = qkv.shape[0], k_cache.shape[-1]
+    """B sequences of T tokens: qkv [B*T, (Hq + 2 Hkv) * D] at rotary `positions` [B*T], written
+    to KV entries `entries` [B, T] (each row consecutive: only its first is read) of `slots` [B];
+    mask [B, T, T] (nonzero: token i sees new token j of its sequence); k_cache, v_cache
+    [slots, max_len, Hkv, D] of this layer. Every token sees its slot's committed entries
+    [0, entries[b, 0]) -> [B*T, Hq * D]."""
+    (b, t), d = entries.shape, k_cache.shape[-1]
     if k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or cos.shape[-1] != d or not mask.is_contiguous():
         raise ValueError("tree_attention needs a contiguous [slots, max_len, kv_heads, head_dim] cache and mask")
-    out = torch.empty(t, num_heads * d, device=qkv.device, dtype=qkv.dtype)
+    if qkv.shape[0] != b * t or mask.shape != (b, t, t) or not entries.is_contiguous():
+        raise ValueError(f"tree_attention: {qkv.shape[0]} rows for entries {tuple(entries.shape)} and mask "
+                         f"{tuple(mask.shape)}")
+    out = torch.empty(b * t, num_heads * d, device=qkv.device, dtype=qkv.dtype)
     block, warps = ATTENTION_BLOCK
-    _tree_attention[(num_heads,)](qkv, qkv.stride(0), cos, sin, positions, entries, slot, mask, k_cache, v_cache, out,
-                                  k_cache.stride(0), k_cache.stride(1), t, HQ=num_heads, HKV=num_kv_heads, D=d,
-                                  scale=d ** -0.5, BLOCK_S=block, num_warps=warps, **_constants(qkv, pdl))
+    _tree_attention[(num_heads, b)](qkv, qkv.stride(0), cos, sin, positions, entries, slots, mask, k_cache, v_cache,
+                                    out, k_cache.stride(0), k_cache.stride(1), t, HQ=num_heads, HKV=num_kv_heads, D=d,
+                                    scale=d ** -0.5, BLOCK_S=block, num_warps=warps, USE_PDL=pdl,
+                                    DOT=precision(qkv.dtype), BLOCK_M=block_m(t), **_launch(pdl))
     return out
