@@ -7,10 +7,13 @@ E comes from the request's own acceptance at each draft depth, measured live and
 every request's; the costs from this gateway's own calls, measured live per batch size (a shape
 not measured yet is priced by a line through the ones that were). Zero steps is speculation off
 for that cycle: no draft call (its extend is put off to the next cycle that drafts, or until
-32 tokens wait), the target verifies one row. Every PROBE_EVERY-th cycle of a request (every
-other one of those in its first EARLY_CYCLES) drafts PROBE_EXTRA steps past its choice, so that
-the depths its choice does not reach stay measured. Sampled requests keep a fixed shape: their
-tokens depend on the shape, and a seed must give the same tokens in every process."""
+32 tokens wait), the target verifies one row. Now and then a request drafts PROBE_EXTRA steps past
+its choice (a probe), so that the depths its choice does not reach stay measured: at most every
+PROBE_EVERY-th cycle (twice as often in its first EARLY_CYCLES), and only while the time probes
+lose against its best choice stays within PROBE_SHARE of its time (twice that at first). Where
+speculation costs several decodes (a small target on a GPU) probes are then rare; where it is
+cheap they follow the cadence. Sampled requests keep a fixed shape: their tokens depend on the
+shape, and a seed must give the same tokens in every process."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
 
 PROBE_EVERY = 8
 PROBE_EXTRA = 2
+PROBE_SHARE = 0.05  # of a request's time: what its probes may lose against its best choice
 EARLY_CYCLES = 32  # a request's first cycles probe twice as often: its own acceptance is not known yet
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # every request's acceptance before anything is measured
 SHARED_DECAY = 0.999  # per observation: the gateway's profile follows the traffic slowly
@@ -240,11 +244,18 @@ class StepChooser:
             tokens = expected[self._key(s.req, shape)][shape.steps]
             if tokens / ms > best_rate:
                 best, best_ms, best_tokens, best_rate = shape, ms, tokens, tokens / ms
-        every = PROBE_EVERY if s.stats.cycles >= EARLY_CYCLES else PROBE_EVERY // 2
-        if s.stats.cycles % every == every - 1 and best.steps < self.max_steps:
+        early = s.stats.cycles < EARLY_CYCLES
+        s.probe_credit += PROBE_SHARE * (2 if early else 1) * best_ms
+        every = PROBE_EVERY // 2 if early else PROBE_EVERY
+        if s.stats.cycles - s.probed_at >= every and best.steps < self.max_steps:
             steps = min(self.max_steps, best.steps + PROBE_EXTRA)
             probe = Shape.tree(steps, best.topk, s.req.num_draft_tokens) if best.topk > 1 else Shape.chain(steps)
-            return Choice(probe, self.expected_tokens(s, probe), self.costs.cycle_ms(batch, probe) or best_ms, "probe")
+            probe_ms, probe_tokens = self.costs.cycle_ms(batch, probe) or best_ms, self.expected_tokens(s, probe)
+            loss = max(0.0, probe_ms - probe_tokens / best_rate)  # beyond the best's time for as many tokens
+            if loss <= s.probe_credit:
+                s.probe_credit -= loss
+                s.probed_at = s.stats.cycles
+                return Choice(probe, probe_tokens, probe_ms, "probe")
         return Choice(best, best_tokens, best_ms, "best")
 
     def observe(self, s: Sequence, shape: Shape, accepted: int) -> None:

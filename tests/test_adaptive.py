@@ -3,12 +3,22 @@ acceptance, and greedy output stays the target's own, in process and over gRPC."
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 
 from bench.replay import ReplayDraft, Replayer
-from gateway.adaptive import PROBE_EVERY, CostModel, DepthAcceptance, Shape, StepChooser
+from gateway.adaptive import (
+    EARLY_CYCLES,
+    PROBE_EVERY,
+    PROBE_SHARE,
+    Choice,
+    CostModel,
+    DepthAcceptance,
+    Shape,
+    StepChooser,
+)
 from gateway.clients import LocalDraft
 from gateway.local import LocalEngines
 from gateway.sequence import GenerationRequest, Sequence
@@ -108,12 +118,43 @@ def test_moderate_acceptance_picks_an_interior_depth() -> None:
     assert 1 <= chooser.choose(s, 1).shape.steps <= 4
 
 
-def test_probes_past_the_choice_every_few_cycles() -> None:
-    chooser = priced(draft_step_ms=1.0, verify_row_ms=0.5)
+def run_cycles(chooser: StepChooser, s: Sequence, cycles: int) -> list[Choice]:
+    out = []
+    for _ in range(cycles):
+        out.append(chooser.choose(s, 1))
+        s.stats.cycles += 1
+    return out
+
+
+def test_cheap_probes_go_past_the_choice_every_few_cycles() -> None:
+    """Drafting costs little (a CPU-like profile): probes follow the cadence, PROBE_EVERY cycles
+    apart (twice as often in the first EARLY_CYCLES)."""
+    chooser = priced(draft_step_ms=0.1, verify_row_ms=0.1)
+    s = taught(chooser, adaptive_request([1]), accepted=1)
+    s.stats.cycles = 0
+    choices = run_cycles(chooser, s, EARLY_CYCLES + 4 * PROBE_EVERY)
+    best = choices[0].shape
+    probes = [i for i, c in enumerate(choices) if c.reason == "probe"]
+    assert all(choices[i].shape == Shape.chain(best.steps + 2) for i in probes)
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert probes[0] == PROBE_EVERY // 2 - 1 and set(gaps) == {PROBE_EVERY // 2, PROBE_EVERY}
+
+
+def test_costly_probes_stay_within_their_share_of_the_time() -> None:
+    """Drafting costs several decodes (a small target on a GPU) and nothing is accepted: the best
+    choice is no speculation, and what probes lose against it stays within PROBE_SHARE of the
+    time (twice that in the first EARLY_CYCLES), yet they still happen."""
+    chooser = priced(draft_step_ms=3.0, verify_row_ms=1.0, decode_ms=1.0)
     s = taught(chooser, adaptive_request([1]), accepted=0)
-    s.stats.cycles = PROBE_EVERY - 1
-    choice = chooser.choose(s, 1)
-    assert choice.reason == "probe" and choice.shape == Shape.chain(2)
+    s.stats.cycles = 0
+    choices = run_cycles(chooser, s, 1000)
+    best_ms = next(c.expected_ms for c in choices if c.reason == "best")
+    assert all(c.shape.steps == 0 for c in choices if c.reason == "best")
+    probes = [c for c in choices if c.reason == "probe"]
+    assert probes and all(c.shape == Shape.chain(2) for c in probes)
+    lost = sum(c.expected_ms - c.expected_tokens * best_ms for c in probes)  # the best emits 1 token a best_ms
+    assert lost <= PROBE_SHARE * (1000 + EARLY_CYCLES) * best_ms
+    assert len(probes) < 1000 / (4 * PROBE_EVERY)  # rarer than the cadence
 
 
 def test_trees_are_candidates_for_a_tree_request() -> None:
