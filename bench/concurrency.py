@@ -7,7 +7,9 @@ One JSON line per (mode, N):
   time per output token p50 / p99 (ms, a stream's (last token - first token) / (tokens - 1)),
   the ratio of aggregate tokens/s to the same mode at the first N (1 by default) and, for the
   speculating modes, to speculation off at the same N, and the mean accepted length.
-Each (mode, N) runs once with 8 tokens a stream first (warm-up: CUDA graphs of that batch size).
+Each (mode, N) runs once with --warmup-tokens tokens a stream first (warm-up: the CUDA graphs of
+that batch size's shapes are captured on first use; 8 by default, as many as the run for a
+steady state).
 
   python -m bench.concurrency --streams 1,2,4,8 --max-new-tokens 32                      (CPU)
   python -m bench.concurrency --device cuda:0 --dtype bfloat16 --head default --fused-decode pdl \\
@@ -106,6 +108,7 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--streams", default="1,2,4,8,16,32,64")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--warmup-tokens", type=int, default=8, help="tokens a stream of each (mode, N)'s warm-up run")
     p.add_argument("--modes", default="off,trees,adaptive", help="off, chains, trees, adaptive (steps chosen "
                    "per cycle by the gateway)")
     p.add_argument("--chain-steps", type=int, default=3)
@@ -122,14 +125,15 @@ def main() -> None:
                          max_sequences=max(streams), threads=a.threads)
     common = {"bench": "concurrency", "model": a.model, "head": a.head, "device": a.device or "cpu",
               "draft_device": a.draft_device or a.device or "cpu", "dtype": a.dtype, "fused_decode": a.fused_decode,
-              "max_new_tokens": a.max_new_tokens, "commit": git_commit(), "machine": platform.machine()}
+              "max_new_tokens": a.max_new_tokens, "warmup_tokens": a.warmup_tokens,
+              "commit": git_commit(), "machine": platform.machine()}
     tokens_per_s: dict[tuple[str, int], float] = {}
     with ServiceStack(cfg) as stack:
         addr = stack.addr("gateway")
         for mode in modes:
             settings = mode_settings(mode, a)
             for n in streams:
-                run(addr, n, 8, settings)  # warm-up
+                run(addr, n, a.warmup_tokens, settings)
                 done, wall = run(addr, n, a.max_new_tokens, settings)
                 ok = [s for s in done if not s.error]
                 tps = sum(s.tokens for s in ok) / wall
@@ -141,7 +145,7 @@ def main() -> None:
                        "tpot_ms_p99": round(percentile([s.tpot_s for s in ok], 99) * 1e3, 3),
                        "over_one_stream": round(tps / tokens_per_s[mode, streams[0]], 3),
                        "mean_accepted_length": round(sum(s.accepted for s in ok) / max(1, len(ok)), 3),
-                       "errors": [s.error for s in done if s.error][:3], **settings}
+                       "wall_s": round(wall, 3), "errors": [s.error for s in done if s.error][:3], **settings}
                 if mode != "off" and ("off", n) in tokens_per_s:
                     row["over_speculation_off"] = round(tps / tokens_per_s["off", n], 3)
                 print(json.dumps(row), flush=True)
