@@ -253,6 +253,23 @@ class TargetEngine:
         kept = None if rows is None else rows[torch.tensor(path, device=rows.device)]
         return Outcome(TargetResult(op.seq_id, tokens=emitted, num_accepted=accepted), kept)
 
+    def warm_up(self) -> None:
+        """Compile (and autotune) the fused step's kernels before the first request: on a machine
+        without Triton's cache that takes longer than a step may. Steps of every tile height the
+        fused step uses (one token; 2, 20 and 40 rows; two sequences) run on a scratch slot,
+        which is then freed."""
+        fused = self.runner.fused
+        if fused is None:
+            return
+        slot = self.runner.allocate()
+        try:
+            self.runner.run(Step([Row(slot, 0, [0] * 8)]))
+            for rows, capture in ((1, False), (1, True), (2, True), (20, True), (40, True)):
+                self.runner.run(Step([Row(slot, 8, [0] * rows)], capture=capture))
+            self.runner.run(Step([Row(slot, 8, [0]), Row(self.runner.pad_slot, 8, [0])], capture=True))
+        finally:
+            self.runner.release(slot)
+
     def hold(self, epoch: int) -> int:
         """Serve the lease `epoch` (0: none) from now on: every sequence opened under another is
         released. Returns how many."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 
@@ -24,6 +25,7 @@ from target_service.config import TargetConfig
 from target_service.engine import Plan, TargetEngine
 
 _STOP = "stop"
+log = logging.getLogger("target")
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -59,6 +61,11 @@ class TargetRuntime:
         self.device = rank_device(cfg.device, tp.rank)
         self.model = model or build_model(cfg, tp)
         self.engine = TargetEngine(cfg, self.model)
+        if self.engine.runner.fused is not None:
+            t0 = time.perf_counter()
+            with self._on_device():
+                self.engine.warm_up()
+            log.info("fused step's kernels compiled and tuned in %.1f s", time.perf_counter() - t0)
         self.writer = None
         if tp.rank == 0:
             width = 3 * self.model.cfg.hidden_size

@@ -295,6 +295,11 @@ def test_engine_serves_decode_and_verify_through_the_fused_step(tiny_target: Pat
                          DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", dtype="float32",
                                      max_context=512))
         try:
+            runner = e.target.engine.runner
+            if fused != "off":  # compiled and tuned at start, on a slot given back
+                assert ("fused", 1, 40, True) in runner.graphs.graphs and ("fused", 2, 1, True) in runner.graphs.graphs
+            assert runner.free_slots == e.target.cfg.max_sequences
+
             def run(steps: int, topk: int = 1, e: LocalEngines = e) -> list[list[int]]:
                 return [e.generate([GenerationRequest(p, 48, Sampling(), set(), steps, topk, 12 if topk > 1 else 0)]
                                    )[0].tokens for p in TINY_PROMPTS]
