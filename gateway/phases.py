@@ -40,26 +40,45 @@ PUT_OFF_TOKENS = 32  # a cycle that drafts nothing puts the draft's extend off w
 
 class DraftDeadline:
     """How long a draft call may take: `factor` times the p99 of its recent cycle steps, at
-    least `floor_s`, at most `cap_s`; `cap_s` until enough steps are measured, and for calls
-    that extend a whole prompt (a newcomer, a resync)."""
+    least `floor_s`, at most `cap_s`; `cap_s` until enough steps are measured, for calls that
+    extend a whole prompt (a newcomer, a resync), and for the first call of each shape (batch,
+    depth, branching, extend length, context: on a GPU the draft captures a CUDA graph for it,
+    which takes longer than a step). A first call's time is not a step's."""
 
     def __init__(self, cap_s: float, floor_s: float = 0.05, factor: float = 10.0, window: int = 64,
                  long_tokens: int = 32) -> None:
         self.cap_s, self.floor_s, self.factor, self.long_tokens = cap_s, floor_s, factor, long_tokens
         self.times: deque[float] = deque(maxlen=window)
+        self.seen: set[tuple[int, ...]] = set()
 
     def is_long(self, ops: list[DraftOp]) -> bool:
         return any(isinstance(op, ExtendPropose) and len(op.tokens) > self.long_tokens for op in ops)
 
+    @staticmethod
+    def shape(ops: list[DraftOp]) -> tuple[int, ...]:
+        """The call's shape as the draft's graphs are keyed (batch and context in power-of-two buckets)."""
+        extends = [op for op in ops if isinstance(op, ExtendPropose)]
+        if not extends:
+            return ()
+        ctx = max(op.position + len(op.tokens) + op.num_steps * op.topk for op in extends)
+        return (_pow2(len(extends)), max(op.num_steps for op in extends), max(op.topk for op in extends),
+                max(len(op.tokens) for op in extends), max(128, _pow2(ctx)))
+
     def seconds(self, ops: list[DraftOp]) -> float:
-        if self.is_long(ops) or len(self.times) < 8:
+        if self.is_long(ops) or len(self.times) < 8 or self.shape(ops) not in self.seen:
             return self.cap_s
         p99 = sorted(self.times)[min(len(self.times) - 1, int(0.99 * len(self.times)))]
         return min(self.cap_s, max(self.floor_s, self.factor * p99))
 
     def record(self, ops: list[DraftOp], seconds: float) -> None:
-        if not self.is_long(ops):
+        shape = self.shape(ops)
+        if shape in self.seen and not self.is_long(ops):
             self.times.append(seconds)
+        self.seen.add(shape)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 async def draft_phase(sched: Scheduler) -> None:

@@ -182,6 +182,7 @@ class Scheduler:
         """The draft is attached again under a new epoch (its old state released there): it is
         resynced per sequence."""
         self.draft_down = False
+        self.draft_deadline.seen.clear()  # perhaps a new process: its graphs are captured again
         log.info("draft attached: speculation resumes")
         self.wake.set()
 

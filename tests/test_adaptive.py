@@ -21,10 +21,11 @@ from gateway.adaptive import (
 )
 from gateway.clients import LocalDraft
 from gateway.local import LocalEngines
+from gateway.phases import DraftDeadline
 from gateway.sequence import GenerationRequest, Sequence
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
-from specsplit.ops import Sampling
+from specsplit.ops import DraftOp, ExtendPropose, HiddenRef, Sampling
 
 PROMPTS = [[1, 2, 3], [7] * 20, [100, 42, 17, 250, 3, 3, 9], list(range(10, 60))]
 
@@ -223,3 +224,23 @@ def test_adaptive_steps_can_be_turned_off(tiny_target: Path, tiny_head: Path, tm
         finally:
             client.close()
     assert not s.adaptive and s.num_steps == 2
+
+
+def test_draft_deadline_waits_longer_for_a_shape_seen_first() -> None:
+    """A draft call of a shape not seen before may take the cap (the draft captures a CUDA graph
+    for it); calls of shapes seen before get 10x the p99 of measured steps, at least the floor;
+    a first call's time is not measured."""
+    deadline = DraftDeadline(cap_s=5.0)
+
+    def call(batch: int, steps: int, tokens: int = 2, position: int = 100) -> list[DraftOp]:
+        return [ExtendPropose(i, [1] * tokens, HiddenRef(0, tokens, 1), steps, position=position) for i in range(batch)]
+
+    for _ in range(10):
+        assert deadline.seconds(call(1, 3)) in (5.0, 0.05)
+        deadline.record(call(1, 3), 0.002)
+    assert deadline.seconds(call(1, 3)) == 0.05 and len(deadline.times) == 9
+    assert deadline.seconds(call(1, 3, position=120)) == 0.05  # the same context bucket
+    for new in (call(4, 3), call(1, 5), call(1, 3, tokens=3), call(1, 3, position=300)):
+        assert deadline.seconds(new) == 5.0
+        deadline.record(new, 0.4)  # a capture
+        assert deadline.seconds(new) == 0.05 and max(deadline.times) == 0.002
