@@ -32,6 +32,7 @@ from specsplit.ops import (
     Release,
     Sampling,
     SparseDist,
+    draft_cycle_entries,
 )
 from specsplit.runner.runner import ModelRunner, Row, Step, padded_rows
 from specsplit.sampling import probs_from_logits, sample
@@ -198,7 +199,8 @@ class DraftEngine:
         steps = max(shape[1] for shape in shapes.values())
         pad = [Row(r.pad_slot, 0, [])] * (b - len(rows))
         ends = [row.start + len(row.tokens) for row in rows] + [t] * len(pad)
-        ctx = r.ctx_bucket(max(max(row.start for row in rows) + t, max(ends) + (steps - 1) * topk))
+        ctx = r.ctx_bucket(draft_cycle_entries([row.start for row in rows], [len(row.tokens) for row in rows], steps,
+                                               topk))
         ints = torch.tensor([[*row.tokens, *[0] * (t - len(row.tokens)), *range(row.start, row.start + t), row.slot,
                               max(len(row.tokens) - 1, 0), end] for row, end in zip([*rows, *pad], ends, strict=True)])
         feats = padded_rows(features, b, t)

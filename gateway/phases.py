@@ -28,6 +28,7 @@ from specsplit.ops import (
     TargetOp,
     TargetResult,
     Verify,
+    draft_cycle_entries,
 )
 
 if TYPE_CHECKING:
@@ -60,9 +61,10 @@ class DraftDeadline:
         extends = [op for op in ops if isinstance(op, ExtendPropose)]
         if not extends:
             return ()
-        ctx = max(op.position + len(op.tokens) + op.num_steps * op.topk for op in extends)
-        return (_pow2(len(extends)), max(op.num_steps for op in extends), max(op.topk for op in extends),
-                max(len(op.tokens) for op in extends), max(128, _pow2(ctx)))
+        steps, topk = max(op.num_steps for op in extends), max(op.topk for op in extends)
+        tokens = [len(op.tokens) for op in extends]
+        ctx = draft_cycle_entries([op.position for op in extends], tokens, steps, topk)
+        return _pow2(len(extends)), steps, topk, max(tokens), max(128, _pow2(ctx))
 
     def seconds(self, ops: list[DraftOp]) -> float:
         if self.is_long(ops) or len(self.times) < 8 or self.shape(ops) not in self.seen:

@@ -139,6 +139,14 @@ class ExtendPropose:
 DraftOp = ExtendPropose | Release
 
 
+def draft_cycle_entries(starts: list[int], tokens: list[int], steps: int, topk: int) -> int:
+    """KV entries a draft cycle spans: extends of tokens[i] after starts[i] committed entries, padded
+    to the longest, then `steps` levels of `topk` nodes each (the first beside the extend). The
+    draft's graphs are keyed by its bucket."""
+    t = max(tokens)
+    return max(max(starts) + t, max(s + n for s, n in zip(starts, tokens, strict=True)) + max(0, steps - 1) * topk)
+
+
 @dataclass
 class DraftResult:
     seq_id: int

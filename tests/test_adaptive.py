@@ -240,7 +240,10 @@ def test_draft_deadline_waits_longer_for_a_shape_seen_first() -> None:
         deadline.record(call(1, 3), 0.002)
     assert deadline.seconds(call(1, 3)) == 0.05 and len(deadline.times) == 9
     assert deadline.seconds(call(1, 3, position=120)) == 0.05  # the same context bucket
-    for new in (call(4, 3), call(1, 5), call(1, 3, tokens=3), call(1, 3, position=300)):
+    # the context bucket the draft captures for: 125 + 2 + 2 steps' nodes = 129 entries, past 128
+    assert DraftDeadline.shape(call(1, 3, position=125))[-1] == 256
+    assert DraftDeadline.shape(call(1, 3, position=124))[-1] == 128
+    for new in (call(4, 3), call(1, 5), call(1, 3, tokens=3), call(1, 3, position=125)):
         assert deadline.seconds(new) == 5.0
         deadline.record(new, 0.4)  # a capture
         assert deadline.seconds(new) == 0.05 and max(deadline.times) == 0.002
