@@ -29,7 +29,7 @@ from specsplit.ops import (
     Verify,
 )
 from specsplit.runner.runner import ModelRunner, Row, Step
-from specsplit.sampling import forced_chain, forced_tree, select_token, verify_chain, verify_tree
+from specsplit.sampling import forced_chain, forced_tree, greedy_chain, select_token, verify_chain, verify_tree
 from target_service.config import TargetConfig
 
 
@@ -211,22 +211,26 @@ class TargetEngine:
             for w in work:
                 if isinstance(w.op, Recapture):
                     self.runner.release(w.row.slot)
-        for w, (logits, rows) in zip(work, outputs, strict=True):
-            outcomes[w.index] = self._finish(w, logits, rows if getattr(w.op, "capture", True) else None)
+        best = _argmax_rows(work, [logits for logits, _ in outputs])
+        for w, (logits, rows), b in zip(work, outputs, best, strict=True):
+            outcomes[w.index] = self._finish(w, logits, rows if getattr(w.op, "capture", True) else None, b)
 
-    def _finish(self, w: Work, logits: torch.Tensor, rows: torch.Tensor | None) -> Outcome:
+    def _finish(self, w: Work, logits: torch.Tensor, rows: torch.Tensor | None, best: list[int] | None) -> Outcome:
         op, seq = w.op, w.seq
         if isinstance(op, Prefill):
-            first = select_token(logits[-1], op.sampling, seq.generator)
+            first = best[-1] if best is not None else select_token(logits[-1], op.sampling, seq.generator)
             seq.length, seq.last_token, seq.tokens = len(op.prompt_ids), first, list(op.prompt_ids)
             return Outcome(TargetResult(op.seq_id, tokens=[first]), rows)
         if _is_tree(op):
-            return self._finish_tree(w, op, logits, rows)
+            assert best is not None
+            return self._finish_tree(w, op, best, rows)
         if isinstance(op, Verify):
-            if op.forced >= 0:
-                accepted, emitted = forced_chain(logits, op.draft_ids, op.forced)
-            else:
+            if best is None:
                 accepted, emitted = verify_chain(logits, op.draft_ids, op.draft_dists, seq.sampling, seq.generator)
+            elif op.forced >= 0:
+                accepted, emitted = forced_chain(best, op.draft_ids, op.forced)
+            else:
+                accepted, emitted = greedy_chain(best, op.draft_ids)
             seq.tokens += [seq.last_token, *op.draft_ids[:accepted]]
             seq.length += accepted + 1  # last token and the accepted drafts are now in the cache
             seq.last_token = emitted[-1]
@@ -235,14 +239,14 @@ class TargetEngine:
         # Recapture, Resume: features of positions 0..length-1 pair with tokens 1..length (the last not cached yet)
         return Outcome(TargetResult(op.seq_id, tokens=[*seq.tokens[1:], seq.last_token]), rows)
 
-    def _finish_tree(self, w: Work, op: Verify, logits: torch.Tensor, rows: torch.Tensor | None) -> Outcome:
+    def _finish_tree(self, w: Work, op: Verify, best: list[int], rows: torch.Tensor | None) -> Outcome:
         """Accept the tree's longest matching path, then move the path's KV entries (written at
         start + node index) to start + depth, where the committed sequence continues."""
         seq, start = w.seq, w.row.start
         if op.forced >= 0:
-            path, emitted = forced_tree(logits, op.draft_ids, op.draft_parents, op.forced)
+            path, emitted = forced_tree(best, op.draft_ids, op.draft_parents, op.forced)
         else:
-            path, emitted = verify_tree(logits, op.draft_ids, op.draft_parents)
+            path, emitted = verify_tree(best, op.draft_ids, op.draft_parents)
         if path != list(range(len(path))):
             src = torch.tensor(path, device=self.device) + start
             self.runner.cache.move(seq.slot, src, torch.arange(len(path), device=self.device) + start)
@@ -292,6 +296,22 @@ class TargetEngine:
         self.runner.release(seq.slot)
         seq.slot = -1  # no KV entries: a Resume prefills its tokens again
         return Outcome(TargetResult(op.seq_id))
+
+
+def _argmax_rows(work: list[Work], logits: list[torch.Tensor]) -> list[list[int] | None]:
+    """Each greedy entry's argmax per token (a prefill's last token only), read back in one copy
+    for the whole step; None for sampled entries and recaptures."""
+    parts: dict[int, torch.Tensor] = {}
+    for i, (w, rows) in enumerate(zip(work, logits, strict=True)):
+        if isinstance(w.op, Prefill | Verify) and w.seq.sampling.greedy:
+            parts[i] = rows[-1:] if isinstance(w.op, Prefill) else rows
+    out: list[list[int] | None] = [None] * len(work)
+    if parts:
+        flat = torch.cat(list(parts.values())).argmax(-1).tolist()  # [rows of every greedy entry]
+        at = 0
+        for i, part in parts.items():
+            out[i], at = flat[at : at + part.shape[0]], at + part.shape[0]
+    return out
 
 
 def _is_tree(op: TargetOp) -> TypeGuard[Verify]:

@@ -96,16 +96,20 @@ class TargetRuntime:
         if self.tp.world_size > 1:
             dist.broadcast_object_list([plan], src=0)
         outcomes = self.engine.execute(plan)
-        results = []
+        written: list[tuple[Allocation, torch.Tensor]] = []  # the step's features, written at once
         for outcome, alloc in zip(outcomes, allocs, strict=True):
-            if alloc is not None:
-                if outcome.rows is not None and outcome.result.code == 0:
-                    self.writer.write(alloc, outcome.rows)
-                    outcome.result.hidden = HiddenRef(alloc.offset, outcome.rows.shape[0], alloc.generation,
-                                                      alloc.inline)
-                else:
-                    self.writer.release(alloc.generation)
-            results.append(outcome.result)
+            if alloc is None:
+                continue
+            if outcome.rows is not None and outcome.result.code == 0:
+                written.append((alloc, outcome.rows))
+                outcome.result.hidden = HiddenRef(alloc.offset, outcome.rows.shape[0], alloc.generation)
+            else:
+                self.writer.release(alloc.generation)
+        self.writer.write_all(written)
+        for outcome, alloc in zip(outcomes, allocs, strict=True):
+            if alloc is not None and outcome.result.hidden is not None:
+                outcome.result.hidden.inline = alloc.inline  # the inline backend fills it on write
+        results = [outcome.result for outcome in outcomes]
         ms = (time.perf_counter() - t0) * 1e3
         return results, StepTiming(compute_ms=ms, total_ms=ms)
 

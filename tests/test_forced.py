@@ -10,7 +10,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from gateway.forced import SHIPPED_PROFILE, ForcedAcceptance
 from specsplit.cli.client import GatewayClient, make_request
@@ -38,16 +37,14 @@ def test_draws_follow_the_profile() -> None:
 
 
 def test_forced_chain_and_tree_commit_the_drawn_drafts() -> None:
-    logits = torch.zeros(4, 10)
-    logits[:, 7] = 1.0  # the target's own choice is always 7
-    assert forced_chain(logits, [1, 2, 3], 2) == (2, [1, 2, 7])
-    assert forced_chain(logits, [1, 2, 3], 9) == (3, [1, 2, 3, 7])
+    best = [7] * 4  # the target's own choice is always 7
+    assert forced_chain(best, [1, 2, 3], 2) == (2, [1, 2, 7])
+    assert forced_chain(best, [1, 2, 3], 9) == (3, [1, 2, 3, 7])
     # a tree: 1 and 2 under the last token, 3 under 1, 4 under 3
-    logits = torch.zeros(5, 10)
-    logits[:, 7] = 1.0
-    assert forced_tree(logits, [1, 2, 3, 4], [-1, -1, 0, 2], 2) == ([0, 1, 3], [1, 3, 7])
-    assert forced_tree(logits, [1, 2, 3, 4], [-1, -1, 0, 2], 5) == ([0, 1, 3, 4], [1, 3, 4, 7])
-    assert forced_tree(logits, [1, 2, 3, 4], [-1, -1, 0, 2], 0) == ([0], [7])
+    best = [7] * 5
+    assert forced_tree(best, [1, 2, 3, 4], [-1, -1, 0, 2], 2) == ([0, 1, 3], [1, 3, 7])
+    assert forced_tree(best, [1, 2, 3, 4], [-1, -1, 0, 2], 5) == ([0, 1, 3, 4], [1, 3, 4, 7])
+    assert forced_tree(best, [1, 2, 3, 4], [-1, -1, 0, 2], 0) == ([0], [7])
 
 
 def forced_stack(tiny_target: Path, tiny_head: Path, tmp_path: Path, target_allows: bool) -> ServiceStack:

@@ -21,9 +21,10 @@ before its readers) therefore makes PyTorch print "Producer process has been ter
 before all shared CUDA tensors released" at exit; that warning is harmless.
 
 Completion, both ends:
-- `write` copies the rows on the current stream of the ring's device and then synchronizes
-  that stream (a cross-device source is ordered before it by PyTorch's copy barrier), so
-  the rows are in GPU memory when `write` returns and a reference may be sent.
+- `write` (`write_all`: a step's rows at once) copies the rows on the current stream of the
+  ring's device and then synchronizes that stream once (a cross-device source is ordered before
+  it by PyTorch's copy barrier), so the rows are in GPU memory when it returns and a reference
+  may be sent.
 - `read` copies the slice to the reader's device on the current stream of the ring's device
   (where PyTorch runs device-to-device copies) and synchronizes that stream, so the copy is
   complete when `read` returns and the slot may be acknowledged and reused.
@@ -109,9 +110,14 @@ class CudaIpcWriter:
 
     def write(self, alloc: Allocation, rows: torch.Tensor) -> None:
         # rows [n <= alloc.rows, width], any device/dtype; complete in GPU memory once this returns
-        if rows.shape[0] > alloc.rows:
-            raise ValueError(f"{rows.shape[0]} rows do not fit an allocation of {alloc.rows}")
-        self.ring[alloc.offset : alloc.offset + rows.shape[0]].copy_(rows)
+        self.write_all([(alloc, rows)])
+
+    def write_all(self, items: list[tuple[Allocation, torch.Tensor]]) -> None:
+        """Every (allocation, rows) of a step: the copies, then one synchronisation."""
+        for alloc, rows in items:
+            if rows.shape[0] > alloc.rows:
+                raise ValueError(f"{rows.shape[0]} rows do not fit an allocation of {alloc.rows}")
+            self.ring[alloc.offset : alloc.offset + rows.shape[0]].copy_(rows)
         torch.cuda.current_stream(self.device).synchronize()
 
     def release(self, generation: int) -> None:

@@ -19,6 +19,10 @@ class InlineWriter:
     def write(self, alloc: Allocation, rows: torch.Tensor) -> None:
         alloc.inline = rows.to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
 
+    def write_all(self, items: list[tuple[Allocation, torch.Tensor]]) -> None:
+        for alloc, rows in items:
+            self.write(alloc, rows)
+
     def release(self, generation: int) -> None:
         self.allocator.release(generation)
 

@@ -33,6 +33,10 @@ class ShmWriter:
         # rows [n <= alloc.rows, width]; visible to the reader once this returns
         self.ring[alloc.offset : alloc.offset + rows.shape[0]].copy_(rows)
 
+    def write_all(self, items: list[tuple[Allocation, torch.Tensor]]) -> None:
+        for alloc, rows in items:
+            self.write(alloc, rows)
+
     def release(self, generation: int) -> None:
         self.allocator.release(generation)
 
