@@ -189,6 +189,7 @@ class StepChooser:
         self.costs = CostModel()
         self.prices: dict[tuple[int, int, int, int], tuple[int, list[tuple[Shape, float]]]] = {}
         self.shared: dict[tuple[int, int], DepthAcceptance] = {}  # (topk, most tokens) -> every request's
+        self.observations = 0  # acceptance profiles change with each: a sequence's best choice is then recomputed
 
     @staticmethod
     def _key(req: GenerationRequest, shape: Shape) -> tuple[int, int]:
@@ -238,12 +239,11 @@ class StepChooser:
         if priced is None:
             own = Shape.of(s.req)
             return Choice(own, self.expected_tokens(s, own), math.nan, "measuring")
-        expected = {key: self._expected(s, key, self.max_steps) for key in {self._key(s.req, sh) for sh, _ in priced}}
-        best, best_ms, best_tokens, best_rate = priced[0][0], priced[0][1], 1.0, -1.0
-        for shape, ms in priced:  # a tie goes to the fewer steps
-            tokens = expected[self._key(s.req, shape)][shape.steps]
-            if tokens / ms > best_rate:
-                best, best_ms, best_tokens, best_rate = shape, ms, tokens, tokens / ms
+        state = (self.costs.version, self.observations, batch)  # what the best choice depends on
+        if s.best is None or s.best[0] != state:
+            s.best = (state, self._best(s, priced))
+        best, best_ms, best_tokens = s.best[1]
+        best_rate = best_tokens / best_ms
         early = s.stats.cycles < EARLY_CYCLES
         s.probe_credit += PROBE_SHARE * (2 if early else 1) * best_ms
         every = PROBE_EVERY // 2 if early else PROBE_EVERY
@@ -258,11 +258,22 @@ class StepChooser:
                 return Choice(probe, probe_tokens, probe_ms, "probe")
         return Choice(best, best_tokens, best_ms, "best")
 
+    def _best(self, s: Sequence, priced: list[tuple[Shape, float]]) -> tuple[Shape, float, float]:
+        """The candidate with the most expected tokens a millisecond: (shape, ms, expected tokens)."""
+        expected = {key: self._expected(s, key, self.max_steps) for key in {self._key(s.req, sh) for sh, _ in priced}}
+        best, best_ms, best_tokens, best_rate = priced[0][0], priced[0][1], 1.0, -1.0
+        for shape, ms in priced:  # a tie goes to the fewer steps
+            tokens = expected[self._key(s.req, shape)][shape.steps]
+            if tokens / ms > best_rate:
+                best, best_ms, best_tokens, best_rate = shape, ms, tokens, tokens / ms
+        return best, best_ms, best_tokens
+
     def observe(self, s: Sequence, shape: Shape, accepted: int) -> None:
         """A verify of an adaptive request's `shape` accepted `accepted` drafts (a tree: the
         accepted path's depth)."""
         if not shape.steps or not s.req.adaptive:
             return
+        self.observations += 1
         key = self._key(s.req, shape)
         self.shared.setdefault(key, DepthAcceptance(self.max_steps, SHARED_DECAY)).observe(shape.steps, accepted)
         own = s.acceptance.setdefault(key, DepthAcceptance(self.max_steps, REQUEST_DECAY))

@@ -97,7 +97,8 @@ async def draft_phase(sched: Scheduler) -> None:
         if s.req.adaptive:
             choice = sched.chooser.choose(s, len(candidates))
             s.shape = choice.shape
-            s.cycle_span.set_attributes(choice.attributes())
+            if s.cycle_span.is_recording():
+                s.cycle_span.set_attributes(choice.attributes())
             if not s.shape.steps and len(tokens) < PUT_OFF_TOKENS and len(refs) <= MAX_EARLIER:
                 continue  # nothing to draft: the extend waits for a cycle that drafts (or for more tokens)
         ops.append(ExtendPropose(s.seq_id, tokens, refs[-1], s.shape.steps, s.req.sampling, s.trace, position,
