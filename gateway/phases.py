@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specsplit.gateway")
 MAX_DRAFT_FAILURES = 3  # consecutive per-sequence draft errors before the sequence goes on target-only
+NO_DRAFT = Shape.chain(0)  # a verify cycle that drafted nothing
 PUT_OFF_TOKENS = 32  # a cycle that drafts nothing puts the draft's extend off while fewer tokens wait
 
 
@@ -144,7 +145,8 @@ async def draft_phase(sched: Scheduler) -> None:
             continue
         s.synced, s.draft_failures = True, 0
         s.drafts, s.dists, s.parents = r.draft_ids, r.draft_dists, r.draft_parents
-        s.cycle_span.set_attributes({"spec.draft_call_ms": ms, "spec.draft_batch_ms": timing.compute_ms})
+        if s.cycle_span.is_recording():
+            s.cycle_span.set_attributes({"spec.draft_call_ms": ms, "spec.draft_batch_ms": timing.compute_ms})
         s.stats.draft_ms += ms
         s.stats.draft_compute_ms += timing.compute_ms
 
@@ -232,14 +234,15 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
             sched.free_generations.append(r.hidden.generation)
     if isinstance(op, Verify):  # a verify cycle (the prefill's first token is not a cycle)
         s.stats.record_verify(len(r.tokens), ms, compute_ms, s.sent_drafts, r.num_accepted,
-                              s.shape if s.sent_drafts else Shape.chain(0))
+                              s.shape if s.sent_drafts else NO_DRAFT)
         if s.sent_drafts:
             sched.chooser.observe(s, s.shape, r.num_accepted)
         sched.totals.record_verify(len(r.tokens), s.sent_drafts, r.num_accepted)
         sched.metrics.accepted_length.record(len(r.tokens))
-        s.cycle_span.set_attributes({"spec.draft_tokens": s.sent_drafts, "spec.accepted_length": len(r.tokens),
-                                     "spec.num_accepted": r.num_accepted, "spec.bonus_token": r.tokens[-1],
-                                     "spec.verify_call_ms": ms, "spec.verify_batch_ms": compute_ms})
+        if s.cycle_span.is_recording():
+            s.cycle_span.set_attributes({"spec.draft_tokens": s.sent_drafts, "spec.accepted_length": len(r.tokens),
+                                         "spec.num_accepted": r.num_accepted, "spec.bonus_token": r.tokens[-1],
+                                         "spec.verify_call_ms": ms, "spec.verify_batch_ms": compute_ms})
     else:
         s.prefilled = True
         s.stats.first_token_at = time.perf_counter()
