@@ -33,6 +33,7 @@ from specsplit.ops import (
     Sampling,
     SparseDist,
     draft_cycle_entries,
+    extend_bucket,
 )
 from specsplit.runner.runner import ModelRunner, Row, Step, padded_rows
 from specsplit.sampling import probs_from_logits, sample
@@ -190,11 +191,12 @@ class DraftEngine:
 
     def _extend_and_grow(self, rows: list[Row], features: list[torch.Tensor],
                          shapes: dict[int, tuple[int, int, int]]) -> dict[int, tuple[list[int], list[int]]]:
-        """Extend and grow as one function of one graph key: the batch's integers go to the
+        """Extend and grow as one function of one graph key (the extends padded to T, the
+        extend_bucket of the longest: fewer graphs to capture): the batch's integers go to the
         device in one copy ([B, 2T + 3]: tokens, positions, slot, last row, committed entries
         after the extend) and the proposals come back in one read."""
         r = self.runner
-        b, t = r.batch_bucket(len(rows)), max(len(row.tokens) for row in rows)
+        b, t = r.batch_bucket(len(rows)), extend_bucket(max(len(row.tokens) for row in rows))
         topk = next(iter(shapes.values()))[0]
         steps = max(shape[1] for shape in shapes.values())
         pad = [Row(r.pad_slot, 0, [])] * (b - len(rows))

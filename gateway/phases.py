@@ -29,6 +29,7 @@ from specsplit.ops import (
     TargetResult,
     Verify,
     draft_cycle_entries,
+    extend_bucket,
 )
 
 if TYPE_CHECKING:
@@ -58,14 +59,14 @@ class DraftDeadline:
 
     @staticmethod
     def shape(ops: list[DraftOp]) -> tuple[int, ...]:
-        """The call's shape as the draft's graphs are keyed (batch and context in power-of-two buckets)."""
+        """The call's shape as the draft's graphs are keyed (batch, extend and context in buckets)."""
         extends = [op for op in ops if isinstance(op, ExtendPropose)]
         if not extends:
             return ()
         steps, topk = max(op.num_steps for op in extends), max(op.topk for op in extends)
         tokens = [len(op.tokens) for op in extends]
         ctx = draft_cycle_entries([op.position for op in extends], tokens, steps, topk)
-        return _pow2(len(extends)), steps, topk, max(tokens), max(128, _pow2(ctx))
+        return _pow2(len(extends)), steps, topk, extend_bucket(max(tokens)), max(128, _pow2(ctx))
 
     def seconds(self, ops: list[DraftOp]) -> float:
         if self.is_long(ops) or len(self.times) < 8 or self.shape(ops) not in self.seen:

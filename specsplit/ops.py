@@ -139,11 +139,16 @@ class ExtendPropose:
 DraftOp = ExtendPropose | Release
 
 
+def extend_bucket(tokens: int) -> int:
+    """Tokens a draft cycle's extend is padded to (a power of two): the draft captures a graph per bucket."""
+    return 1 << max(0, tokens - 1).bit_length()
+
+
 def draft_cycle_entries(starts: list[int], tokens: list[int], steps: int, topk: int) -> int:
     """KV entries a draft cycle spans: extends of tokens[i] after starts[i] committed entries, padded
-    to the longest, then `steps` levels of `topk` nodes each (the first beside the extend). The
-    draft's graphs are keyed by its bucket."""
-    t = max(tokens)
+    to the longest row's extend_bucket, then `steps` levels of `topk` nodes each (the first beside
+    the extend). The draft's graphs are keyed by its bucket."""
+    t = extend_bucket(max(tokens))
     return max(max(starts) + t, max(s + n for s, n in zip(starts, tokens, strict=True)) + max(0, steps - 1) * topk)
 
 
