@@ -201,8 +201,8 @@ class DraftEngine:
         steps = max(shape[1] for shape in shapes.values())
         pad = [Row(r.pad_slot, 0, [])] * (b - len(rows))
         ends = [row.start + len(row.tokens) for row in rows] + [t] * len(pad)
-        ctx = r.ctx_bucket(draft_cycle_entries([row.start for row in rows], [len(row.tokens) for row in rows], steps,
-                                               topk))
+        ctx = r.ctx_bucket(draft_cycle_entries(max(row.start for row in rows), max(len(row.tokens) for row in rows),
+                                               max(ends[: len(rows)]), steps, topk))
         ints = torch.tensor([[*row.tokens, *[0] * (t - len(row.tokens)), *range(row.start, row.start + t), row.slot,
                               max(len(row.tokens) - 1, 0), end] for row, end in zip([*rows, *pad], ends, strict=True)])
         feats = padded_rows(features, b, t)

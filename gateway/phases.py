@@ -60,22 +60,25 @@ class DraftDeadline:
     @staticmethod
     def shape(ops: list[DraftOp]) -> tuple[int, ...]:
         """The call's shape as the draft's graphs are keyed (batch, extend and context in buckets)."""
-        extends = [op for op in ops if isinstance(op, ExtendPropose)]
-        if not extends:
+        n = steps = topk = longest = last_start = last_end = 0
+        for op in ops:
+            if isinstance(op, ExtendPropose):
+                size = len(op.tokens)
+                n, steps, topk, longest = n + 1, max(steps, op.num_steps), max(topk, op.topk), max(longest, size)
+                last_start, last_end = max(last_start, op.position), max(last_end, op.position + size)
+        if not n:
             return ()
-        steps, topk = max(op.num_steps for op in extends), max(op.topk for op in extends)
-        tokens = [len(op.tokens) for op in extends]
-        ctx = draft_cycle_entries([op.position for op in extends], tokens, steps, topk)
-        return _pow2(len(extends)), steps, topk, extend_bucket(max(tokens)), max(128, _pow2(ctx))
+        ctx = draft_cycle_entries(last_start, longest, last_end, steps, topk)
+        return _pow2(n), steps, topk, extend_bucket(longest), max(128, _pow2(ctx))
 
-    def seconds(self, ops: list[DraftOp]) -> float:
-        if self.is_long(ops) or len(self.times) < 8 or self.shape(ops) not in self.seen:
+    def seconds(self, ops: list[DraftOp], shape: tuple[int, ...]) -> float:
+        """The deadline of a call of `shape` (DraftDeadline.shape(ops))."""
+        if shape not in self.seen or len(self.times) < 8 or self.is_long(ops):
             return self.cap_s
         p99 = sorted(self.times)[min(len(self.times) - 1, int(0.99 * len(self.times)))]
         return min(self.cap_s, max(self.floor_s, self.factor * p99))
 
-    def record(self, ops: list[DraftOp], seconds: float) -> None:
-        shape = self.shape(ops)
+    def record(self, ops: list[DraftOp], shape: tuple[int, ...], seconds: float) -> None:
         if shape in self.seen and not self.is_long(ops):
             self.times.append(seconds)
         self.seen.add(shape)
@@ -112,7 +115,8 @@ async def draft_phase(sched: Scheduler) -> None:
         s.pending = None
     if not ops:
         return
-    deadline = sched.draft_deadline.seconds(ops)
+    shape = sched.draft_deadline.shape(ops)
+    deadline = sched.draft_deadline.seconds(ops, shape)
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(deadline):  # for clients that suspend; blocking ones time out themselves
@@ -124,7 +128,7 @@ async def draft_phase(sched: Scheduler) -> None:
         sched.draft_failed(f"{type(e).__name__}: {e}")
         return
     seconds = time.perf_counter() - t0
-    sched.draft_deadline.record(ops, seconds)
+    sched.draft_deadline.record(ops, shape, seconds)
     ms = seconds * 1e3
     if users and not sched.draft_deadline.is_long(ops) and any(s.shape.steps for s in users):  # what's priced
         sched.cycle_ms["draft"] = ms

@@ -144,12 +144,11 @@ def extend_bucket(tokens: int) -> int:
     return 1 << max(0, tokens - 1).bit_length()
 
 
-def draft_cycle_entries(starts: list[int], tokens: list[int], steps: int, topk: int) -> int:
-    """KV entries a draft cycle spans: extends of tokens[i] after starts[i] committed entries, padded
-    to the longest row's extend_bucket, then `steps` levels of `topk` nodes each (the first beside
-    the extend). The draft's graphs are keyed by its bucket."""
-    t = extend_bucket(max(tokens))
-    return max(max(starts) + t, max(s + n for s, n in zip(starts, tokens, strict=True)) + max(0, steps - 1) * topk)
+def draft_cycle_entries(last_start: int, longest: int, last_end: int, steps: int, topk: int) -> int:
+    """KV entries a draft cycle spans: extends after up to `last_start` committed entries, padded
+    to the extend_bucket of the `longest`, ending at up to `last_end`, then `steps` levels of
+    `topk` nodes each (the first beside the extend). The draft's graphs are keyed by its bucket."""
+    return max(last_start + extend_bucket(longest), last_end + max(0, steps - 1) * topk)
 
 
 @dataclass

@@ -235,15 +235,21 @@ def test_draft_deadline_waits_longer_for_a_shape_seen_first() -> None:
     def call(batch: int, steps: int, tokens: int = 2, position: int = 100) -> list[DraftOp]:
         return [ExtendPropose(i, [1] * tokens, HiddenRef(0, tokens, 1), steps, position=position) for i in range(batch)]
 
+    def seconds(ops: list[DraftOp]) -> float:
+        return deadline.seconds(ops, DraftDeadline.shape(ops))
+
+    def record(ops: list[DraftOp], s: float) -> None:
+        deadline.record(ops, DraftDeadline.shape(ops), s)
+
     for _ in range(10):
-        assert deadline.seconds(call(1, 3)) in (5.0, 0.05)
-        deadline.record(call(1, 3), 0.002)
-    assert deadline.seconds(call(1, 3)) == 0.05 and len(deadline.times) == 9
-    assert deadline.seconds(call(1, 3, position=120)) == 0.05  # the same context bucket
+        assert seconds(call(1, 3)) in (5.0, 0.05)
+        record(call(1, 3), 0.002)
+    assert seconds(call(1, 3)) == 0.05 and len(deadline.times) == 9
+    assert seconds(call(1, 3, position=120)) == 0.05  # the same context bucket
     # the context bucket the draft captures for: 125 + 2 + 2 steps' nodes = 129 entries, past 128
     assert DraftDeadline.shape(call(1, 3, position=125))[-1] == 256
     assert DraftDeadline.shape(call(1, 3, position=124))[-1] == 128
     for new in (call(4, 3), call(1, 5), call(1, 3, tokens=3), call(1, 3, position=125)):
-        assert deadline.seconds(new) == 5.0
-        deadline.record(new, 0.4)  # a capture
-        assert deadline.seconds(new) == 0.05 and max(deadline.times) == 0.002
+        assert seconds(new) == 5.0
+        record(new, 0.4)  # a capture
+        assert seconds(new) == 0.05 and max(deadline.times) == 0.002
