@@ -30,6 +30,7 @@ from specsplit.ops import (
     Verify,
     draft_cycle_entries,
     extend_bucket,
+    pow2_at_least,
 )
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class DraftDeadline:
         if not n:
             return ()
         ctx = draft_cycle_entries(last_start, longest, last_end, steps, topk)
-        return _pow2(n), steps, topk, extend_bucket(longest), max(128, _pow2(ctx))
+        return pow2_at_least(n), steps, topk, extend_bucket(longest), max(128, pow2_at_least(ctx))
 
     def seconds(self, ops: list[DraftOp], shape: tuple[int, ...]) -> float:
         """The deadline of a call of `shape` (DraftDeadline.shape(ops))."""
@@ -82,10 +83,6 @@ class DraftDeadline:
         if shape in self.seen and not self.is_long(ops):
             self.times.append(seconds)
         self.seen.add(shape)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 async def draft_phase(sched: Scheduler) -> None:

@@ -139,9 +139,13 @@ class ExtendPropose:
 DraftOp = ExtendPropose | Release
 
 
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def extend_bucket(tokens: int) -> int:
     """Tokens a draft cycle's extend is padded to (a power of two): the draft captures a graph per bucket."""
-    return 1 << max(0, tokens - 1).bit_length()
+    return pow2_at_least(tokens)
 
 
 def draft_cycle_entries(last_start: int, longest: int, last_end: int, steps: int, topk: int) -> int:

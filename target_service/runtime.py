@@ -22,10 +22,10 @@ from specsplit.ops import HiddenRef, StepTiming, TargetOp, TargetResult
 from specsplit.transport.handoff import open_writer
 from specsplit.transport.handoff.base import DTYPES, Allocation
 from target_service.config import TargetConfig
-from target_service.engine import Plan, TargetEngine
+from target_service.engine import Outcome, Plan, TargetEngine
 
 _STOP = "stop"
-log = logging.getLogger("target")
+log = logging.getLogger("specsplit.target")
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -96,19 +96,17 @@ class TargetRuntime:
         if self.tp.world_size > 1:
             dist.broadcast_object_list([plan], src=0)
         outcomes = self.engine.execute(plan)
-        written: list[tuple[Allocation, torch.Tensor]] = []  # the step's features, written at once
+        written: list[tuple[Outcome, Allocation, torch.Tensor]] = []  # the step's features, written at once
         for outcome, alloc in zip(outcomes, allocs, strict=True):
             if alloc is None:
                 continue
             if outcome.rows is not None and outcome.result.code == 0:
-                written.append((alloc, outcome.rows))
-                outcome.result.hidden = HiddenRef(alloc.offset, outcome.rows.shape[0], alloc.generation)
+                written.append((outcome, alloc, outcome.rows))
             else:
                 self.writer.release(alloc.generation)
-        self.writer.write_all(written)
-        for outcome, alloc in zip(outcomes, allocs, strict=True):
-            if alloc is not None and outcome.result.hidden is not None:
-                outcome.result.hidden.inline = alloc.inline  # the inline backend fills it on write
+        self.writer.write_all([(alloc, rows) for _, alloc, rows in written])
+        for outcome, alloc, rows in written:  # alloc.inline: what the inline backend wrote
+            outcome.result.hidden = HiddenRef(alloc.offset, rows.shape[0], alloc.generation, alloc.inline)
         results = [outcome.result for outcome in outcomes]
         ms = (time.perf_counter() - t0) * 1e3
         return results, StepTiming(compute_ms=ms, total_ms=ms)
