@@ -258,8 +258,8 @@ class TargetEngine:
         return Outcome(TargetResult(op.seq_id, tokens=emitted, num_accepted=accepted), kept)
 
     def warm_up(self) -> None:
-        """Compile (and autotune) the fused step's kernels before the first request: on a machine
-        without Triton's cache that takes longer than a step may. Steps of every tile height the
+        """Compile the fused step's kernels before the first request: on a machine without
+        Triton's cache that takes longer than a step may. Steps of every tile height the
         fused step uses (one token; 2, 20 and 40 rows; two sequences) run on a scratch slot,
         which is then freed."""
         fused = self.runner.fused

@@ -296,7 +296,7 @@ def test_engine_serves_decode_and_verify_through_the_fused_step(tiny_target: Pat
                                      max_context=512))
         try:
             runner = e.target.engine.runner
-            if fused != "off":  # compiled and tuned at start, on a slot given back
+            if fused != "off":  # compiled at start, on a slot given back
                 assert ("fused", 1, 40, True) in runner.graphs.graphs and ("fused", 2, 1, True) in runner.graphs.graphs
             assert runner.free_slots == e.target.cfg.max_sequences
 

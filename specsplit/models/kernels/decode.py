@@ -25,6 +25,7 @@ a fused step is made (TRITON_INTERPRET=1 runs these kernels on the CPU).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -32,14 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def _configs() -> list[Any]:
-    """Block shapes tried once per (N, K) by the autotuner: few, so a cold start stays short."""
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter cannot time configs
-        return [triton.Config({"BLOCK_N": 4, "BLOCK_K": 256})]
-    shapes = ((1, 1024), (2, 512), (2, 1024), (4, 256), (4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256),
-              (16, 512))
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k in shapes for w in (4, 8)]
+from specsplit.models.kernels import blocks
 
 
 @triton.jit
@@ -89,7 +83,6 @@ def _rows_dot(x_ptr, nw_ptr, w_ptr, N, K, stride_wn, HAS_NORM: tl.constexpr, USE
     return rows, row_ok, tl.sum(acc, axis=1), tl.sum(sq, axis=0)
 
 
-@triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
 def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
                USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -100,7 +93,6 @@ def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.c
     tl.store(y_ptr + rows, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
 def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -130,7 +122,6 @@ def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl
     tl.store(y_ptr + rows, (silu * u).to(dt), mask=row_ok)
 
 
-@triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
 def _gemv_residual(x_ptr, w_ptr, r_ptr, y_ptr, N, K, stride_wn, USE_PDL: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -214,17 +205,26 @@ def _rope_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, 
 ATTENTION_BLOCK = (128, 8)  # keys per iteration, warps (the fastest on the H200: bench.fused_variants)
 
 
-def _grid(n: int) -> Any:
-    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)
-
-
 def _launch(pdl: bool) -> dict[str, bool]:
     return {"launch_pdl": True} if pdl else {}
 
 
-def _run_gemv(kernel: Any, n: int, pdl: bool, *args: Any, **constants: Any) -> None:
-    """Launch an autotuned GEMV kernel over n output rows."""
-    kernel[_grid(n)](*args, USE_PDL=pdl, **constants, **_launch(pdl))
+_KERNELS = {"norm_gemv": _norm_gemv, "gate_up_silu": _gate_up_silu, "gemv_residual": _gemv_residual}
+
+
+@functools.cache
+def _gpu(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _run_gemv(name: str, n: int, k: int, x: torch.Tensor, pdl: bool, *args: Any, **constants: Any) -> None:
+    """Launch a GEMV kernel over n output rows with the blocks pinned for this GPU model (kernels.blocks)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        block_n, block_k, warps = blocks.INTERPRETER
+    else:
+        block_n, block_k, warps = blocks.lookup(name, n, k, _gpu(x.device.index or 0))
+    _KERNELS[name][(triton.cdiv(n, block_n),)](*args, USE_PDL=pdl, **constants, BLOCK_N=block_n, BLOCK_K=block_k,
+                                           num_warps=warps, num_stages=3, **_launch(pdl))
 
 
 def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
@@ -234,7 +234,7 @@ def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor |
     n, k = weight.shape
     y = torch.empty(n, device=x.device, dtype=out_dtype or x.dtype)
     nw = x if norm_weight is None else norm_weight
-    _run_gemv(_norm_gemv, n, pdl, x, nw, weight, y, n, k, weight.stride(0), eps,
+    _run_gemv("norm_gemv", n, k, x, pdl, x, nw, weight, y, n, k, weight.stride(0), eps,
               HAS_NORM=norm_weight is not None)
     return y
 
@@ -244,8 +244,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     """x [K], weight [2I, K] (gate; up) -> silu(gate·n) * (up·n) [I], n = rms_norm(x)."""
     n2, k = weight.shape
     y = torch.empty(n2 // 2, device=x.device, dtype=x.dtype)
-    _run_gemv(_gate_up_silu, n2 // 2, pdl, x, norm_weight, weight, y, n2 // 2, k,
-              weight.stride(0), eps)
+    _run_gemv("gate_up_silu", n2 // 2, k, x, pdl, x, norm_weight, weight, y, n2 // 2, k, weight.stride(0), eps)
     return y
 
 
@@ -253,7 +252,7 @@ def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     """x [K], weight [N, K], residual [N] -> residual + weight · x [N]."""
     n, k = weight.shape
     y = torch.empty_like(residual)
-    _run_gemv(_gemv_residual, n, pdl, x, weight, residual, y, n, k, weight.stride(0))
+    _run_gemv("gemv_residual", n, k, x, pdl, x, weight, residual, y, n, k, weight.stride(0))
     return y
 
 
