@@ -106,15 +106,16 @@ def main() -> None:
             if name in seen:
                 continue
             make = launcher(kernel, n, k, dtype, pdl)
-            times = {b: time_launch(make(b), a.launches, a.replays) for b in blocks.CANDIDATES}
-            best = min(times, key=times.__getitem__)
-            seen[name] = best
             pinned, rule = blocks.lookup(kernel, n, k, gpu), blocks.rule(n, k)
+            times = {b: time_launch(make(b), a.launches, a.replays)
+                     for b in dict.fromkeys([*blocks.CANDIDATES, pinned, rule])}
+            best = min(blocks.CANDIDATES, key=times.__getitem__)
+            seen[name] = best
             print(json.dumps({
                 "bench": "tune_gemv", "gpu": gpu, "shape": shape, "matrix": name, "dtype": a.dtype, "pdl": pdl,
                 "best": list(best), "best_us": round(times[best], 2),
-                "pinned": list(pinned), "pinned_us": round(times[pinned], 2) if pinned in times else None,
-                "rule": list(rule), "rule_us": round(times[rule], 2) if rule in times else None,
+                "pinned": list(pinned), "pinned_us": round(times[pinned], 2),
+                "rule": list(rule), "rule_us": round(times[rule], 2),
                 "commit": git_commit(), "host": platform.node()}), flush=True)
             torch.cuda.empty_cache()
     if a.write:
