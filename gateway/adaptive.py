@@ -1,19 +1,23 @@
-"""Draft steps chosen per cycle. A greedy request that does not fix num_steps drafts, each cycle,
-the shape (a chain or a tree, and how deep) with the most expected tokens per second:
+"""Draft steps chosen per cycle. Greedy requests that do not fix num_steps draft, each cycle,
+the plan (chains or trees, and how deep) with the most expected tokens per second for the
+batch they share:
 
-    E[tokens | shape] / (draft_ms(shape) + verify_ms(rows) + rest_ms)
+    Σ_s E[tokens_s | shape_s] / (draft_ms(deepest) + verify_ms(batch, most rows) + rest_ms)
 
-E comes from the request's own acceptance at each draft depth, measured live and blended with
+E comes from each request's own acceptance at each draft depth, measured live and blended with
 every request's; the costs from this gateway's own calls, measured live per batch size (a shape
-not measured yet is priced by a line through the ones that were). Zero steps is speculation off
-for that cycle: no draft call (its extend is put off to the next cycle that drafts, or until
-32 tokens wait), the target verifies one row. Now and then a request drafts PROBE_EXTRA steps past
-its choice (a probe), so that the depths its choice does not reach stay measured: at most every
-PROBE_EVERY-th cycle (twice as often in its first EARLY_CYCLES), and only while the time probes
-lose against its best choice stays within PROBE_SHARE of its time (twice that at first). Where
-speculation costs several decodes (a small target on a GPU) probes are then rare; where it is
-cheap they follow the cadence. Sampled requests keep a fixed shape: their tokens depend on the
-shape, and a seed must give the same tokens in every process."""
+not measured yet is priced by a line through the ones that were). A batch's sequences share a
+cycle, so one plan holds for them all: one sequence drafting deep makes every sequence wait for
+the deepest draft and the longest verify row. Zero steps is speculation off for that cycle: no
+draft call (the extends are put off to the next cycle that drafts, or until 32 tokens wait), the
+target verifies one row a sequence. Now and then the batch drafts PROBE_EXTRA steps past its
+plan (a probe), so that the depths the plan does not reach stay measured: at most every
+PROBE_EVERY-th cycle (twice as often while a request is in its first EARLY_CYCLES), and only
+while the time probes lose against the best plan stays within PROBE_SHARE of the time (twice
+that at first). Where speculation costs several decodes (a small target on a GPU, a large
+batch) probes are then rare; where it is cheap they follow the cadence. Sampled requests keep a
+fixed shape: their tokens depend on the shape, and a seed must give the same tokens in every
+process."""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ if TYPE_CHECKING:
 
 PROBE_EVERY = 8
 PROBE_EXTRA = 2
-PROBE_SHARE = 0.05  # of a request's time: what its probes may lose against its best choice
+PROBE_SHARE = 0.05  # of the time: what probes may lose against the best plans
 EARLY_CYCLES = 32  # a request's first cycles probe twice as often: its own acceptance is not known yet
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # every request's acceptance before anything is measured
 SHARED_DECAY = 0.999  # per observation: the gateway's profile follows the traffic slowly
@@ -34,6 +38,7 @@ REQUEST_WEIGHT = 3.0  # pseudo-observations of the gateway's profile behind a re
 REQUEST_DECAY = 0.9  # per observation: a request's profile follows its text (code, then prose)
 OUTLIER = 4.0  # a call this many times slower than its shape's estimate is not a cost
 REPRICE = 32  # records (three a cycle) between two pricings of the candidates, unless a shape is new
+REPLAN = 4  # cycles between two plans made for new acceptance observations alone
 
 
 @dataclass(frozen=True)
@@ -181,92 +186,196 @@ class Choice:
         return out
 
 
+@dataclass(frozen=True)
+class Plan:
+    """One cycle's drafting for a batch: `depth` steps for every adaptive sequence, as trees of
+    their own branching and size (`trees`, for requests with topk > 1) or as chains; never
+    fewer steps than a request's min_steps."""
+
+    depth: int
+    trees: bool = False
+
+    def shape(self, req: GenerationRequest) -> Shape:
+        if self.trees and req.topk > 1 and self.depth:
+            return Shape.tree(self.depth, req.topk, req.num_draft_tokens)
+        return Shape.chain(max(self.depth, req.min_steps))
+
+
+Kind = tuple[int, int, int]  # what a request's shapes depend on: (topk, num_draft_tokens, min_steps)
+
+
+def _kind(req: GenerationRequest) -> Kind:
+    return req.topk, req.num_draft_tokens, req.min_steps
+
+
+def _cost_shape(shapes: list[Shape]) -> Shape:
+    """What a batched cycle of these shapes costs like: its deepest draft, widest branching and
+    most rows (the draft runs every sequence to the deepest step, the verify pads rows to the most)."""
+    steps = max(sh.steps for sh in shapes)
+    if not steps:
+        return Shape.chain(0)
+    return Shape(steps, max(sh.family for sh in shapes), max(sh.rows for sh in shapes))
+
+
+@dataclass
+class _Planned:
+    """The best plan for one batch, kept until its batch, the costs or (after a few cycles) the
+    acceptance profiles change."""
+
+    key: tuple[object, ...]  # (batch, floor, sequence ids)
+    version: int  # of the costs
+    observations: int
+    at: int  # the cycle it was made in
+    plan: Plan
+    ms: float
+    tokens: float  # expected, the whole batch
+    choices: list[Choice]
+
+
 class StepChooser:
-    """The gateway's costs and acceptance profiles, and the choice of each adaptive cycle."""
+    """The gateway's costs and acceptance profiles, and each cycle's choice for the batch.
+
+    The sequences of a batch share a cycle: the draft runs them all to the deepest step, the
+    target pads every row to the longest, and every sequence waits for both. So one plan is
+    chosen for all adaptive sequences of a cycle, the one with the most expected tokens of the
+    whole batch per millisecond of the batch's cycle, and probes are made by the whole batch at
+    once. The plan is made again when the batch or the costs change, and after new acceptance
+    observations every REPLAN cycles (len(batch) // 4 for large batches: the work grows with it)."""
 
     def __init__(self, max_steps: int) -> None:
         self.max_steps = max_steps
         self.costs = CostModel()
-        self.prices: dict[tuple[int, int, int, int], tuple[int, list[tuple[Shape, float]]]] = {}
         self.shared: dict[tuple[int, int], DepthAcceptance] = {}  # (topk, most tokens) -> every request's
-        self.observations = 0  # acceptance profiles change with each: a sequence's best choice is then recomputed
+        self.observations = 0  # acceptance profiles change with each
+        self.cycles = 0  # choices made
+        self.probed_at = -1  # the cycle of the last probe
+        self.probe_credit = 0.0  # ms that probes may still lose against the best plans
+        self._planned: _Planned | None = None
+        self._prices: dict[tuple[object, ...], tuple[int, list[tuple[Plan, float, list[tuple[Kind, tuple[int, int],
+                                                                                      int]]]]]] = {}
 
     @staticmethod
     def _key(req: GenerationRequest, shape: Shape) -> tuple[int, int]:
         return (shape.topk, req.num_draft_tokens) if shape.topk > 1 else (1, 0)
 
+    def plans(self, reqs: list[GenerationRequest]) -> list[Plan]:
+        """Chains 0..max_steps deep and, where a request has topk > 1, trees 1..max_steps deep."""
+        out = [Plan(d) for d in range(self.max_steps + 1)]
+        if any(r.topk > 1 for r in reqs):
+            out += [Plan(d, True) for d in range(1, self.max_steps + 1)]
+        return out
+
     def candidates(self, req: GenerationRequest) -> list[Shape]:
-        """Speculation off (unless the request turned speculation on), chains 1..max_steps deep,
-        and, for a request with topk > 1, its trees 1..max_steps deep up to its size."""
-        shapes = [Shape.chain(k) for k in range(req.min_steps, self.max_steps + 1)]
-        if req.topk > 1:
-            shapes += [Shape.tree(k, req.topk, req.num_draft_tokens) for k in range(1, self.max_steps + 1)]
-        return shapes
+        """The shapes a request may draft: its shape under each plan."""
+        return list(dict.fromkeys(p.shape(req) for p in self.plans([req])))
 
     def expected_tokens(self, s: Sequence, shape: Shape) -> float:
         """1 + the expected accepted depth: each depth accepted with the request's rate there,
         given the depths before it were."""
         return self._expected(s, self._key(s.req, shape), shape.steps)[shape.steps]
 
-    def _expected(self, s: Sequence, key: tuple[int, int], depth: int) -> list[float]:
+    def _priors(self, key: tuple[int, int], depth: int) -> list[float]:
+        """Every request's acceptance at depths 0..depth of the family `key` (a request's prior)."""
+        shared = self.shared.get(key)
+        return [shared.rate(i, PRIOR_RATE, PRIOR_WEIGHT) if shared else PRIOR_RATE for i in range(depth + 1)]
+
+    def _expected(self, s: Sequence, key: tuple[int, int], depth: int, priors: list[float] | None = None
+                  ) -> list[float]:
         """Expected tokens of drafts 0..depth deep in the family `key`."""
-        shared, own = self.shared.get(key), s.acceptance.get(key)
+        priors = priors or self._priors(key, depth)
+        own = s.acceptance.get(key)
         out, alive = [1.0], 1.0
         for i in range(1, depth + 1):
-            prior = shared.rate(i, PRIOR_RATE, PRIOR_WEIGHT) if shared else PRIOR_RATE
-            alive *= own.rate(i, prior, REQUEST_WEIGHT) if own else prior
+            alive *= own.rate(i, priors[i], REQUEST_WEIGHT) if own else priors[i]
             out.append(out[-1] + alive)
         return out
 
-    def _priced(self, req: GenerationRequest, batch: int) -> list[tuple[Shape, float]] | None:
-        """The candidates of requests like `req` with their cycle's cost at `batch`, priced again
-        when a shape is measured for the first time and every REPRICE records (about ten cycles)."""
-        key = (batch, req.min_steps, req.topk, req.num_draft_tokens)
-        hit = self.prices.get(key)
+    def choose(self, s: Sequence, batch: int) -> Choice:
+        """One sequence's choice (a batch of its own adaptive sequence)."""
+        return self.choose_batch([s], batch)[0]
+
+    def choose_batch(self, seqs: list[Sequence], batch: int, floor: Shape | None = None) -> list[Choice]:
+        """The choice of each adaptive sequence of a cycle of `batch` sequences (all those with
+        new tokens), one plan for them all. `floor`: what the cycle drafts for sequences of a
+        fixed shape (they make the cycle cost at least that)."""
+        self.cycles += 1
+        key = (batch, floor, tuple(s.seq_id for s in seqs))
+        p = self._planned
+        if (p is None or p.key != key or p.version != self.costs.version
+                or (p.observations != self.observations and self.cycles - p.at >= max(REPLAN, len(seqs) // 4))):
+            p = self._plan(seqs, batch, floor, key)
+            if p is None:
+                return [Choice(sh, self.expected_tokens(s, sh), math.nan, "measuring")
+                        for s in seqs for sh in [Shape.of(s.req)]]
+            self._planned = p
+        early = any(s.stats.cycles < EARLY_CYCLES for s in seqs)
+        self.probe_credit += PROBE_SHARE * (2 if early else 1) * p.ms
+        every = PROBE_EVERY // 2 if early else PROBE_EVERY
+        if self.cycles - 1 - self.probed_at >= every and p.plan.depth < self.max_steps:
+            probe = Plan(min(self.max_steps, p.plan.depth + PROBE_EXTRA), p.plan.trees)
+            shapes = [probe.shape(s.req) for s in seqs]
+            probe_ms = self.costs.cycle_ms(batch, _cost_shape(shapes + ([floor] if floor else []))) or p.ms
+            tokens = [self.expected_tokens(s, sh) for s, sh in zip(seqs, shapes, strict=True)]
+            loss = max(0.0, probe_ms - sum(tokens) * p.ms / p.tokens)  # beyond the best's time for as many tokens
+            if loss <= self.probe_credit:
+                self.probe_credit -= loss
+                self.probed_at = self.cycles - 1
+                return [Choice(sh, t, probe_ms, "probe") for sh, t in zip(shapes, tokens, strict=True)]
+        return p.choices
+
+    def _plan(self, seqs: list[Sequence], batch: int, floor: Shape | None, key: tuple[object, ...]
+              ) -> _Planned | None:
+        """The plan with the most expected tokens of the batch a millisecond; None until the
+        costs are measured. Sequences of one kind share their shapes: sums by kind."""
+        kinds: dict[Kind, GenerationRequest] = {}
+        sums: dict[Kind, dict[tuple[int, int], list[float]]] = {}  # kind -> family -> Σ expected tokens by depth
+        own: list[dict[tuple[int, int], list[float]]] = []  # each sequence's expected tokens by family and depth
+        priors: dict[tuple[int, int], list[float]] = {}
+        for s in seqs:
+            kind = _kind(s.req)
+            kinds.setdefault(kind, s.req)
+            families = sums.setdefault(kind, {})
+            own.append({})
+            for fam in ((1, 0), *([(s.req.topk, s.req.num_draft_tokens)] if s.req.topk > 1 else [])):
+                if fam not in priors:
+                    priors[fam] = self._priors(fam, self.max_steps)
+                e = own[-1][fam] = self._expected(s, fam, self.max_steps, priors[fam])
+                total = families.get(fam)
+                families[fam] = e.copy() if total is None else [a + b for a, b in zip(total, e, strict=True)]
+        priced = self._priced(kinds, batch, floor)
+        if priced is None:
+            return None
+        best: tuple[Plan, float, float] | None = None
+        for plan, ms, shapes in priced:  # a tie goes to the fewer steps
+            tokens = sum(sums[kind][fam][steps] for kind, fam, steps in shapes)
+            if best is None or tokens / ms > best[2] / best[1]:
+                best = (plan, ms, tokens)
+        assert best is not None
+        plan, ms, tokens = best
+        choices = [Choice(sh, e[self._key(s.req, sh)][sh.steps], ms, "best")
+                   for s, e in zip(seqs, own, strict=True) for sh in [plan.shape(s.req)]]
+        return _Planned(key, self.costs.version, self.observations, self.cycles, plan, ms, tokens, choices)
+
+    def _priced(self, kinds: dict[Kind, GenerationRequest], batch: int, floor: Shape | None
+                ) -> list[tuple[Plan, float, list[tuple[Kind, tuple[int, int], int]]]] | None:
+        """Each plan with its cycle's cost at `batch` and, per kind, the family and depth it
+        drafts; None until the costs are measured. Kept until the costs change."""
+        key = (batch, floor, tuple(kinds))
+        hit = self._prices.get(key)
         if hit is not None and hit[0] == self.costs.version:
             return hit[1]
-        priced = []
-        for shape in self.candidates(req):
-            ms = self.costs.cycle_ms(batch, shape)
+        out = []
+        for plan in self.plans(list(kinds.values())):
+            shapes = {kind: plan.shape(req) for kind, req in kinds.items()}
+            ms = self.costs.cycle_ms(batch, _cost_shape([*shapes.values(), *([floor] if floor else [])]))
             if ms is None:
                 return None
-            priced.append((shape, max(ms, 1e-6)))
-        self.prices[key] = (self.costs.version, priced)
-        return priced
-
-    def choose(self, s: Sequence, batch: int) -> Choice:
-        priced = self._priced(s.req, batch)
-        if priced is None:
-            own = Shape.of(s.req)
-            return Choice(own, self.expected_tokens(s, own), math.nan, "measuring")
-        state = (self.costs.version, self.observations, batch)  # what the best choice depends on
-        if s.best is None or s.best[0] != state:
-            s.best = (state, self._best(s, priced))
-        best, best_ms, best_tokens = s.best[1]
-        best_rate = best_tokens / best_ms
-        early = s.stats.cycles < EARLY_CYCLES
-        s.probe_credit += PROBE_SHARE * (2 if early else 1) * best_ms
-        every = PROBE_EVERY // 2 if early else PROBE_EVERY
-        if s.stats.cycles - s.probed_at >= every and best.steps < self.max_steps:
-            steps = min(self.max_steps, best.steps + PROBE_EXTRA)
-            probe = Shape.tree(steps, best.topk, s.req.num_draft_tokens) if best.topk > 1 else Shape.chain(steps)
-            probe_ms, probe_tokens = self.costs.cycle_ms(batch, probe) or best_ms, self.expected_tokens(s, probe)
-            loss = max(0.0, probe_ms - probe_tokens / best_rate)  # beyond the best's time for as many tokens
-            if loss <= s.probe_credit:
-                s.probe_credit -= loss
-                s.probed_at = s.stats.cycles
-                return Choice(probe, probe_tokens, probe_ms, "probe")
-        return Choice(best, best_tokens, best_ms, "best")
-
-    def _best(self, s: Sequence, priced: list[tuple[Shape, float]]) -> tuple[Shape, float, float]:
-        """The candidate with the most expected tokens a millisecond: (shape, ms, expected tokens)."""
-        expected = {key: self._expected(s, key, self.max_steps) for key in {self._key(s.req, sh) for sh, _ in priced}}
-        best, best_ms, best_tokens, best_rate = priced[0][0], priced[0][1], 1.0, -1.0
-        for shape, ms in priced:  # a tie goes to the fewer steps
-            tokens = expected[self._key(s.req, shape)][shape.steps]
-            if tokens / ms > best_rate:
-                best, best_ms, best_tokens, best_rate = shape, ms, tokens, tokens / ms
-        return best, best_ms, best_tokens
+            out.append((plan, max(ms, 1e-6), [(kind, self._key(kinds[kind], sh), sh.steps)
+                                              for kind, sh in shapes.items()]))
+        if len(self._prices) > 256:
+            self._prices.clear()
+        self._prices[key] = (self.costs.version, out)
+        return out
 
     def observe(self, s: Sequence, shape: Shape, accepted: int) -> None:
         """A verify of an adaptive request's `shape` accepted `accepted` drafts (a tree: the
@@ -275,6 +384,11 @@ class StepChooser:
             return
         self.observations += 1
         key = self._key(s.req, shape)
-        self.shared.setdefault(key, DepthAcceptance(self.max_steps, SHARED_DECAY)).observe(shape.steps, accepted)
-        own = s.acceptance.setdefault(key, DepthAcceptance(self.max_steps, REQUEST_DECAY))
+        shared = self.shared.get(key)
+        if shared is None:
+            shared = self.shared[key] = DepthAcceptance(self.max_steps, SHARED_DECAY)
+        shared.observe(shape.steps, accepted)
+        own = s.acceptance.get(key)
+        if own is None:
+            own = s.acceptance[key] = DepthAcceptance(self.max_steps, REQUEST_DECAY)
         own.observe(shape.steps, accepted)

@@ -93,16 +93,25 @@ async def draft_phase(sched: Scheduler) -> None:
     ops: list[DraftOp] = [Release(i) for i in sched.draft_releases]
     sched.draft_releases = []
     candidates = [s for s in sched.running if s.spec and s.pending is not None and not s.unread_since]
-    users = []
-    for s in candidates:
-        tokens, refs, position = s.pending  # type: ignore[misc]
-        if s.req.adaptive:
-            choice = sched.chooser.choose(s, len(candidates))
+    adaptive = [s for s in candidates if s.req.adaptive]
+    if adaptive:
+        fixed = [s.shape for s in candidates if not s.req.adaptive and s.shape.steps]
+        floor = Shape(max(sh.steps for sh in fixed), max(sh.family for sh in fixed),
+                      max(sh.rows for sh in fixed)) if fixed else None
+        for s, choice in zip(adaptive, sched.chooser.choose_batch(adaptive, len(candidates), floor), strict=True):
             s.shape = choice.shape
             if s.cycle_span.is_recording():
                 s.cycle_span.set_attributes(choice.attributes())
-            if not s.shape.steps and len(tokens) < PUT_OFF_TOKENS and len(refs) <= MAX_EARLIER:
-                continue  # nothing to draft: the extend waits for a cycle that drafts (or for more tokens)
+    # a cycle that drafts nothing for a sequence puts its extend off (for more tokens, or a cycle that
+    # drafts); once one of them must extend, all do, in one call
+    put_off = [s for s in adaptive if not s.shape.steps]
+    flush = any(len(s.pending[0]) >= PUT_OFF_TOKENS or len(s.pending[1]) > MAX_EARLIER  # type: ignore[index]
+                for s in put_off)
+    users = []
+    for s in candidates:
+        tokens, refs, position = s.pending  # type: ignore[misc]
+        if s.req.adaptive and not s.shape.steps and not flush:
+            continue
         ops.append(ExtendPropose(s.seq_id, tokens, refs[-1], s.shape.steps, s.req.sampling, s.trace, position,
                                  s.shape.topk, s.shape.tokens, refs[:-1]))
         users.append(s)

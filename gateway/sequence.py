@@ -121,9 +121,6 @@ class Sequence:
         self.parents: list[int] = []  # a tree's shape (empty: a chain)
         self.shape = Shape.of(req)  # what this cycle drafts (an adaptive request: chosen per cycle)
         self.acceptance: dict[tuple[int, int], DepthAcceptance] = {}  # an adaptive request's own, per family
-        self.probe_credit = 0.0  # ms an adaptive request may still lose to probes (gateway.adaptive)
-        self.best: tuple[tuple[int, int, int], tuple[Shape, float, float]] | None = None  # its last best choice
-        self.probed_at = -1  # the cycle of its last probe
         self.draft_failures = 0  # in a row
         self.forced_rng = random.Random(seq_id)  # forced acceptance's draws (a benchmark mode)
         self.stats = SeqStats()

@@ -3,16 +3,19 @@ acceptance, and greedy output stays the target's own, in process and over gRPC."
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from pathlib import Path
 
 import pytest
 
 from bench.replay import ReplayDraft, Replayer
+from bench.scheduler_cpu import InstantDraft, InstantTarget
 from gateway.adaptive import (
     EARLY_CYCLES,
     PROBE_EVERY,
     PROBE_SHARE,
+    REPLAN,
     Choice,
     CostModel,
     DepthAcceptance,
@@ -22,10 +25,11 @@ from gateway.adaptive import (
 from gateway.clients import LocalDraft
 from gateway.local import LocalEngines
 from gateway.phases import DraftDeadline
+from gateway.scheduler import Finished, Limits, Scheduler
 from gateway.sequence import GenerationRequest, Sequence
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
-from specsplit.ops import DraftOp, ExtendPropose, HiddenRef, Sampling
+from specsplit.ops import DraftOp, DraftResult, ExtendPropose, HiddenRef, Sampling, StepTiming
 
 PROMPTS = [[1, 2, 3], [7] * 20, [100, 42, 17, 250, 3, 3, 9], list(range(10, 60))]
 
@@ -156,6 +160,104 @@ def test_costly_probes_stay_within_their_share_of_the_time() -> None:
     lost = sum(c.expected_ms - c.expected_tokens * best_ms for c in probes)  # the best emits 1 token a best_ms
     assert lost <= PROBE_SHARE * (1000 + EARLY_CYCLES) * best_ms
     assert len(probes) < 1000 / (4 * PROBE_EVERY)  # rarer than the cadence
+
+
+def batch_priced(batch: int, verify_ms: dict[int, float], draft_ms: float = 1.0) -> StepChooser:
+    """A chooser whose costs at `batch` were measured: a verify of `rows` a sequence takes
+    verify_ms[rows] (a line elsewhere), a draft call 0.2 + draft_ms x steps."""
+    chooser = StepChooser(8)
+    for steps in (1, 4):
+        chooser.costs.record_draft(batch, 1, steps, 0.2 + draft_ms * steps)
+    for rows, ms in verify_ms.items():
+        chooser.costs.record_verify(batch, rows, ms)
+    return chooser
+
+
+def test_one_plan_for_the_batch_weighs_what_each_sequence_gains() -> None:
+    """Eight sequences share a cycle: a draft for one makes all eight wait for it. One sequence
+    that accepts everything does not make the batch draft while the others accept nothing; when
+    most accept, the whole batch drafts, all to the same depth."""
+    chooser = batch_priced(8, {1: 2.0, 5: 3.0, 9: 4.0})
+    seqs = [taught(chooser, adaptive_request([1]), accepted=0) for _ in range(8)]
+    for s, i in zip(seqs, range(8), strict=True):
+        s.seq_id = i
+    seqs[0].acceptance.clear()
+    for _ in range(30):
+        chooser.observe(seqs[0], Shape.chain(8), 8)
+    assert chooser.expected_tokens(seqs[0], Shape.chain(4)) > 4  # alone, it would draft 4 or more
+    assert chooser.choose(seqs[0], 8).shape.steps >= 4
+    chooser.cycles = chooser.probed_at = 0  # no probe in the next choices
+    choices = chooser.choose_batch(seqs, 8)
+    assert {c.shape for c in choices} == {Shape.chain(0)} and {c.reason for c in choices} == {"best"}
+    for s in seqs[1:6]:  # most of the batch now accepts everything
+        s.acceptance.clear()
+        for _ in range(30):
+            chooser.observe(s, Shape.chain(8), 8)
+    chooser.cycles += REPLAN  # the plan is made again for new observations every REPLAN cycles
+    chooser.probed_at = chooser.cycles
+    choices = chooser.choose_batch(seqs, 8)
+    assert len({c.shape for c in choices}) == 1 and choices[0].shape.steps >= 4
+
+
+def test_a_fixed_shape_in_the_batch_lets_adaptive_ones_draft_as_deep_for_free() -> None:
+    """A request of a fixed shape makes the batch draft and verify 5 rows anyway: the plan
+    prices its own shapes at that floor, so a moderately accepting batch drafts that deep."""
+    chooser = batch_priced(2, {1: 1.0, 5: 3.0, 9: 5.0}, draft_ms=0.5)
+    s = taught(chooser, adaptive_request([1]), accepted=1)
+    chooser.probed_at = chooser.cycles = 0
+    alone = chooser.choose_batch([s], 2)[0].shape
+    chooser.probed_at = chooser.cycles
+    beside = chooser.choose_batch([s], 2, floor=Shape.chain(4))[0].shape
+    assert alone.steps == 0 and beside.steps >= 2
+
+
+def test_probes_are_made_by_the_whole_batch_at_once() -> None:
+    chooser = batch_priced(4, {1: 1.0, 3: 1.1, 5: 1.2}, draft_ms=0.05)
+    seqs = [taught(chooser, adaptive_request([1]), accepted=1) for _ in range(4)]
+    for i, s in enumerate(seqs):
+        s.seq_id, s.stats.cycles = i, 0
+    rounds = [chooser.choose_batch(seqs, 4) for _ in range(3 * PROBE_EVERY)]
+    probes = [r for r in rounds if r[0].reason == "probe"]
+    assert probes and all({c.reason for c in r} == {r[0].reason} and len({c.shape for c in r}) == 1 for r in rounds)
+    best = next(r[0].shape for r in rounds if r[0].reason == "best")
+    assert all(r[0].shape == Shape.chain(best.steps + 2) for r in probes)
+
+
+def test_extends_put_off_go_out_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cycles that draft nothing put the draft's extends off; once one sequence must extend (32
+    tokens wait), every put-off sequence extends in that call, so that the batch makes one draft
+    call every 32 cycles rather than one for each sequence."""
+    calls: list[list[tuple[int, int]]] = []
+
+    class LoggingDraft(InstantDraft):
+        async def step(self, ops: list[DraftOp], timeout: float = 0.0) -> tuple[list[DraftResult], StepTiming]:
+            calls.append([(op.seq_id, len(op.tokens)) for op in ops if isinstance(op, ExtendPropose)])
+            return await super().step(ops, timeout)
+
+    def no_drafts(self: StepChooser, seqs: list[Sequence], batch: int, floor: Shape | None = None) -> list[Choice]:
+        return [Choice(Shape.chain(0), 1.0, 1.0, "best") for _ in seqs]
+
+    monkeypatch.setattr(StepChooser, "choose_batch", no_drafts)
+
+    async def main() -> list[list[int]]:
+        sched = Scheduler(InstantTarget(), LoggingDraft(), max_sequences=4, limits=Limits(max_queue=8))
+        sched.draft_restored()
+        sched.start()
+        seqs = [sched.submit(adaptive_request([5] * n, max_new=100)) for n in (3, 10, 20, 28)]
+        out = []
+        for seq in seqs:
+            tokens: list[int] = []
+            while not isinstance(ev := await seq.events.get(), Finished):
+                tokens += ev
+            out.append(tokens)
+        await sched.stop()
+        return out
+
+    outs = asyncio.run(main())
+    assert [len(t) for t in outs] == [100] * 4
+    assert len(calls) >= 2 and all(len(call) == 4 for call in calls)  # every call extends all four
+    assert len(calls) <= 100 // 32 + 1
+    assert all(n >= 32 for call in calls for _, n in call if n == max(m for _, m in call))
 
 
 def test_trees_are_candidates_for_a_tree_request() -> None:
