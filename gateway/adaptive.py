@@ -12,9 +12,9 @@ the deepest draft and the longest verify row. Zero steps is speculation off for 
 draft call (the extends are put off to the next cycle that drafts, or until 32 tokens wait), the
 target verifies one row a sequence. Now and then the batch drafts PROBE_EXTRA steps past its
 plan (a probe), so that the depths the plan does not reach stay measured: at most every
-PROBE_EVERY-th cycle (twice as often while a request is in its first EARLY_CYCLES), and only
-while the time probes lose against the best plan stays within PROBE_SHARE of the time (twice
-that at first). Where speculation costs several decodes (a small target on a GPU, a large
+PROBE_EVERY-th cycle (twice as often while most of the batch is in its first EARLY_CYCLES), and
+only while the time probes lose against the best plan stays within PROBE_SHARE of the time
+(twice that at first). Where speculation costs several decodes (a small target on a GPU, a large
 batch) probes are then rare; where it is cheap they follow the cadence. Sampled requests keep a
 fixed shape: their tokens depend on the shape, and a seed must give the same tokens in every
 process."""
@@ -308,7 +308,7 @@ class StepChooser:
                 return [Choice(sh, self.expected_tokens(s, sh), math.nan, "measuring")
                         for s in seqs for sh in [Shape.of(s.req)]]
             self._planned = p
-        early = any(s.stats.cycles < EARLY_CYCLES for s in seqs)
+        early = 2 * sum(s.stats.cycles < EARLY_CYCLES for s in seqs) > len(seqs)  # most of the batch is new
         self.probe_credit += PROBE_SHARE * (2 if early else 1) * p.ms
         every = PROBE_EVERY // 2 if early else PROBE_EVERY
         if self.cycles - 1 - self.probed_at >= every and p.plan.depth < self.max_steps:
