@@ -11,6 +11,7 @@ import pytest
 
 from bench.replay import ReplayDraft, Replayer
 from bench.scheduler_cpu import InstantDraft, InstantTarget
+from draft_service.config import DraftConfig
 from gateway.adaptive import (
     EARLY_CYCLES,
     PROBE_EVERY,
@@ -30,6 +31,8 @@ from gateway.sequence import GenerationRequest, Sequence
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.ops import DraftOp, DraftResult, ExtendPropose, HiddenRef, Sampling, StepTiming
+from target_service.config import TargetConfig
+from tests.test_gpu_services import needs_gpus
 
 PROMPTS = [[1, 2, 3], [7] * 20, [100, 42, 17, 250, 3, 3, 9], list(range(10, 60))]
 
@@ -276,20 +279,40 @@ def test_unmeasured_costs_draft_the_requests_own_shape() -> None:
 @pytest.mark.parametrize("topk", [1, 4])
 @pytest.mark.parametrize("rate", [None, 0.8])
 def test_adaptive_steps_are_lossless(tiny_engines: LocalEngines, topk: int, rate: float | None) -> None:
+    check_lossless(tiny_engines, topk, rate)
+
+
+def check_lossless(engines: LocalEngines, topk: int, rate: float | None) -> None:
     """Greedy output equals target-only output whatever each cycle drafts, solo and batched;
     with replayed acceptance the chooser drafts more than one shape."""
-    base = tiny_engines.generate([GenerationRequest(p, 40, Sampling(), {511}, 0) for p in PROMPTS])
+    base = engines.generate([GenerationRequest(p, 40, Sampling(), {511}, 0) for p in PROMPTS])
     draft = None
     if rate is not None:
         refs = [p + b.tokens for p, b in zip(PROMPTS, base, strict=True)]
-        draft = ReplayDraft(LocalDraft(tiny_engines.draft), Replayer(refs, rate, 512))
-    out = tiny_engines.generate([adaptive_request(p, topk=topk) for p in PROMPTS], draft)
+        assert engines.draft is not None
+        draft = ReplayDraft(LocalDraft(engines.draft), Replayer(refs, rate, 512))
+    out = engines.generate([adaptive_request(p, topk=topk) for p in PROMPTS], draft)
     assert [r.tokens for r in out] == [b.tokens for b in base]
     shapes = {sh for r in out for sh in r.stats.shapes}
     assert len(shapes) > 1
     if rate is not None:
         assert max(sh.steps for sh in shapes) >= 3
-    assert tiny_engines.target.stats()["active_sequences"] == 0
+    assert engines.target.stats()["active_sequences"] == 0
+
+
+@pytest.mark.gpu
+@needs_gpus(1)
+@pytest.mark.parametrize("topk", [1, 4])
+def test_adaptive_steps_are_lossless_on_the_gpu(tiny_target: Path, tiny_head: Path, topk: int) -> None:
+    """fp32 on the GPU, the fused target step (chains, trees and batches of them) and CUDA IPC."""
+    engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="float32", max_context=256,
+                                        hidden_backend="cuda_ipc", fused_decode="pdl"),
+                           DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", dtype="float32",
+                                       max_context=256))
+    try:
+        check_lossless(engines, topk, 0.8)
+    finally:
+        engines.close()
 
 
 def test_adaptive_over_grpc_reports_its_choices(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
