@@ -121,12 +121,14 @@ def _nearest(table: dict[int, dict[int, float]], batch: int) -> dict[int, float]
 class CostModel:
     """Moving averages (ms) of this gateway's calls: draft calls by batch size, branching and
     steps; verify-only target calls by batch size and rows per sequence; the rest of a cycle
-    (host work, transport between the calls) by batch size."""
+    (host work, transport between the calls) by batch size, for cycles with a draft call and
+    for cycles without one (a cycle that drafts nothing makes one call)."""
 
     alpha: float = 0.25
     draft: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # topk -> batch -> steps -> ms
     verify: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> rows -> ms
-    rest: dict[int, float] = field(default_factory=dict)  # batch -> ms
+    rest: dict[int, float] = field(default_factory=dict)  # batch -> ms, cycles with a draft call
+    rest_alone: dict[int, float] = field(default_factory=dict)  # batch -> ms, cycles with the target's call alone
     version: int = 0  # prices computed under another version are stale: a new point, or every REPRICE records
     records: int = 0
 
@@ -150,9 +152,12 @@ class CostModel:
         if new_point or self.records % REPRICE == 0:
             self.version += 1
 
-    def record_rest(self, batch: int, ms: float) -> None:
-        self._count(batch not in self.rest)
-        self.rest[batch] = ms if batch not in self.rest else self.rest[batch] + self.alpha * (ms - self.rest[batch])
+    def record_rest(self, batch: int, ms: float, drafted: bool = True) -> None:
+        """What a cycle spent outside its calls; `drafted`: it made a draft call (two calls'
+        transport and the draft's bookkeeping), else the target's call alone."""
+        table = self.rest if drafted else self.rest_alone
+        self._count(batch not in table)
+        table[batch] = ms if batch not in table else table[batch] + self.alpha * (ms - table[batch])
 
     def cycle_ms(self, batch: int, shape: Shape) -> float | None:
         """A cycle of `shape` at `batch`; None until both calls have been measured once."""
@@ -162,7 +167,8 @@ class CostModel:
         verify = _nearest(self.verify, batch)
         if draft is None or verify is None:
             return None
-        rest = self.rest[min(self.rest, key=lambda b: (abs(b - batch), b))] if self.rest else 0.0
+        table = self.rest_alone if not shape.steps and self.rest_alone else self.rest
+        rest = table[min(table, key=lambda b: (abs(b - batch), b))] if table else 0.0
         # nothing drafted: no draft call (the extend is put off, gateway.phases)
         return (_line(draft, shape.steps) if shape.steps else 0.0) + _line(verify, shape.rows) + rest
 

@@ -123,6 +123,7 @@ async def draft_phase(sched: Scheduler) -> None:
         return
     shape = sched.draft_deadline.shape(ops)
     deadline = sched.draft_deadline.seconds(ops, shape)
+    sched.cycle_ms["other"] = 0.0  # a call made: until it is priced below, the cycle's rest is no cost of its shape
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(deadline):  # for clients that suspend; blocking ones time out themselves
@@ -137,6 +138,7 @@ async def draft_phase(sched: Scheduler) -> None:
     sched.draft_deadline.record(ops, shape, seconds)
     ms = seconds * 1e3
     if users and not sched.draft_deadline.is_long(ops) and any(s.shape.steps for s in users):  # what's priced
+        del sched.cycle_ms["other"]
         sched.cycle_ms["draft"] = ms
         sched.chooser.costs.record_draft(len(users), max(s.shape.family for s in users),
                                          max(s.shape.steps for s in users), ms)

@@ -280,8 +280,8 @@ class Scheduler:
         ms = (time.perf_counter() - t0) * 1e3
         if batch > len(newcomers):
             self.metrics.cycle_duration.record(ms)
-        if len(self.cycle_ms) == 2:  # the rest of a speculative cycle: host work, transport
-            self.chooser.costs.record_rest(batch, max(ms - sum(self.cycle_ms.values()), 0.0))
+        if set(self.cycle_ms) in ({"draft", "verify"}, {"verify"}):  # the rest of a cycle: host work, transport
+            self.chooser.costs.record_rest(batch, max(ms - sum(self.cycle_ms.values()), 0.0), "draft" in self.cycle_ms)
         self.cycles += 1
 
     def _admit(self) -> list[Sequence]:

@@ -86,6 +86,10 @@ def test_costs_take_measured_points_and_a_line_elsewhere() -> None:
     assert costs.cycle_ms(1, Shape.chain(6)) == pytest.approx(7.0 + 10.0)  # the draft's line, the verify's one point
     costs.record_rest(1, 1.0)
     assert costs.cycle_ms(2, Shape.chain(2)) == pytest.approx(14.0)  # the nearest batch size measured
+    assert costs.cycle_ms(1, Shape.chain(0)) == pytest.approx(10.0 + 1.0)  # no cycle without a draft call yet
+    costs.record_rest(1, 0.25, drafted=False)  # one call's transport, not two
+    assert costs.cycle_ms(1, Shape.chain(0)) == pytest.approx(10.0 + 0.25)
+    assert costs.cycle_ms(1, Shape.chain(2)) == pytest.approx(14.0)
     costs.record_draft(1, 1, 2, 100.0)  # a CUDA graph captured: not a cost
     assert costs.draft[1][1][2] == 3.0
     costs.record_draft(1, 1, 8, 100.0)  # a first call that captured
