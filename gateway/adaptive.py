@@ -14,7 +14,8 @@ target verifies one row a sequence. Now and then the batch drafts PROBE_EXTRA st
 plan (a probe), so that the depths the plan does not reach stay measured: at most every
 PROBE_EVERY-th cycle (twice as often while most of the batch is in its first EARLY_CYCLES), and
 only while the time probes lose against the best plan stays within PROBE_SHARE of the time
-(twice that at first). Where speculation costs several decodes (a small target on a GPU, a large
+(twice that at first): a probe is charged its expected loss, then, once its cycle ends, what it
+measurably lost. Where speculation costs several decodes (a small target on a GPU, a large
 batch) probes are then rare; where it is cheap they follow the cadence. Sampled requests keep a
 fixed shape: their tokens depend on the shape, and a seed must give the same tokens in every
 process."""
@@ -238,6 +239,16 @@ class _Planned:
     choices: list[Choice]
 
 
+@dataclass
+class _Probe:
+    """A probe in flight: settled with the cycle's measured time once it ends."""
+
+    seqs: list[Sequence]
+    generated: int  # tokens the sequences had generated before it
+    charged: float  # the loss charged to the credit ahead (expected)
+    rate: float  # the best plan's expected tokens a ms
+
+
 class StepChooser:
     """The gateway's costs and acceptance profiles, and each cycle's choice for the batch.
 
@@ -257,6 +268,7 @@ class StepChooser:
         self.probed_at = -1  # the cycle of the last probe
         self.probe_credit = 0.0  # ms that probes may still lose against the best plans
         self._planned: _Planned | None = None
+        self._probe: _Probe | None = None
         self._prices: dict[tuple[object, ...], tuple[int, list[tuple[Plan, float, list[tuple[Kind, tuple[int, int],
                                                                                       int]]]]]] = {}
 
@@ -326,8 +338,18 @@ class StepChooser:
             if loss <= self.probe_credit:
                 self.probe_credit -= loss
                 self.probed_at = self.cycles - 1
+                self._probe = _Probe(list(seqs), sum(len(s.generated) for s in seqs), loss, p.tokens / p.ms)
                 return [Choice(sh, t, probe_ms, "probe") for sh, t in zip(shapes, tokens, strict=True)]
         return p.choices
+
+    def settle(self, cycle_ms: float) -> None:
+        """The cycle just ended in `cycle_ms`: if it probed, what it really lost against the best
+        plan (its time against the best's for the tokens it emitted) replaces what it was
+        expected to lose, so that probes costlier than their estimate are made more rarely."""
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            tokens = sum(len(s.generated) for s in probe.seqs) - probe.generated
+            self.probe_credit += probe.charged - max(0.0, cycle_ms - tokens / probe.rate)
 
     def _plan(self, seqs: list[Sequence], batch: int, floor: Shape | None, key: tuple[object, ...]
               ) -> _Planned | None:

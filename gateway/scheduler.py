@@ -280,6 +280,7 @@ class Scheduler:
         ms = (time.perf_counter() - t0) * 1e3
         if batch > len(newcomers):
             self.metrics.cycle_duration.record(ms)
+        self.chooser.settle(ms)
         if set(self.cycle_ms) in ({"draft", "verify"}, {"verify"}):  # the rest of a cycle: host work, transport
             self.chooser.costs.record_rest(batch, max(ms - sum(self.cycle_ms.values()), 0.0), "draft" in self.cycle_ms)
         self.cycles += 1

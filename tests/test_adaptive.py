@@ -267,6 +267,31 @@ def test_extends_put_off_go_out_together(monkeypatch: pytest.MonkeyPatch) -> Non
     assert all(n >= 32 for call in calls for _, n in call if n == max(m for _, m in call))
 
 
+def test_probes_that_cost_more_than_estimated_are_made_more_rarely() -> None:
+    """A probe is charged its expected loss, then what its cycle measurably lost: probe cycles
+    that take five times their estimate leave probes within the share of the time all the same."""
+
+    def run(slowdown: float) -> tuple[int, float]:
+        chooser = priced(draft_step_ms=3.0, verify_row_ms=1.0, decode_ms=1.0)
+        s = taught(chooser, adaptive_request([1]), accepted=0)
+        probes, lost = 0, 0.0
+        for _ in range(2000):
+            (c,) = chooser.choose_batch([s], 1)
+            s.generated.append(9)  # nothing accepted: one token a cycle
+            ms = c.expected_ms * (slowdown if c.reason == "probe" else 1.0)
+            if c.reason == "probe":
+                probes, lost = probes + 1, lost + ms - chooser._planned.ms  # type: ignore[union-attr]
+            chooser.settle(ms)
+            s.stats.cycles += 1
+        return probes, lost
+
+    probes, lost = run(1.0)
+    slow_probes, slow_lost = run(5.0)
+    share = PROBE_SHARE * (2000 + EARLY_CYCLES) * 1.0  # the best plan: a 1 ms decode a token
+    assert probes > 0 and lost <= share
+    assert 0 < slow_probes < probes / 3 and slow_lost <= share + 5 * lost / probes  # at most one probe over
+
+
 def test_trees_are_candidates_for_a_tree_request() -> None:
     chooser = StepChooser(4)
     shapes = chooser.candidates(adaptive_request([1], topk=4))
