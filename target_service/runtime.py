@@ -65,7 +65,7 @@ class TargetRuntime:
             t0 = time.perf_counter()
             with self._on_device():
                 self.engine.warm_up()
-            log.info("fused step's kernels compiled and tuned in %.1f s", time.perf_counter() - t0)
+            log.info("fused step's kernels compiled in %.1f s", time.perf_counter() - t0)
         self.writer = None
         if tp.rank == 0:
             width = 3 * self.model.cfg.hidden_size
