@@ -140,8 +140,13 @@ def add_fused_decode_arg(p: argparse.ArgumentParser) -> None:
                         "fused Triton step, in process and in its service (target_service --fused-decode)")
 
 
+ADAPTIVE = -1  # services' key of the requests that leave num_steps unset (steps chosen per cycle)
+
+
 def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[int]], steps_list: list[int],
-             log_dir: Path, variant: str = "thread") -> dict[int, dict[str, Any]]:
+             log_dir: Path, variant: str = "thread", adaptive: bool = False) -> dict[int, dict[str, Any]]:
+    """Per num_steps (0: target-only; ADAPTIVE with `adaptive`: num_steps unset, the gateway
+    choosing each cycle, trees of --topk/--num-draft-tokens among its candidates) one row."""
     replay: list[str] = []
     if a.accept_rate is not None:
         ref_file = log_dir / "references.json"
@@ -166,14 +171,18 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
         try:
-            for steps in [0, *steps_list]:  # warm-up: every bucket the runs will use
-                client.generate(make_request(token_ids=prompts[0], max_new_tokens=a.max_new_tokens, ignore_eos=True,
-                                             num_steps=steps, speculation=steps > 0, **shape(a, steps)), timeout=600)
-            for steps in [0, *steps_list]:
-                gens = [client.generate(make_request(token_ids=p, max_new_tokens=a.max_new_tokens, ignore_eos=True,
-                                                     num_steps=steps, speculation=steps > 0, **shape(a, steps)),
-                                        timeout=600)
-                        for p in prompts]
+            runs = [0, *steps_list, *([ADAPTIVE] if adaptive else [])]
+
+            def request(p: list[int], steps: int) -> Any:
+                if steps == ADAPTIVE:
+                    return make_request(token_ids=p, max_new_tokens=a.max_new_tokens, ignore_eos=True, **shape(a, 1))
+                return make_request(token_ids=p, max_new_tokens=a.max_new_tokens, ignore_eos=True, num_steps=steps,
+                                    speculation=steps > 0, **shape(a, steps))
+
+            for steps in runs:  # warm-up: every bucket the runs will use
+                client.generate(request(prompts[0], steps), timeout=600)
+            for steps in runs:
+                gens = [client.generate(request(p, steps), timeout=600) for p in prompts]
                 same = round(sum(list(g.token_ids) == r[len(p) : len(p) + a.max_new_tokens]
                                  for g, r, p in zip(gens, refs, prompts, strict=True)) / len(gens), 3)
                 decode_s = sum(g.final.elapsed_ms - g.final.first_token_ms for g in gens) / 1e3
@@ -182,6 +191,11 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                 rows[steps] = per_cycle("services", steps, sum(len(g.token_ids) - 1 for g in gens), decode_s,
                                         cycles, sum(x.draft_compute_ms for x in s),
                                         sum(x.verify_compute_ms for x in s))
+                if steps == ADAPTIVE:
+                    rows[steps]["num_steps"] = "adaptive"
+                    rows[steps]["cycles_by_steps"] = [sum(col) for col in zip(*(
+                        list(x.num_steps_histogram) + [0] * (9 - len(x.num_steps_histogram)) for x in s),
+                        strict=True)]
                 rows[steps]["same_tokens_as_in_process_target_only"] = same
                 rows[steps].update(client_side(gens))
                 rows[steps]["draft_rpc_us"] = round(sum(x.draft_ms for x in s) * 1e3 / cycles, 1)

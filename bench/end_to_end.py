@@ -103,6 +103,8 @@ def main() -> None:
     p.add_argument("--forced-acceptance", default="", help="benchmark mode for heads without trained weights: each "
                    "verify accepts a number of drafts drawn from this per-depth profile ('shipped' or rates, "
                    "gateway.forced); every line says so")
+    p.add_argument("--adaptive", action="store_true", help="through the services also requests that leave num_steps "
+                   "unset: the gateway chooses each cycle's steps (trees of --topk/--num-draft-tokens among them)")
     cycle_overhead.add_variant_args(p)
     a = p.parse_args()
     if a.threads:
@@ -131,7 +133,7 @@ def main() -> None:
     for variant in a.variants.split(","):  # modes "services" (spin: the GPU default), "services_thread", ...
         with tempfile.TemporaryDirectory() as tmp:
             remote["services" if variant == "spin" else f"services_{variant}"] = cycle_overhead.services(
-                a, prompts, refs, steps_list, Path(tmp), variant)
+                a, prompts, refs, steps_list, Path(tmp), variant, a.adaptive)
     base = local[0]["decode_tokens_per_s"]
     common = {"bench": "end_to_end", "model": a.model, "head": Path(a.head).name, "dtype": a.dtype,
               "topk": a.topk, "num_draft_tokens": a.num_draft_tokens if a.topk > 1 else None,
@@ -143,11 +145,17 @@ def main() -> None:
             ratio = round(row["decode_tokens_per_s"] / base, 3)
             summary[f"{mode}_{'target_only' if steps == 0 else f'spec{steps}'}"] = ratio
             print(json.dumps({**common, **row, "mode": mode, "over_in_process_target_only": ratio}), flush=True)
+    for mode, rows in remote.items():  # steps chosen per cycle: through the services only
+        if cycle_overhead.ADAPTIVE in rows:
+            row = rows[cycle_overhead.ADAPTIVE]
+            ratio = summary[f"{mode}_adaptive"] = round(row["decode_tokens_per_s"] / base, 3)
+            print(json.dumps({**common, **row, "mode": mode, "over_in_process_target_only": ratio}), flush=True)
     if a.hf_prompts:
         for row in hf_generate(a, prompts[: a.hf_prompts], refs):
             summary[row["mode"]] = round(row["decode_tokens_per_s"] / base, 3)
             print(json.dumps({**common, **row, "over_in_process_target_only": summary[row["mode"]]}), flush=True)
-    best = max((k for k in summary if k.startswith("services_spec")), key=summary.__getitem__, default=None)
+    best = max((k for k in summary if k.startswith("services_spec") or k == "services_adaptive"),
+               key=summary.__getitem__, default=None)
     print(json.dumps({"bench": "end_to_end", "summary": "decode tokens/s over in-process target-only (graphs)",
                       **({"acceptance": forced.label} if forced is not None else {}),
                       "in_process_target_only_tokens_per_s": base, "ratios": summary, "best_services": best,
