@@ -24,6 +24,7 @@ from draft_service.tree import grow_trees, tree_result
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.ops import (
     MAX_EARLIER,
+    PUT_OFF_TOKENS,
     Code,
     DraftOp,
     DraftResult,
@@ -80,9 +81,12 @@ class DraftEngine:
     def __init__(self, head: Eagle3Head, max_sequences: int, max_context: int, max_steps: int,
                  cuda_graphs: bool = True, compile: bool = False, max_topk: int = 8) -> None:
         self.head, self.max_steps, self.max_context, self.max_topk = head, max_steps, max_context, max_topk
-        # room for padded extends, chains and trees past the context
-        self.runner = ModelRunner(head, max_sequences, max_context + 2 * max_steps + 2 + max_steps * max_topk,
-                                  cuda_graphs=cuda_graphs, compile=compile, padded_tokens=max_steps + 1)
+        # extends of up to max_steps + 1 tokens (a cycle's) or PUT_OFF_TOKENS (those put off, gateway.phases) run
+        # padded, from graphs on CUDA; room for them, chains and trees past the context
+        longest = max(max_steps + 1, PUT_OFF_TOKENS)
+        room = extend_bucket(longest) + max_steps + 1 + max_steps * max_topk
+        self.runner = ModelRunner(head, max_sequences, max_context + room, cuda_graphs=cuda_graphs, compile=compile,
+                                  padded_tokens=longest, row_bucket=extend_bucket)
         self.seqs: dict[int, DraftSequence] = {}
         self.reader: HiddenReader | None = None
         self.device = self.runner.device

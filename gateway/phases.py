@@ -16,6 +16,7 @@ from gateway.adaptive import Shape
 from gateway.sequence import Sequence
 from specsplit.ops import (
     MAX_EARLIER,
+    PUT_OFF_TOKENS,
     Code,
     DraftOp,
     DraftResult,
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("specsplit.gateway")
 MAX_DRAFT_FAILURES = 3  # consecutive per-sequence draft errors before the sequence goes on target-only
 NO_DRAFT = Shape.chain(0)  # a verify cycle that drafted nothing
-PUT_OFF_TOKENS = 32  # a cycle that drafts nothing puts the draft's extend off while fewer tokens wait
 
 
 class DraftDeadline:

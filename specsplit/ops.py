@@ -120,6 +120,7 @@ class TargetResult:
 
 
 MAX_EARLIER = 64  # feature references of extends put off (ExtendPropose.earlier), at most
+PUT_OFF_TOKENS = 32  # a sequence's extend is put off while fewer tokens wait; the draft runs extends this long padded
 
 
 @dataclass

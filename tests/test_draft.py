@@ -10,7 +10,7 @@ import torch
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
 from specsplit.checkpoints.eagle_head import load_head
-from specsplit.ops import MAX_EARLIER, Code, ExtendPropose, HiddenRef, Release
+from specsplit.ops import MAX_EARLIER, PUT_OFF_TOKENS, Code, ExtendPropose, HiddenRef, Release
 from specsplit.transport.handoff import open_writer
 
 SPECFORGE_KEYS = {
@@ -194,3 +194,32 @@ def test_a_shipped_embedding_is_replaced_by_the_targets(tiny_target: Path, tiny_
     rt = DraftRuntime(DraftConfig(head=str(head), target=str(tiny_target), max_context=64, max_sequences=1))
     target_embed = load_safetensors_dir(tiny_target)["model.embed_tokens.weight"]
     assert torch.equal(rt.head.embed_tokens.weight, target_embed)
+
+
+def test_extends_put_off_run_padded_as_they_run_eagerly(tiny_target: Path, tiny_head: Path) -> None:
+    """An extend of the tokens put off (up to PUT_OFF_TOKENS) runs padded to its extend bucket
+    (from a graph on CUDA), like a cycle's: the draft state and proposals equal the eager path's."""
+    runs = []
+    for padded in (False, True):
+        rt, writer = make_runtime(tiny_target, tiny_head)
+        runner = rt.engine.runner
+        runner.padded, padded_steps = padded, []
+        run_padded = runner._run_padded
+        runner._run_padded = lambda step, run=run_padded, seen=padded_steps: seen.append(step) or run(step)  # type: ignore[method-assign]
+        try:
+            g = torch.Generator().manual_seed(3)
+            feats = torch.randn(60, writer.descriptor.width, generator=g)
+            tokens = torch.randint(0, 512, (60,), generator=g).tolist()
+            out = []
+            for lo, hi, steps in [(0, 12, 0), (12, 12 + PUT_OFF_TOKENS, 0), (44, 45, 4), (45, 60, 3)]:
+                refs = [put(writer, feats[i : i + 1]) for i in range(lo, hi)]  # a reference a cycle
+                (r,) = rt.engine.execute([ExtendPropose(1, tokens[lo:hi], refs[-1], steps, position=lo,
+                                                        earlier=refs[:-1])])
+                assert r.code == Code.OK, r.message
+                out.append(r.draft_ids)
+            runs.append(out)
+            if padded:  # the extend of 32 tokens, and the one of 15 padded to 16 (the proposals grow on their own)
+                assert [max(len(r.tokens) for r in st.rows) for st in padded_steps] == [PUT_OFF_TOKENS, 15]
+        finally:
+            writer.close()
+    assert runs[0] == runs[1] and [len(x) for x in runs[0]] == [0, 0, 4, 3]

@@ -55,9 +55,11 @@ RowOutput = tuple[torch.Tensor, torch.Tensor | None]  # logits [T, V]; captured 
 
 class ModelRunner:
     def __init__(self, model: Model, slots: int, max_len: int, *, cuda_graphs: bool = True,
-                 compile: bool = False, fused: FusedLlama | None = None, padded_tokens: int = 0) -> None:
+                 compile: bool = False, fused: FusedLlama | None = None, padded_tokens: int = 0,
+                 row_bucket: Callable[[int], int] | None = None) -> None:
         """`slots` sequences of up to `max_len` KV entries each; rows of up to `padded_tokens`
-        tokens run padded on CUDA; `fused` (a FusedLlama) takes the steps whose padded rows fit it."""
+        tokens run padded on CUDA, to the longest row (or its `row_bucket`: fewer graphs); `fused`
+        (a FusedLlama) takes the steps whose padded rows fit it."""
         self.model = model
         self.device = next(model.parameters()).device
         self.cache: KVCache = model.new_cache(slots + 1, max_len)  # the extra slot takes padding rows
@@ -66,6 +68,7 @@ class ModelRunner:
         self.graphs = GraphCache(self.device, cuda_graphs)
         self.padded = self.device.type == "cuda"  # steps of short rows padded (tests turn it on on the CPU)
         self.padded_tokens = padded_tokens
+        self.row_bucket = row_bucket
         self.fused = fused
         self.compiled = compile
         self._padded_fn = compile_static(self._padded_forward) if compile else self._padded_forward
@@ -153,6 +156,8 @@ class ModelRunner:
         rows write the spare slot."""
         rows = step.rows
         b, t = self.batch_bucket(len(rows)), max(len(r.tokens) for r in rows)
+        if self.row_bucket is not None:
+            t = self.row_bucket(t)
         ctx = self.ctx_bucket(max(r.start for r in rows) + t)
         tree = any(r.parents for r in rows)
         pad = Row(self.pad_slot, 0, [])
