@@ -36,11 +36,12 @@ from specsplit.transport.serving import install_uvloop
 
 
 class InstantTarget:
-    """Accepts every draft and adds token 9. `suspend`: yield to the event loop once, as a client doing
-    I/O does (the in-process clients do not); `hang`: never answer (for timeout tests)."""
+    """Accepts every draft (none with `accept=False`) and adds token 9. `suspend`: yield to the event
+    loop once, as a client doing I/O does (the in-process clients do not); `hang`: never answer (for
+    timeout tests)."""
 
-    def __init__(self, suspend: bool = True) -> None:
-        self.generation, self.hang, self.suspend = 0, False, suspend
+    def __init__(self, suspend: bool = True, accept: bool = True) -> None:
+        self.generation, self.hang, self.suspend, self.accept = 0, False, suspend, accept
 
     async def step(self, ops: list[TargetOp], releases: list[int], timeout: float = 0.0
                    ) -> tuple[list[TargetResult], StepTiming]:
@@ -56,7 +57,7 @@ class InstantTarget:
             if isinstance(op, Recapture | Resume):  # features for a draft restarting at position 0
                 out.append(TargetResult(op.seq_id, tokens=[9, 9], hidden=HiddenRef(0, 2, self.generation)))
                 continue
-            tokens = [9] if isinstance(op, Prefill) else [*op.draft_ids, 9]
+            tokens = [9] if isinstance(op, Prefill) or not self.accept else [*op.draft_ids, 9]
             out.append(TargetResult(op.seq_id, tokens=tokens, num_accepted=len(tokens) - 1,
                                     hidden=HiddenRef(0, len(tokens), self.generation)))
         return out, StepTiming()
@@ -77,13 +78,14 @@ class InstantDraft:
                 for op in ops if isinstance(op, ExtendPropose)], StepTiming()
 
 
-async def measure(batch: int, cycles: int, num_steps: int, noop_spans: bool = False, adaptive: bool = False) -> dict:
-    s = Scheduler(InstantTarget(), InstantDraft(), max_sequences=batch,
+async def measure(batch: int, cycles: int, num_steps: int, noop_spans: bool = False, adaptive: bool = False,
+                  accept: bool = True) -> dict:
+    s = Scheduler(InstantTarget(accept=accept), InstantDraft(), max_sequences=batch,
                   limits=Limits(max_queue=batch, stream_buffer=1 << 30))  # events are read, never `taken`
     s.spans.enabled = noop_spans  # True: build every cycle's span and trace context with the no-op tracer
     s.draft_restored()
     s.start()
-    tokens = cycles * (num_steps + 1)
+    tokens = cycles * (num_steps + 1 if accept else 1)
     req = GenerationRequest([1, 2, 3], tokens, Sampling(), set(), num_steps, adaptive=adaptive)
     seqs = [s.submit(req) for _ in range(batch)]
     cpu0, wall0, cycles0 = time.thread_time(), time.perf_counter(), s.cycles
@@ -93,7 +95,7 @@ async def measure(batch: int, cycles: int, num_steps: int, noop_spans: bool = Fa
     cpu, wall, n = time.thread_time() - cpu0, time.perf_counter() - wall0, s.cycles - cycles0
     await s.stop()
     return {"bench": "scheduler_cpu", "batch": batch, "num_steps": "adaptive" if adaptive else num_steps,
-            "noop_spans": noop_spans, "cycles": n,
+            "accept": "all" if accept else "none", "noop_spans": noop_spans, "cycles": n,
             "cpu_us_per_cycle": round(cpu / n * 1e6, 1), "wall_us_per_cycle": round(wall / n * 1e6, 1),
             "cpu_us_per_sequence_cycle": round(cpu / n / batch * 1e6, 1)}
 
@@ -108,11 +110,14 @@ def main() -> None:
                    "as the loop did before it skipped them without an exporter")
     p.add_argument("--adaptive", default="off", help="off,on: also (on) with the shape chosen per cycle "
                    "(gateway.adaptive)")
+    p.add_argument("--accept", default="all", choices=["all", "none"], help="the stub target accepts every draft, "
+                   "or none (then adaptive cycles draft nothing but probes)")
     a = p.parse_args()
     install_uvloop()
     for b, spans, adaptive in ((int(x), s == "on", m == "on") for x in a.batch.split(",")
                                for s in a.noop_spans.split(",") for m in a.adaptive.split(",")):
-        rows = [asyncio.run(measure(b, a.cycles, a.num_steps, spans, adaptive)) for _ in range(a.rounds)]
+        rows = [asyncio.run(measure(b, a.cycles, a.num_steps, spans, adaptive, a.accept == "all"))
+                for _ in range(a.rounds)]
         best = min(rows, key=lambda r: r["cpu_us_per_cycle"])
         best.update({"rounds": a.rounds, "all_cpu_us_per_cycle": [r["cpu_us_per_cycle"] for r in rows],
                      "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),

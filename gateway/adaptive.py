@@ -38,7 +38,7 @@ SHARED_DECAY = 0.999  # per observation: the gateway's profile follows the traff
 REQUEST_WEIGHT = 3.0  # pseudo-observations of the gateway's profile behind a request's own
 REQUEST_DECAY = 0.9  # per observation: a request's profile follows its text (code, then prose)
 OUTLIER = 4.0  # a call this many times slower than its shape's estimate is not a cost
-REPRICE = 32  # records (three a cycle) between two pricings of the candidates, unless a shape is new
+REPRICE = 96  # records (three a cycle) between two pricings of the candidates, unless a shape is new
 REPLAN = 4  # cycles between two plans made for new acceptance observations alone
 
 
@@ -226,8 +226,8 @@ def _cost_shape(shapes: list[Shape]) -> Shape:
 
 @dataclass
 class _Planned:
-    """The best plan for one batch, kept until its batch, the costs or (after a few cycles) the
-    acceptance profiles change."""
+    """The best plan for one batch, kept until its batch changes or (after a few cycles) the costs
+    or the acceptance profiles do."""
 
     key: tuple[object, ...]  # (batch, floor, sequence ids)
     version: int  # of the costs
@@ -237,6 +237,7 @@ class _Planned:
     ms: float
     tokens: float  # expected, the whole batch
     choices: list[Choice]
+    probe: tuple[list[Choice], float] | None = None  # the probe's choices and its expected loss, once priced
 
 
 @dataclass
@@ -256,7 +257,7 @@ class StepChooser:
     target pads every row to the longest, and every sequence waits for both. So one plan is
     chosen for all adaptive sequences of a cycle, the one with the most expected tokens of the
     whole batch per millisecond of the batch's cycle, and probes are made by the whole batch at
-    once. The plan is made again when the batch or the costs change, and after new acceptance
+    once. The plan is made again when the batch changes, and after new costs or acceptance
     observations every REPLAN cycles (len(batch) // 4 for large batches: the work grows with it)."""
 
     def __init__(self, max_steps: int) -> None:
@@ -319,8 +320,8 @@ class StepChooser:
         self.cycles += 1
         key = (batch, floor, tuple(s.seq_id for s in seqs))
         p = self._planned
-        if (p is None or p.key != key or p.version != self.costs.version
-                or (p.observations != self.observations and self.cycles - p.at >= max(REPLAN, len(seqs) // 4))):
+        if p is None or p.key != key or ((p.version != self.costs.version or p.observations != self.observations)
+                                         and self.cycles - p.at >= max(REPLAN, len(seqs) // 4)):
             p = self._plan(seqs, batch, floor, key)
             if p is None:
                 return [Choice(sh, self.expected_tokens(s, sh), math.nan, "measuring")
@@ -330,16 +331,19 @@ class StepChooser:
         self.probe_credit += PROBE_SHARE * (2 if early else 1) * p.ms
         every = PROBE_EVERY // 2 if early else PROBE_EVERY
         if self.cycles - 1 - self.probed_at >= every and p.plan.depth < self.max_steps:
-            probe = Plan(min(self.max_steps, p.plan.depth + PROBE_EXTRA), p.plan.trees)
-            shapes = [probe.shape(s.req) for s in seqs]
-            probe_ms = self.costs.cycle_ms(batch, _cost_shape(shapes + ([floor] if floor else []))) or p.ms
-            tokens = [self.expected_tokens(s, sh) for s, sh in zip(seqs, shapes, strict=True)]
-            loss = max(0.0, probe_ms - sum(tokens) * p.ms / p.tokens)  # beyond the best's time for as many tokens
+            if p.probe is None:
+                probe = Plan(min(self.max_steps, p.plan.depth + PROBE_EXTRA), p.plan.trees)
+                shapes = [probe.shape(s.req) for s in seqs]
+                probe_ms = self.costs.cycle_ms(batch, _cost_shape(shapes + ([floor] if floor else []))) or p.ms
+                tokens = [self.expected_tokens(s, sh) for s, sh in zip(seqs, shapes, strict=True)]
+                p.probe = ([Choice(sh, t, probe_ms, "probe") for sh, t in zip(shapes, tokens, strict=True)],
+                           max(0.0, probe_ms - sum(tokens) * p.ms / p.tokens))  # beyond the best's time for as many
+            choices, loss = p.probe
             if loss <= self.probe_credit:
                 self.probe_credit -= loss
                 self.probed_at = self.cycles - 1
                 self._probe = _Probe(list(seqs), sum(len(s.generated) for s in seqs), loss, p.tokens / p.ms)
-                return [Choice(sh, t, probe_ms, "probe") for sh, t in zip(shapes, tokens, strict=True)]
+                return choices
         return p.choices
 
     def settle(self, cycle_ms: float) -> None:
