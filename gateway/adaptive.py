@@ -23,8 +23,10 @@ process."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from gateway.costs import CostModel, DepthAcceptance, Shape
 
 if TYPE_CHECKING:
     from gateway.sequence import GenerationRequest, Sequence
@@ -37,141 +39,7 @@ PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # every request's acceptance before anythin
 SHARED_DECAY = 0.999  # per observation: the gateway's profile follows the traffic slowly
 REQUEST_WEIGHT = 3.0  # pseudo-observations of the gateway's profile behind a request's own
 REQUEST_DECAY = 0.9  # per observation: a request's profile follows its text (code, then prose)
-OUTLIER = 4.0  # a call this many times slower than its shape's estimate is not a cost
-REPRICE = 96  # records (three a cycle) between two pricings of the candidates, unless a shape is new
-REPLAN = 4  # cycles between two plans made for new acceptance observations alone
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What one cycle drafts: `steps` deep, branching `topk` (1: a chain), `tokens` verified
-    counting the root (SGLang's num_draft_tokens; a chain: steps + 1)."""
-
-    steps: int
-    topk: int = 1
-    tokens: int = 0
-
-    @classmethod
-    def chain(cls, steps: int) -> Shape:
-        return cls(steps, 1, steps + 1 if steps else 0)
-
-    @classmethod
-    def tree(cls, steps: int, topk: int, most_tokens: int) -> Shape:
-        """A tree `steps` deep of at most `most_tokens`, cut to what `steps` levels can hold."""
-        return cls(steps, topk, min(most_tokens, 1 + topk + (steps - 1) * topk * topk))
-
-    @classmethod
-    def of(cls, req: GenerationRequest) -> Shape:
-        """The request's own (fixed) shape."""
-        if req.topk > 1 and req.num_steps:
-            return cls(req.num_steps, req.topk, req.num_draft_tokens)
-        return cls.chain(req.num_steps)
-
-    @property
-    def rows(self) -> int:
-        """Rows the target verifies for one sequence."""
-        return self.tokens if self.steps else 1
-
-    @property
-    def family(self) -> int:
-        return self.topk if self.steps else 1
-
-
-class DepthAcceptance:
-    """How often draft depth i is accepted given depths 1..i-1 were, from decayed counts."""
-
-    def __init__(self, depth: int, decay: float) -> None:
-        # counts are kept in units of `scale` (1 / decay per observation) so that an observation
-        # touches only the depths it reached; scaled back to 1 before they grow large
-        self.trials, self.accepts, self.decay, self.scale = [0.0] * (depth + 1), [0.0] * (depth + 1), decay, 1.0
-
-    def observe(self, steps: int, accepted: int) -> None:
-        self.scale /= self.decay
-        if self.scale > 1e6:
-            self.trials = [t / self.scale for t in self.trials]
-            self.accepts = [a / self.scale for a in self.accepts]
-            self.scale = 1.0
-        for i in range(1, min(accepted + 1, steps, len(self.trials) - 1) + 1):
-            self.trials[i] += self.scale
-            if i <= accepted:
-                self.accepts[i] += self.scale
-
-    def rate(self, i: int, prior: float, weight: float) -> float:
-        return (self.accepts[i] + weight * prior * self.scale) / (self.trials[i] + weight * self.scale)
-
-
-def _line(points: dict[int, float], x: int) -> float:
-    """The measured value at x, else a least-squares line through the points (never falling)."""
-    if x in points:
-        return points[x]
-    xs = list(points)
-    if len(xs) == 1:
-        return points[xs[0]]
-    mx, my = sum(xs) / len(xs), sum(points.values()) / len(xs)
-    slope = max(sum((a - mx) * (points[a] - my) for a in xs) / sum((a - mx) ** 2 for a in xs), 0.0)
-    return max(my + slope * (x - mx), 0.0)
-
-
-def _nearest(table: dict[int, dict[int, float]], batch: int) -> dict[int, float] | None:
-    if not table:
-        return None
-    return table[min(table, key=lambda b: (abs(b - batch), b))]
-
-
-@dataclass
-class CostModel:
-    """Moving averages (ms) of this gateway's calls: draft calls by batch size, branching and
-    steps; verify-only target calls by batch size and rows per sequence; the rest of a cycle
-    (host work, transport between the calls) by batch size, for cycles with a draft call and
-    for cycles without one (a cycle that drafts nothing makes one call)."""
-
-    alpha: float = 0.25
-    draft: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # topk -> batch -> steps -> ms
-    verify: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> rows -> ms
-    rest: dict[int, float] = field(default_factory=dict)  # batch -> ms, cycles with a draft call
-    rest_alone: dict[int, float] = field(default_factory=dict)  # batch -> ms, cycles with the target's call alone
-    version: int = 0  # prices computed under another version are stale: a new point, or every REPRICE records
-    records: int = 0
-
-    def _avg(self, points: dict[int, float], x: int, ms: float) -> None:
-        """Into the moving average at x. A call far slower than that average (a CUDA graph
-        captured, a pause) is left out; one far faster replaces it (the first was such a call)."""
-        self._count(x not in points)
-        if x not in points or ms * OUTLIER < points[x]:
-            points[x] = ms
-        elif ms <= OUTLIER * points[x]:
-            points[x] += self.alpha * (ms - points[x])
-
-    def record_draft(self, batch: int, topk: int, steps: int, ms: float) -> None:
-        self._avg(self.draft.setdefault(topk, {}).setdefault(batch, {}), steps, ms)
-
-    def record_verify(self, batch: int, rows: int, ms: float) -> None:
-        self._avg(self.verify.setdefault(batch, {}), rows, ms)
-
-    def _count(self, new_point: bool) -> None:
-        self.records += 1
-        if new_point or self.records % REPRICE == 0:
-            self.version += 1
-
-    def record_rest(self, batch: int, ms: float, drafted: bool = True) -> None:
-        """What a cycle spent outside its calls; `drafted`: it made a draft call (two calls'
-        transport and the draft's bookkeeping), else the target's call alone."""
-        table = self.rest if drafted else self.rest_alone
-        self._count(batch not in table)
-        table[batch] = ms if batch not in table else table[batch] + self.alpha * (ms - table[batch])
-
-    def cycle_ms(self, batch: int, shape: Shape) -> float | None:
-        """A cycle of `shape` at `batch`; None until both calls have been measured once."""
-        # a branching not measured yet is priced as the chains (or any measured one)
-        family = self.draft.get(shape.family) or self.draft.get(1) or next(iter(self.draft.values()), {})
-        draft = _nearest(family, batch)
-        verify = _nearest(self.verify, batch)
-        if draft is None or verify is None:
-            return None
-        table = self.rest_alone if not shape.steps and self.rest_alone else self.rest
-        rest = table[min(table, key=lambda b: (abs(b - batch), b))] if table else 0.0
-        # nothing drafted: no draft call (the extend is put off, gateway.phases)
-        return (_line(draft, shape.steps) if shape.steps else 0.0) + _line(verify, shape.rows) + rest
+REPLAN = 4  # cycles between two plans made for new costs or acceptance observations alone
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from gateway.adaptive import Shape
+from gateway.costs import Shape
 from gateway.sequence import Sequence
 from specsplit.ops import (
     MAX_EARLIER,

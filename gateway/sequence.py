@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
-from gateway.adaptive import DepthAcceptance, Shape
+from gateway.costs import DepthAcceptance, Shape
 from specsplit.ops import HiddenRef, Sampling, SparseDist
 
 

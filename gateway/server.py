@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 
-from gateway.adaptive import Shape
 from gateway.config import GatewayConfig
+from gateway.costs import Shape
 from gateway.detok import IncrementalDetokenizer
 from gateway.requests import ModelLimits, parse
 from gateway.scheduler import Finished, Scheduler, Sequence

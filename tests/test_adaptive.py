@@ -12,18 +12,9 @@ import pytest
 from bench.replay import ReplayDraft, Replayer
 from bench.scheduler_cpu import InstantDraft, InstantTarget
 from draft_service.config import DraftConfig
-from gateway.adaptive import (
-    EARLY_CYCLES,
-    PROBE_EVERY,
-    PROBE_SHARE,
-    REPLAN,
-    Choice,
-    CostModel,
-    DepthAcceptance,
-    Shape,
-    StepChooser,
-)
+from gateway.adaptive import EARLY_CYCLES, PROBE_EVERY, PROBE_SHARE, REPLAN, Choice, StepChooser
 from gateway.clients import LocalDraft
+from gateway.costs import CostModel, DepthAcceptance, Shape
 from gateway.local import LocalEngines
 from gateway.phases import DraftDeadline
 from gateway.scheduler import Finished, Limits, Scheduler
