@@ -83,15 +83,6 @@ def _kind(req: GenerationRequest) -> Kind:
     return req.topk, req.num_draft_tokens, req.min_steps
 
 
-def _cost_shape(shapes: list[Shape]) -> Shape:
-    """What a batched cycle of these shapes costs like: its deepest draft, widest branching and
-    most rows (the draft runs every sequence to the deepest step, the verify pads rows to the most)."""
-    steps = max(sh.steps for sh in shapes)
-    if not steps:
-        return Shape.chain(0)
-    return Shape(steps, max(sh.family for sh in shapes), max(sh.rows for sh in shapes))
-
-
 @dataclass
 class _Planned:
     """The best plan for one batch, kept until its batch changes or (after a few cycles) the costs
@@ -202,7 +193,7 @@ class StepChooser:
             if p.probe is None:
                 probe = Plan(min(self.max_steps, p.plan.depth + PROBE_EXTRA), p.plan.trees)
                 shapes = [probe.shape(s.req) for s in seqs]
-                probe_ms = self.costs.cycle_ms(batch, _cost_shape(shapes + ([floor] if floor else []))) or p.ms
+                probe_ms = self.costs.cycle_ms(batch, Shape.covering(shapes + ([floor] if floor else []))) or p.ms
                 tokens = [self.expected_tokens(s, sh) for s, sh in zip(seqs, shapes, strict=True)]
                 p.probe = ([Choice(sh, t, probe_ms, "probe") for sh, t in zip(shapes, tokens, strict=True)],
                            max(0.0, probe_ms - sum(tokens) * p.ms / p.tokens))  # beyond the best's time for as many
@@ -267,7 +258,7 @@ class StepChooser:
         out = []
         for plan in self.plans(list(kinds.values())):
             shapes = {kind: plan.shape(req) for kind, req in kinds.items()}
-            ms = self.costs.cycle_ms(batch, _cost_shape([*shapes.values(), *([floor] if floor else [])]))
+            ms = self.costs.cycle_ms(batch, Shape.covering([*shapes.values(), *([floor] if floor else [])]))
             if ms is None:
                 return None
             out.append((plan, max(ms, 1e-6), [(kind, self._key(kinds[kind], sh), sh.steps)

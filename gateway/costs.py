@@ -39,6 +39,15 @@ class Shape:
             return cls(req.num_steps, req.topk, req.num_draft_tokens)
         return cls.chain(req.num_steps)
 
+    @classmethod
+    def covering(cls, shapes: list[Shape]) -> Shape:
+        """What a batched cycle of these shapes costs like: its deepest draft, widest branching and
+        most rows (the draft runs every sequence to the deepest step, the verify pads rows to the most)."""
+        steps = max(sh.steps for sh in shapes)
+        if not steps:
+            return cls.chain(0)
+        return cls(steps, max(sh.family for sh in shapes), max(sh.rows for sh in shapes))
+
     @property
     def rows(self) -> int:
         """Rows the target verifies for one sequence."""

@@ -96,8 +96,7 @@ async def draft_phase(sched: Scheduler) -> None:
     adaptive = [s for s in candidates if s.req.adaptive]
     if adaptive:
         fixed = [s.shape for s in candidates if not s.req.adaptive and s.shape.steps]
-        floor = Shape(max(sh.steps for sh in fixed), max(sh.family for sh in fixed),
-                      max(sh.rows for sh in fixed)) if fixed else None
+        floor = Shape.covering(fixed) if fixed else None
         for s, choice in zip(adaptive, sched.chooser.choose_batch(adaptive, len(candidates), floor), strict=True):
             s.shape = choice.shape
             if s.cycle_span.is_recording():
