@@ -56,6 +56,31 @@ def test_merged_keeps_other_gpus_and_sorts() -> None:
     assert list(out) == sorted(out)
 
 
+def test_multi_row_plans_are_candidates_pinned_per_rows_bucket() -> None:
+    for gpu, shapes in blocks.mm_table().items():
+        for key, entry in shapes.items():
+            kernel, dims, bucket = key.split(" ")
+            n, k = (int(x) for x in dims.split("x"))
+            plan = blocks.Plan.of(k, *entry)
+            assert kernel in blocks.MM_KERNELS and bucket in ("m16", "m32", "m64"), (gpu, key)
+            assert plan in blocks.mm_candidates(k) and plan.pinned() == list(entry), (gpu, key, entry)
+            assert blocks.mm_lookup(kernel, n, k, int(bucket[1:]), gpu, 132) == plan
+            # fp32 steps take the rule: the table's tiles are measured in 2-byte dtypes
+            assert blocks.mm_lookup(kernel, n, k, int(bucket[1:]), gpu, 132, pinned=False) == blocks.mm_rule(n, k, 132)
+    assert blocks.mm_lookup("norm_mm", 960, 576, 16, "a GPU no table knows", 132) == blocks.mm_rule(960, 576, 132)
+    with pytest.raises(ValueError, match="unknown multi-row kernel"):
+        blocks.mm_lookup("norm_gemv", 960, 576, 16, "NVIDIA H200", 132)
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (49152, 576), (6144, 4096), (4096, 14336)])
+def test_a_plan_covers_k_in_whole_steps(n: int, k: int) -> None:
+    for plan in [*blocks.mm_candidates(k), blocks.mm_rule(n, k, 132)]:
+        assert plan.chunk % plan.block_k == 0 and plan.splits * plan.chunk >= k > (plan.splits - 1) * plan.chunk
+        assert plan.split == (plan.splits > 1)
+    assert blocks.mm_rule(960, 576, 132).splits * 30 >= 132  # narrow projections split K to fill the GPU
+    assert blocks.Plan.of(576, 16, 256, 576) == blocks.Plan(16, 256, 1, 768)  # one chunk: all of K
+
+
 def decode_prompts(out: str) -> None:
     """Target-only greedy decoding in this process: SmolLM2's shape with random bf16 weights, the
     fused step with PDL, 8 prompts × 256 tokens one at a time; the tokens written to `out`."""

@@ -22,7 +22,10 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
 @needs_gpus(1)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_projections_match_torch_and_rows_keep_their_bits(dtype: torch.dtype, shape: str) -> None:
+@pytest.mark.parametrize("plans", ["pinned", "split", "whole"])
+def test_projections_match_torch_and_rows_keep_their_bits(dtype: torch.dtype, shape: str, plans: str) -> None:
+    """The pinned plans (kernels.blocks), the rule's split-K plans, and one program a tile over all of K."""
+    from specsplit.models.kernels import blocks
     from specsplit.models.kernels import projections as proj
 
     n, k = SHAPES[shape]
@@ -35,13 +38,17 @@ def test_projections_match_torch_and_rows_keep_their_bits(dtype: torch.dtype, sh
     norm_in, norm_next = rand(k, scale=0.1, shift=1.0), rand(n, scale=0.1, shift=1.0)
     xs, residual = rand(64, k), rand(64, n)
     ws = proj.Workspace(DEV)
-    assert ws.plan(n, k).split  # these shapes split K
+    if plans == "split":
+        assert blocks.mm_rule(n, k, ws.sms).split  # these shapes split K
+        ws.plan = lambda kernel, n, k, rows, dtype: blocks.mm_rule(n, k, ws.sms)  # type: ignore[method-assign]
+    elif plans == "whole":
+        ws.plan = lambda kernel, n, k, rows, dtype: blocks.Plan.of(k, 16, 64, k)  # type: ignore[method-assign]
     tol = 1e-3 if dtype == torch.float32 else 3e-2
     first: dict[str, torch.Tensor] = {}
     for m in ROWS:
         x = xs[:m]
         xn = (_rms(x.float()).to(dtype) * norm_in).float()
-        normed = proj.prenorm(x, norm_in)
+        _, normed = proj.embed_prenorm(torch.arange(m, device=DEV), x, norm_in)
         h, after = proj.mm_residual(x, w, residual[:m], ws=ws, next_norm=norm_next)
         assert after is not None
         got = {"norm_mm": proj.norm_mm(normed, w, 1e-5, ws=ws),

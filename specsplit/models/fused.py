@@ -108,11 +108,10 @@ class FusedLlama:
         m, cfg, pdl, k, ws = self.model, self.model.cfg, self.pdl, self.proj, self.ws
         eps = cfg.rms_norm_eps
         cos, sin = m.rotary.cos, m.rotary.sin
-        h = m.embed_tokens(tokens)  # [B*T, H]
         # every residual add also scales its output for the next RMS norm (kernels.projections.Normed)
         norms = [w for layer in m.layers for w in (layer.input_layernorm.weight,
                                                    layer.post_attention_layernorm.weight)] + [m.norm.weight]
-        x = k.prenorm(h, norms[0])
+        h, x = k.embed_prenorm(tokens, m.embed_tokens.weight, norms[0])  # [B*T, H]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp

@@ -1,26 +1,27 @@
 """Triton kernels of the fused multi-row step's projections (specsplit.models.fused: the rows of a
 verify's chain or tree, or of a batch of sequences):
 
-  prenorm        X·nw and the partial Σ x² of each row, for the first layer's input
+  embed_prenorm  H = E[tokens], and H·nw with the partial Σ h² of each row for the first layer's norm
   norm_mm        Y = rms_norm(X) · Wᵀ          q|k|v, and the final norm + lm_head
   gate_up_silu   A = silu(rms_norm(X)·Gᵀ) * (rms_norm(X)·Uᵀ)
   mm_residual    H' = H + A · Wᵀ               the o and down projections with the residual add; it also
                                                leaves H'·nw and the partial Σ h'² for the next norm
 
 A weight is read once for all T rows: a program multiplies its tile of W [BLOCK_N, BLOCK_K] by the
-rows padded to 16 (32, 64) on the tensor cores, its loads pipelined by the compiler. A projection
-as narrow as SmolLM2's (576) has few tiles of columns, so K is split too (split-K, `plan`):
-program (tile, s) covers columns tile·BLOCK_N.. over the K chunk s, writes its fp32 partial
-product to a workspace and counts itself in the tile's counter; the tile's last program sums the
-S partials in the order s = 0..S-1 (whoever arrives last: the result does not depend on timing),
-applies the epilogue and resets the counter. The plan depends on (N, K) and the GPU's
-multiprocessor count only, never on timing: a given GPU model computes the same bits in every
-process, and rows ≤ 16 the same bits whatever T.
+rows padded to 16 (32, 64) on the tensor cores, its first tile loaded before the wait for the
+previous kernel (with PDL), the rest pipelined by the compiler. A projection as narrow as
+SmolLM2's (576) has few tiles of columns, so K may be split too (split-K): program (tile, s)
+covers columns tile·BLOCK_N.. over the K chunk s, writes its fp32 partial product to a workspace
+and counts itself in the tile's counter; the tile's last program sums the S partials in the order
+s = 0..S-1 (whoever arrives last: the result does not depend on timing), applies the epilogue
+and resets the counter. The plan (tile, K step, chunk, warps) is pinned per GPU model, matrix
+and rows bucket (kernels.blocks, `mm_plans.json`), never chosen by timing: a given GPU model
+computes the same bits in every process, and rows ≤ 16 the same bits whatever T.
 
 The RMS norm is split around the GEMM: rms_norm(x)·w = rstd · Σ W[n,k] (x[k]·nw[k]). The kernel
-that writes x (the residual add before, or prenorm) also writes x·nw rounded to the activations'
-dtype (`Normed.scaled`, the GEMM's operand) and Σ x² over its tile of columns; the projection adds
-those up in tile order for rstd. The GEMM's loop then only streams operands, as a plain GEMM does
+that writes x (the residual add before, or embed_prenorm) also writes x·nw rounded to the
+activations' dtype (`Normed.scaled`, the GEMM's operand) and Σ x² over its tile of columns; the
+projection adds those up for rstd. The GEMM's loop then only streams operands, as a plain GEMM does
 (folding the norm into the loop costs 2.8x at 8B's q|k|v). fp32 models multiply in IEEE fp32 (no
 TF32), so they agree with the unfused model to fp32 rounding.
 """
@@ -34,35 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
+from specsplit.models.kernels import blocks
+from specsplit.models.kernels.blocks import Plan
 from specsplit.models.kernels.decode import _launch, _wait
 
 MAX_TILES = 4096  # column tiles of one split projection (the counters of a workspace)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How one projection [N, K] runs: column tiles of block_n, K in `splits` chunks of chunk
-    columns (a multiple of block_k)."""
-    block_n: int
-    block_k: int
-    splits: int
-    chunk: int
-    warps: int = 4
-
-    @property
-    def split(self) -> bool:
-        return self.splits > 1
-
-
-def plan(n: int, k: int, sms: int) -> Plan:
-    """The rule: 32 columns a tile (64 past 16384), 128 columns of K a step (64 below K = 1024),
-    and K split until there are about two programs per multiprocessor."""
-    block_n = 32 if n <= 16384 else 64
-    block_k = 128 if k >= 1024 else 64
-    tiles = triton.cdiv(n, block_n)
-    splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(2 * sms, tiles)))
-    chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    return Plan(block_n, block_k, triton.cdiv(k, chunk), chunk)
 
 
 class Workspace:
@@ -75,12 +52,14 @@ class Workspace:
         self.sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                     if self.device.type == "cuda" else 132)
         self.counters = torch.zeros(MAX_TILES, dtype=torch.int32, device=self.device)
-        self._plans: dict[tuple[int, int], Plan] = {}
+        self.gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "interpreter"
+        self._plans: dict[tuple[str, int, int, int, bool], Plan] = {}
 
-    def plan(self, n: int, k: int) -> Plan:
-        key = (n, k)
+    def plan(self, kernel: str, n: int, k: int, rows: int, dtype: torch.dtype) -> Plan:
+        """The pinned plan of a projection [N, K] for `rows` rows (kernels.blocks)."""
+        key = (kernel, n, k, block_m(rows), dtype.itemsize <= 2)
         if key not in self._plans:
-            self._plans[key] = plan(n, k, self.sms)
+            self._plans[key] = blocks.mm_lookup(kernel, n, k, key[3], self.gpu, self.sms, key[4])
         return self._plans[key]
 
     def partials(self, p: Plan, n: int, per_program: int) -> torch.Tensor:
@@ -110,44 +89,58 @@ def block_m(rows: int) -> int:
 
 
 @triton.jit
-def _chunk_dot(x_ptr, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, acc, DOT: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """acc += X[:, k0:k_end] · W[:, k0:k_end]ᵀ. Operands come straight from memory, so the compiler
-    pipelines their loads (num_stages tiles in flight)."""
-    for i in range(0, CHUNK, BLOCK_K):
+def _w_tile(w_rows, n_ok, cols, k_end):
+    return tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & (cols < k_end)[None, :], other=0.0,
+                   eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
+
+
+@triton.jit
+def _x_tile(x_ptr, m, m_ok, cols, k_end, stride_xm):
+    return tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & (cols < k_end)[None, :],
+                   other=0.0)  # [BLOCK_M, BLOCK_K]
+
+
+@triton.jit
+def _chunk_dot(x_ptr, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, USE_PDL: tl.constexpr, DOT: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """X[:, k0:k_end] · W[:, k0:k_end]ᵀ [BLOCK_M, BLOCK_N] fp32. The first weight tile depends on
+    nothing computed: it is loaded before waiting for the previous kernel; the compiler pipelines
+    the loads of the rest (num_stages tiles in flight)."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    w = _w_tile(w_rows, n_ok, cols, k_end)
+    _wait(USE_PDL)
+    acc = tl.dot(_x_tile(x_ptr, m, m_ok, cols, k_end, stride_xm), tl.trans(w),
+                 tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), input_precision=DOT)
+    for i in range(BLOCK_K, CHUNK, BLOCK_K):
         cols = k0 + i + tl.arange(0, BLOCK_K)
-        c_ok = cols < k_end
-        w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
-        x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                    other=0.0)  # [BLOCK_M, BLOCK_K]
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT)
+        acc = tl.dot(_x_tile(x_ptr, m, m_ok, cols, k_end, stride_xm), tl.trans(_w_tile(w_rows, n_ok, cols, k_end)),
+                     acc, input_precision=DOT)
     return acc
 
 
 @triton.jit
-def _arrive(counter_ptr, SPLITS):
+def _arrive(counter_ptr, SPLITS: tl.constexpr):
     """Count this program in its tile; True for the tile's last one (its partials all written)."""
     tl.debug_barrier()  # every thread of the program has stored its part
     return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
 
 
 @triton.jit
-def _gather(p_ptr, at, SPLITS, stride_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Σ over s = 0..SPLITS-1 of the partials [BLOCK_M, BLOCK_N] at p_ptr + s·stride_split + at, in order."""
+def _gather(p_ptr, at, SPLITS: tl.constexpr, stride_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Σ over s = 0..SPLITS-1 of the partials [BLOCK_M, BLOCK_N] at p_ptr + s·stride_split + at, in
+    order (unrolled: the loads go out together)."""
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for s in range(SPLITS):
+    for s in tl.static_range(SPLITS):
         total += tl.load(p_ptr + s * stride_split + at, cache_modifier=".cg")
     return total
 
 
 @triton.jit
-def _rstd(q_ptr, TILES, m, K, eps, BLOCK_M: tl.constexpr):
-    """1 / rms of each row from its partial Σ x² [TILES, BLOCK_M], summed in tile order."""
-    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for t in range(TILES):
-        sq += tl.load(q_ptr + t * BLOCK_M + m)
-    return tl.rsqrt(sq / K + eps)
+def _rstd(q_ptr, TILES, m, K, eps, BLOCK_M: tl.constexpr, TILES_P2: tl.constexpr):
+    """1 / rms of each row from its partial Σ x² [TILES, BLOCK_M], in one load."""
+    t = tl.arange(0, TILES_P2)
+    sq = tl.load(q_ptr + t[:, None] * BLOCK_M + m[None, :], mask=(t < TILES)[:, None], other=0.0)
+    return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
 
 
 @triton.jit
@@ -160,20 +153,25 @@ def _put_normed(y, m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, BLOCK_M: tl
 
 
 @triton.jit
-def _prenorm(x_ptr, nw_ptr, xn_ptr, q_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _embed_prenorm(tok_ptr, e_ptr, h_ptr, nw_ptr, xn_ptr, q_ptr, M, N, stride_e, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """The step's embeddings H = E[tokens], and H·nw with its partial Σ h² for the first norm."""
     tile = tl.program_id(0)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
-    x = tl.load(x_ptr + m[:, None] * N + n[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+    tok = tl.load(tok_ptr + m, mask=m_ok, other=0)
+    ok = m_ok[:, None] & n_ok[None, :]
+    x = tl.load(e_ptr + tok[:, None].to(tl.int64) * stride_e + n[None, :], mask=ok, other=0.0)
+    tl.store(h_ptr + m[:, None] * N + n[None, :], x, mask=ok)
     _put_normed(x.to(tl.float32), m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, BLOCK_M)
 
 
 @triton.jit
 def _norm_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
-             CHUNK, SPLITS, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             CHUNK, SPLITS: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES_P2: tl.constexpr):
     """Y = rstd · (X·nw) · Wᵀ, with X·nw and the partial Σ x² as _put_normed leaves them."""
     tile, s = tl.program_id(0), tl.program_id(1)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -181,11 +179,8 @@ def _norm_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
     k0 = s * CHUNK
-    w_rows = w_ptr + n[:, None] * stride_wn
-    _wait(USE_PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _chunk_dot(x_ptr, w_rows, n_ok, m, m_ok, k0, tl.minimum(K, k0 + CHUNK), CHUNK, stride_xm, acc, DOT,
-                     BLOCK_K)
+    acc = _chunk_dot(x_ptr, w_ptr + n[:, None] * stride_wn, n_ok, m, m_ok, k0, tl.minimum(K, k0 + CHUNK), CHUNK,
+                     stride_xm, USE_PDL, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
     last = True
     if SPLIT:
         at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -196,15 +191,15 @@ def _norm_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_
             acc = _gather(part, at, SPLITS, BLOCK_M * BLOCK_N, BLOCK_M, BLOCK_N)
             tl.store(c_ptr + tile, 0)
     if last:
-        y = acc * _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M)[:, None]
+        y = acc * _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)[:, None]
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :],
                  y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, eps,
-                     CHUNK, SPLITS, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     CHUNK, SPLITS: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES_P2: tl.constexpr):
     """w [2N, K]: gate rows, then up rows; a program's gate and up tiles stream in the same pass."""
     tile, s = tl.program_id(0), tl.program_id(1)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -215,19 +210,19 @@ def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K,
     k_end = tl.minimum(K, k0 + CHUNK)
     g_rows = w_ptr + n[:, None] * stride_wn
     u_rows = w_ptr + (n + N)[:, None] * stride_wn
+    cols = k0 + tl.arange(0, BLOCK_K)
+    wg = _w_tile(g_rows, n_ok, cols, k_end)  # before the wait, as _chunk_dot
+    wu = _w_tile(u_rows, n_ok, cols, k_end)
     _wait(USE_PDL)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i in range(0, CHUNK, BLOCK_K):
+    x = _x_tile(x_ptr, m, m_ok, cols, k_end, stride_xm)
+    zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_g = tl.dot(x, tl.trans(wg), zero, input_precision=DOT)
+    acc_u = tl.dot(x, tl.trans(wu), zero, input_precision=DOT)
+    for i in range(BLOCK_K, CHUNK, BLOCK_K):
         cols = k0 + i + tl.arange(0, BLOCK_K)
-        c_ok = cols < k_end
-        w_ok = n_ok[:, None] & c_ok[None, :]
-        wg = tl.load(g_rows + cols[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
-        wu = tl.load(u_rows + cols[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                    other=0.0)  # [BLOCK_M, BLOCK_K]
-        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=DOT)
-        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=DOT)
+        x = _x_tile(x_ptr, m, m_ok, cols, k_end, stride_xm)
+        acc_g = tl.dot(x, tl.trans(_w_tile(g_rows, n_ok, cols, k_end)), acc_g, input_precision=DOT)
+        acc_u = tl.dot(x, tl.trans(_w_tile(u_rows, n_ok, cols, k_end)), acc_u, input_precision=DOT)
     last = True
     if SPLIT:
         at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -241,7 +236,7 @@ def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K,
             acc_u = _gather(part + size, at, SPLITS, 2 * size, BLOCK_M, BLOCK_N)
             tl.store(c_ptr + tile, 0)
     if last:
-        rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M)[:, None]
+        rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)[:, None]
         dt = y_ptr.dtype.element_ty
         g = (acc_g * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
         u = (acc_u * rstd).to(dt).to(tl.float32)
@@ -251,7 +246,7 @@ def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K,
 
 @triton.jit
 def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, nw_ptr, xn_ptr, q_ptr, M, N, K, stride_xm, stride_wn,
-                 CHUNK, SPLITS, SPLIT: tl.constexpr, NEXT_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+                 CHUNK, SPLITS: tl.constexpr, SPLIT: tl.constexpr, NEXT_NORM: tl.constexpr, USE_PDL: tl.constexpr,
                  DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """H' = H + X · Wᵀ; with NEXT_NORM also H'·nw and its partial Σ h'² for the next projection."""
     tile, s = tl.program_id(0), tl.program_id(1)
@@ -260,11 +255,8 @@ def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, nw_ptr, xn_ptr, q_ptr
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
     k0 = s * CHUNK
-    w_rows = w_ptr + n[:, None] * stride_wn
-    _wait(USE_PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _chunk_dot(x_ptr, w_rows, n_ok, m, m_ok, k0, tl.minimum(K, k0 + CHUNK), CHUNK, stride_xm, acc, DOT,
-                     BLOCK_K)
+    acc = _chunk_dot(x_ptr, w_ptr + n[:, None] * stride_wn, n_ok, m, m_ok, k0, tl.minimum(K, k0 + CHUNK), CHUNK,
+                     stride_xm, USE_PDL, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
     last = True
     if SPLIT:
         at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -295,36 +287,40 @@ def _run(kernel: Any, p: Plan, n: int, x: torch.Tensor, pdl: bool, *args: Any, *
 class Normed:
     """Rows on their way into an RMS-normed projection: x·nw rounded to the activations' dtype
     [T, K], and each row's Σ x² in partial sums over column tiles [tiles, BLOCK_M] (fp32), added
-    up in tile order by the projection."""
+    up by the projection."""
     scaled: torch.Tensor
     squares: torch.Tensor
     tiles: int
 
 
-PRENORM_BLOCK = 64  # columns a program of prenorm
+PRENORM_BLOCK = 64  # columns a program of embed_prenorm
 
 
-def prenorm(x: torch.Tensor, norm_weight: torch.Tensor) -> Normed:
-    """x [T, K] -> Normed for a projection after rms_norm(·, norm_weight) (the first layer's input)."""
-    (m, k), bm = x.shape, block_m(x.shape[0])
+def embed_prenorm(tokens: torch.Tensor, embedding: torch.Tensor, norm_weight: torch.Tensor
+                  ) -> tuple[torch.Tensor, Normed]:
+    """tokens [T], embedding [V, K] -> (h = embedding[tokens] [T, K], the Normed of h for a
+    projection after rms_norm(·, norm_weight): the first layer's input)."""
+    (m,), k, bm = tokens.shape, embedding.shape[1], block_m(tokens.shape[0])
     tiles = triton.cdiv(k, PRENORM_BLOCK)
-    out = Normed(torch.empty_like(x), torch.empty(tiles * bm, dtype=torch.float32, device=x.device), tiles)
-    _prenorm[(tiles,)](x, norm_weight, out.scaled, out.squares, m, k, BLOCK_M=bm, BLOCK_N=PRENORM_BLOCK)
-    return out
+    h = torch.empty(m, k, device=embedding.device, dtype=embedding.dtype)
+    out = Normed(torch.empty_like(h), torch.empty(tiles * bm, dtype=torch.float32, device=h.device), tiles)
+    _embed_prenorm[(tiles,)](tokens, embedding, h, norm_weight, out.scaled, out.squares, m, k, embedding.stride(0),
+                             BLOCK_M=bm, BLOCK_N=PRENORM_BLOCK)
+    return h, out
 
 
 def norm_mm(x: Normed, weight: torch.Tensor, eps: float, pdl: bool = False, out_dtype: torch.dtype | None = None,
             ws: Workspace | None = None) -> torch.Tensor:
-    """rms_norm(x) · weightᵀ [T, N] for x from prenorm or mm_residual(next_norm=...), weight [N, K],
-    rounded to the activations' dtype and stored as out_dtype (default: theirs)."""
+    """rms_norm(x) · weightᵀ [T, N] for x from embed_prenorm or mm_residual(next_norm=...), weight
+    [N, K], rounded to the activations' dtype and stored as out_dtype (default: theirs)."""
     xs = x.scaled
     (m, k), n = xs.shape, weight.shape[0]
     ws = ws or workspace(xs.device)
-    p = ws.plan(n, k)
+    p = ws.plan("norm_mm", n, k, m, xs.dtype)
     y = torch.empty(m, n, device=xs.device, dtype=out_dtype or xs.dtype)
     parts = ws.partials(p, n, block_m(m) * p.block_n)
     _run(_norm_mm, p, n, xs, pdl, xs, x.squares, x.tiles, weight, y, parts, ws.counters, m, n, k, xs.stride(0),
-         weight.stride(0), y.stride(0), eps)
+         weight.stride(0), y.stride(0), eps, TILES_P2=triton.next_power_of_2(x.tiles))
     return y
 
 
@@ -334,11 +330,11 @@ def gate_up_silu(x: Normed, weight: torch.Tensor, eps: float, pdl: bool = False,
     xs = x.scaled
     (m, k), n = xs.shape, weight.shape[0] // 2
     ws = ws or workspace(xs.device)
-    p = ws.plan(n, k)
+    p = ws.plan("gate_up_silu_mm", n, k, m, xs.dtype)
     y = torch.empty(m, n, device=xs.device, dtype=xs.dtype)
     parts = ws.partials(p, n, 2 * block_m(m) * p.block_n)
     _run(_gate_up_silu_mm, p, n, xs, pdl, xs, x.squares, x.tiles, weight, y, parts, ws.counters, m, n, k,
-         xs.stride(0), weight.stride(0), eps)
+         xs.stride(0), weight.stride(0), eps, TILES_P2=triton.next_power_of_2(x.tiles))
     return y
 
 
@@ -349,7 +345,7 @@ def mm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, p
     next_norm [N] the Normed of h for the projection after rms_norm(h, next_norm))."""
     (m, k), n = x.shape, weight.shape[0]
     ws = ws or workspace(x.device)
-    p = ws.plan(n, k)
+    p = ws.plan("mm_residual", n, k, m, x.dtype)
     bm = block_m(m)
     y = torch.empty_like(residual)
     normed = None
@@ -362,5 +358,3 @@ def mm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, p
     _run(_mm_residual, p, n, x, pdl, x, weight, residual, y, parts, ws.counters, nw, xn, q, m, n, k, x.stride(0),
          weight.stride(0), NEXT_NORM=normed is not None)
     return y, normed
-
-

@@ -1,0 +1,119 @@
+"""Measure the plans of the multi-row projections (kernels.projections: the fused verify's and the
+batched decode's) on this GPU, and pin them (kernels/mm_plans.json, read by kernels.blocks):
+every projection of the multi-row step of each --shapes model, each rows bucket of --rows, every
+candidate of kernels.blocks.mm_candidates, µs per launch. A launch reads its weights from HBM as
+in a step (the graph cycles through copies of the matrix that together exceed the L2 cache).
+One JSON line per matrix and bucket: the fastest plan, and what the pinned table and the rule give.
+
+  python -m bench.tune_mm                          # SmolLM2-135M's matrices, 16 rows
+  python -m bench.tune_mm --rows 16,32,64 --write  # and pin the fastest for this GPU model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from collections.abc import Callable
+
+import torch
+
+from bench.spec_vs_baseline import git_commit
+from bench.tune_gemv import L2_BYTES, time_launch
+from specsplit.checkpoints.shapes import SHAPES
+from specsplit.models.config import LlamaConfig
+from specsplit.models.kernels import blocks
+from specsplit.models.kernels.blocks import Plan
+
+
+def matrices(cfg: LlamaConfig) -> list[tuple[str, int, int]]:
+    """(kernel, N, K) of every projection of the multi-row step at TP1 (gate_up_silu_mm's weight
+    holds 2N rows)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+    return [("norm_mm", qkv, h), ("mm_residual", h, cfg.num_heads * d), ("gate_up_silu_mm", cfg.intermediate_size, h),
+            ("mm_residual", h, cfg.intermediate_size), ("norm_mm", cfg.vocab_size, h)]
+
+
+def launcher(kernel: str, n: int, k: int, rows: int, dtype: torch.dtype, pdl: bool
+             ) -> Callable[[Plan], Callable[[], None]]:
+    """A function of the plan that returns one projection launch, cycling through weight copies."""
+    from specsplit.models.kernels import projections as proj  # Triton: on the GPU machine only
+
+    out_rows = 2 * n if kernel == "gate_up_silu_mm" else n
+    copies = max(2, -(-L2_BYTES // (out_rows * k * torch.finfo(dtype).bits // 8)))
+    weights = [torch.randn(out_rows, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    tiles = -(-k // 32)
+    normed = proj.Normed(x, torch.rand(tiles * proj.block_m(rows), device="cuda"), tiles)
+    residual, next_norm = torch.randn(rows, n, device="cuda", dtype=dtype), torch.ones(n, device="cuda", dtype=dtype)
+    ws = proj.Workspace("cuda")
+    turn = [0]
+
+    def make(plan: Plan) -> Callable[[], None]:
+        def run() -> None:
+            w = weights[turn[0] % copies]
+            turn[0] += 1
+            ws.plan = lambda *_: plan  # type: ignore[method-assign]
+            if kernel == "norm_mm":
+                proj.norm_mm(normed, w, 1e-5, pdl, torch.float32 if n > 16384 else None, ws)
+            elif kernel == "gate_up_silu_mm":
+                proj.gate_up_silu(normed, w, 1e-5, pdl, ws)
+            else:
+                proj.mm_residual(x, w, residual, pdl, ws, next_norm)
+
+        return run
+
+    return make
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="smollm2-135m", help=f"comma list of {sorted(SHAPES)}")
+    p.add_argument("--rows", default="16", help="comma list of row counts (each its bucket: 16, 32, 64)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--no-pdl", action="store_true", help="time without programmatic dependent launch")
+    p.add_argument("--launches", type=int, default=32, help="launches a graph")
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--write", action="store_true", help="pin the fastest plans for this GPU model")
+    a = p.parse_args()
+    dtype, gpu = getattr(torch, a.dtype), torch.cuda.get_device_name()
+    pdl = not a.no_pdl and torch.cuda.get_device_capability()[0] >= 9
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    seen: dict[str, tuple[int, ...]] = {}
+    for shape in a.shapes.split(","):
+        for rows in (int(r) for r in a.rows.split(",")):
+            bm = max(16, 1 << (rows - 1).bit_length())
+            for kernel, n, k in matrices(SHAPES[shape]):
+                name = blocks.mm_key(kernel, n, k, bm)
+                if name in seen:
+                    continue
+                make = launcher(kernel, n, k, rows, dtype, pdl)
+                pinned, rule = blocks.mm_lookup(kernel, n, k, bm, gpu, sms), blocks.mm_rule(n, k, sms)
+                times: dict[Plan, float] = {}
+                for plan in dict.fromkeys([*blocks.mm_candidates(k), pinned, rule]):
+                    try:
+                        times[plan] = time_launch(make(plan), a.launches, a.replays)
+                    except Exception as e:  # noqa: BLE001 - a tile too large for this GPU's shared memory
+                        print(json.dumps({"bench": "tune_mm", "matrix": name, "plan": plan.pinned(),
+                                          "skipped": str(e).splitlines()[0][:200]}), flush=True)
+                best = min(times, key=times.__getitem__)
+                seen[name] = tuple(best.pinned())
+                print(json.dumps({
+                    "bench": "tune_mm", "gpu": gpu, "shape": shape, "matrix": name, "rows": rows, "dtype": a.dtype,
+                    "pdl": pdl, "best": best.pinned(), "best_splits": best.splits, "best_us": round(times[best], 2),
+                    "pinned": pinned.pinned(), "pinned_us": round(times.get(pinned, float("nan")), 2),
+                    "rule": rule.pinned(), "rule_us": round(times.get(rule, float("nan")), 2),
+                    "all": {" ".join(map(str, q.pinned())): round(t, 2) for q, t in sorted(times.items(),
+                                                                                            key=lambda x: x[1])[:8]},
+                    "commit": git_commit(), "host": platform.node()}), flush=True)
+                torch.cuda.empty_cache()
+                if a.write:  # after each matrix: a long run interrupted keeps what it measured
+                    blocks.MM_FILE.write_text(blocks.merged(gpu, {name: seen[name]}, blocks.MM_FILE))
+                    blocks._read.cache_clear()
+    if a.write:
+        print(json.dumps({"bench": "tune_mm", "wrote": blocks.MM_FILE.name, "gpu": gpu, "matrices": len(seen)}))
+
+
+if __name__ == "__main__":
+    main()
