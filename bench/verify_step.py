@@ -95,8 +95,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--profile", action="store_true", help="also print each step's kernels by GPU time (stderr)")
     p.add_argument("--attention-blocks", default="",
-                   help="committed keys per iteration x warps of the fused verify's attention to try, e.g. "
-                        "64x4,128x8 (each a mode of its own; default: kernels.verify.ATTENTION_BLOCK only)")
+                   help="committed keys per iteration x warps x key ranges of the fused verify's attention to "
+                        "try, e.g. 64x4x4,128x8x1 (each a mode of its own; default: kernels.verify.ATTENTION_BLOCK "
+                        "only)")
     a = p.parse_args()
     model, _ = random_model(SHAPES[a.shape])
     ctx = a.start + 128
@@ -113,8 +114,8 @@ def main() -> None:
             if mode != "graphs" and b * t > verify_kernels.MAX_ROWS:
                 continue  # beyond the fused step: the runner takes the padded path
             if "@" in mode:
-                block, warps = mode.split("@")[1].split("x")
-                verify_kernels.ATTENTION_BLOCK = (int(block), int(warps))
+                block, warps, splits = mode.split("@")[1].split("x")
+                verify_kernels.ATTENTION_BLOCK = (int(block), int(warps), int(splits))
             us = time_step(model, mode.split("@")[0], b, t, a.start, a.branch, ctx, a.iters, a.profile)
             first = first or us
             single.setdefault(mode, us)

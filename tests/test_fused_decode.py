@@ -255,8 +255,11 @@ def test_batched_fused_steps_match_each_sequence_alone(dtype: torch.dtype) -> No
             assert (logits - want).abs().max().item() <= tol * scale
             assert (logits - one).abs().max().item() <= tol * scale
             assert (aux.float() - want_aux.float()).abs().max().item() <= tol * want_aux.float().abs().max().item()
-            agree = (logits.argmax(-1) == want.argmax(-1)).float().mean().item()
-            assert agree == 1.0 if dtype == torch.float32 else agree >= 0.8
+            # the same greedy token wherever the static path's lead over its runner-up exceeds the
+            # error bound (every row in fp32; in bf16 random weights leave near ties)
+            top2 = want.float().topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 2 * tol * scale if dtype != torch.float32 else top2[:, 0] == top2[:, 0]
+            assert torch.equal(logits.argmax(-1)[clear], want.argmax(-1)[clear])
         for row in rows:  # the rows' tokens join the committed entries
             lengths[row.slot] += len(row.tokens)
     if together.graphs.enabled:

@@ -117,7 +117,8 @@ class FusedLlama:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = k.norm_mm(x, attn.qkv_proj.weight, eps, pdl, ws=ws)  # [B*T, (Hq+2Hkv)*D]
             o = self.tree.tree_attention(qkv, cos, sin, positions, entries, slots, mask, cache.k[i], cache.v[i],
-                                         attn.shard.q_count, attn.shard.kv_count, pdl)  # [B*T, Hq*D]
+                                         attn.shard.q_count, attn.shard.kv_count, ws.counters, ws.sms,
+                                         pdl)  # [B*T, Hq*D]
             h, x = k.mm_residual(o, attn.o_proj.weight, h, pdl, ws, norms[2 * i + 1])  # [B*T, H]
             a = k.gate_up_silu(x, mlp.gate_up_proj.weight, eps, pdl, ws)  # [B*T, I]
             h, x = k.mm_residual(a, mlp.down_proj.weight, h, pdl, ws, norms[2 * i + 2])

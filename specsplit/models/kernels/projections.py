@@ -101,14 +101,12 @@ def _x_tile(x_ptr, m, m_ok, cols, k_end, stride_xm):
 
 
 @triton.jit
-def _chunk_dot(x_ptr, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, USE_PDL: tl.constexpr, DOT: tl.constexpr,
+def _chunk_dot(x_ptr, w, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, DOT: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """X[:, k0:k_end] · W[:, k0:k_end]ᵀ [BLOCK_M, BLOCK_N] fp32. The first weight tile depends on
-    nothing computed: it is loaded before waiting for the previous kernel; the compiler pipelines
-    the loads of the rest (num_stages tiles in flight)."""
+    """X[:, k0:k_end] · W[:, k0:k_end]ᵀ [BLOCK_M, BLOCK_N] fp32, w the first weight tile (loaded
+    before the kernel's wait: it depends on nothing computed); the compiler pipelines the loads
+    of the rest (num_stages tiles in flight)."""
     cols = k0 + tl.arange(0, BLOCK_K)
-    w = _w_tile(w_rows, n_ok, cols, k_end)
-    _wait(USE_PDL)
     acc = tl.dot(_x_tile(x_ptr, m, m_ok, cols, k_end, stride_xm), tl.trans(w),
                  tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), input_precision=DOT)
     for i in range(BLOCK_K, CHUNK, BLOCK_K):
@@ -179,8 +177,13 @@ def _norm_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
     k0 = s * CHUNK
-    acc = _chunk_dot(x_ptr, w_ptr + n[:, None] * stride_wn, n_ok, m, m_ok, k0, tl.minimum(K, k0 + CHUNK), CHUNK,
-                     stride_xm, USE_PDL, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+    k_end = tl.minimum(K, k0 + CHUNK)
+    w_rows = w_ptr + n[:, None] * stride_wn
+    w = _w_tile(w_rows, n_ok, k0 + tl.arange(0, BLOCK_K), k_end)
+    _wait(USE_PDL)
+    if not SPLIT:  # every program finishes its tile: the norm's loads go out with the operands'
+        rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)
+    acc = _chunk_dot(x_ptr, w, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
     last = True
     if SPLIT:
         at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -190,8 +193,9 @@ def _norm_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_
         if last:
             acc = _gather(part, at, SPLITS, BLOCK_M * BLOCK_N, BLOCK_M, BLOCK_N)
             tl.store(c_ptr + tile, 0)
+        rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)
     if last:
-        y = acc * _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)[:, None]
+        y = acc * rstd[:, None]
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :],
                  y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -214,6 +218,8 @@ def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K,
     wg = _w_tile(g_rows, n_ok, cols, k_end)  # before the wait, as _chunk_dot
     wu = _w_tile(u_rows, n_ok, cols, k_end)
     _wait(USE_PDL)
+    if not SPLIT:
+        rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)
     x = _x_tile(x_ptr, m, m_ok, cols, k_end, stride_xm)
     zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_g = tl.dot(x, tl.trans(wg), zero, input_precision=DOT)
@@ -235,11 +241,11 @@ def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K,
             acc_g = _gather(part, at, SPLITS, 2 * size, BLOCK_M, BLOCK_N)
             acc_u = _gather(part + size, at, SPLITS, 2 * size, BLOCK_M, BLOCK_N)
             tl.store(c_ptr + tile, 0)
+        rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)
     if last:
-        rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)[:, None]
         dt = y_ptr.dtype.element_ty
-        g = (acc_g * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
-        u = (acc_u * rstd).to(dt).to(tl.float32)
+        g = (acc_g * rstd[:, None]).to(dt).to(tl.float32)  # the GEMM's rounded outputs
+        u = (acc_u * rstd[:, None]).to(dt).to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(y_ptr + m[:, None] * N + n[None, :], (silu * u).to(dt), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -255,22 +261,28 @@ def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, nw_ptr, xn_ptr, q_ptr
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
     k0 = s * CHUNK
-    acc = _chunk_dot(x_ptr, w_ptr + n[:, None] * stride_wn, n_ok, m, m_ok, k0, tl.minimum(K, k0 + CHUNK), CHUNK,
-                     stride_xm, USE_PDL, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+    k_end = tl.minimum(K, k0 + CHUNK)
+    w_rows = w_ptr + n[:, None] * stride_wn
+    w = _w_tile(w_rows, n_ok, k0 + tl.arange(0, BLOCK_K), k_end)
+    _wait(USE_PDL)
+    at = m[:, None] * N + n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if not SPLIT:  # the residual's load goes out with the operands'
+        res = tl.load(r_ptr + at, mask=ok, other=0.0)
+    acc = _chunk_dot(x_ptr, w, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
     last = True
     if SPLIT:
-        at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        at_p = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         part = p_ptr + tile * SPLITS * BLOCK_M * BLOCK_N
-        tl.store(part + s * BLOCK_M * BLOCK_N + at, acc, cache_modifier=".cg")
+        tl.store(part + s * BLOCK_M * BLOCK_N + at_p, acc, cache_modifier=".cg")
         last = _arrive(c_ptr + tile, SPLITS)
         if last:
-            acc = _gather(part, at, SPLITS, BLOCK_M * BLOCK_N, BLOCK_M, BLOCK_N)
+            acc = _gather(part, at_p, SPLITS, BLOCK_M * BLOCK_N, BLOCK_M, BLOCK_N)
             tl.store(c_ptr + tile, 0)
+        res = tl.load(r_ptr + at, mask=ok, other=0.0)
     if last:
         dt = y_ptr.dtype.element_ty
-        at = m[:, None] * N + n[None, :]
-        ok = m_ok[:, None] & n_ok[None, :]
-        y = (acc.to(dt).to(tl.float32) + tl.load(r_ptr + at, mask=ok, other=0.0).to(tl.float32)).to(dt)
+        y = (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
         tl.store(y_ptr + at, y, mask=ok)
         if NEXT_NORM:
             _put_normed(y.to(tl.float32), m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, BLOCK_M)

@@ -2,8 +2,9 @@
 tokens each (decodes: T = 1; verifies: a chain or tree). For each sequence: rotary on q and k at
 each token's position, the T new k and v written to its slot's entries start..start+T-1, attention
 over the committed entries [0, start) and the new ones that its `mask` [T, T] allows (causal for a
-chain; ancestors and itself for a tree): one program per (query head, sequence). The step's
-projections are in specsplit.models.kernels.projections.
+chain; ancestors and itself for a tree): a few programs per (query head, sequence), each over a
+range of the committed entries (flash-decoding). The step's projections are in
+specsplit.models.kernels.projections.
 """
 
 from __future__ import annotations
@@ -39,86 +40,134 @@ def _softmax_rows(scores, vb, m_i, den, acc, DOT: tl.constexpr):
 
 @triton.jit
 def _tree_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, slot_ptr, mask_ptr, k_ptr, v_ptr,
-                    out_ptr, stride_slot, stride_pos, T, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale,
-                    USE_PDL: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
-    h, b = tl.program_id(0), tl.program_id(1)  # query head, sequence
+                    out_ptr, part_ptr, c_ptr, stride_slot, stride_pos, T, HQ: tl.constexpr, HKV: tl.constexpr,
+                    D: tl.constexpr, scale, SPLITS: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    h, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # query head, sequence, key range
     kvh = h // (HQ // HKV)
     qkv_ptr += b * T * stride_qkv  # this sequence's rows
-    out_ptr += b * T * HQ * D
-    pos_ptr += b * T
-    entry_ptr += b * T
-    slot_ptr += b
-    mask_ptr += b * T * T
     d = tl.arange(0, D)
     half: tl.constexpr = D // 2
     r = tl.arange(0, BLOCK_M)
     r_ok = r < T
     # inputs written before the graph ran (positions, entries, slot, mask, rotary tables, the
     # committed keys and values): read before waiting for the previous kernel
-    pos = tl.load(pos_ptr + r, mask=r_ok, other=0)  # [BLOCK_M] rotary positions
-    start = tl.load(entry_ptr)  # the tokens' KV entries are start..start+T-1
-    slot = tl.load(slot_ptr)
-    seen = tl.load(mask_ptr + r[:, None] * T + r[None, :], mask=r_ok[:, None] & r_ok[None, :], other=0) != 0
-    seen = seen | (r[:, None] == r[None, :])  # padding rows see themselves: no row is all -inf
+    pos = tl.load(pos_ptr + b * T + r, mask=r_ok, other=0)  # [BLOCK_M] rotary positions
+    start = tl.load(entry_ptr + b * T)  # the tokens' KV entries are start..start+T-1
+    slot = tl.load(slot_ptr + b)
     dt = qkv_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + pos[:, None] * D + d[None, :]).to(dt).to(tl.float32)  # [BLOCK_M, D]
     sin = tl.load(sin_ptr + pos[:, None] * D + d[None, :]).to(dt).to(tl.float32)
     k_base = k_ptr + slot * stride_slot + kvh * D
     v_base = v_ptr + slot * stride_slot + kvh * D
-    s = tl.arange(0, BLOCK_S)
-    ok = s < start
-    kb = tl.load(k_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_S, D]
-    vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
+    # this program's committed keys: [lo, hi), whole blocks, the SPLITS ranges in order
+    per = tl.cdiv(tl.cdiv(start, SPLITS), BLOCK_S) * BLOCK_S
+    lo = split * per
+    hi = tl.minimum(start, lo + per)
+    keys = lo + tl.arange(0, BLOCK_S)
+    ok = keys < hi
+    kb = tl.load(k_base + keys[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_S, D]
+    vb = tl.load(v_base + keys[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
     _wait(USE_PDL)
     q = _rotate_rows(qkv_ptr + h * D, stride_qkv, r, r_ok, d, half, D, cos, sin)  # [BLOCK_M, D]
-    k_new = _rotate_rows(qkv_ptr + (HQ + kvh) * D, stride_qkv, r, r_ok, d, half, D, cos, sin)
-    v_new = tl.load(qkv_ptr + r[:, None] * stride_qkv + (HQ + HKV + kvh) * D + d[None, :], mask=r_ok[:, None],
-                    other=0.0)
-    if h % (HQ // HKV) == 0:  # one query head of the group stores the new entries
-        at = (start + r)[:, None] * stride_pos + d[None, :]
-        tl.store(k_base + at, k_new.to(k_ptr.dtype.element_ty), mask=r_ok[:, None])
-        tl.store(v_base + at, v_new.to(v_ptr.dtype.element_ty), mask=r_ok[:, None])
-    # the new keys from registers (as the mask allows), then the committed entries block by block
-    scores = tl.where(seen, tl.dot(q, tl.trans(k_new), input_precision=DOT) * scale, float("-inf"))
-    m_i = tl.max(scores, axis=1)
-    p = tl.exp(scores - m_i[:, None])
-    den = tl.sum(p, axis=1)
-    acc = tl.dot(p.to(v_new.dtype), v_new, input_precision=DOT)  # [BLOCK_M, D] fp32
+    if split == 0:  # the new keys, from registers as the mask allows
+        seen = tl.load(mask_ptr + b * T * T + r[:, None] * T + r[None, :], mask=r_ok[:, None] & r_ok[None, :],
+                       other=0) != 0
+        seen = seen | (r[:, None] == r[None, :])  # padding rows see themselves: no row is all -inf
+        k_new = _rotate_rows(qkv_ptr + (HQ + kvh) * D, stride_qkv, r, r_ok, d, half, D, cos, sin)
+        v_new = tl.load(qkv_ptr + r[:, None] * stride_qkv + (HQ + HKV + kvh) * D + d[None, :], mask=r_ok[:, None],
+                        other=0.0)
+        if h % (HQ // HKV) == 0:  # one query head of the group stores the new entries
+            at = (start + r)[:, None] * stride_pos + d[None, :]
+            tl.store(k_base + at, k_new.to(k_ptr.dtype.element_ty), mask=r_ok[:, None])
+            tl.store(v_base + at, v_new.to(v_ptr.dtype.element_ty), mask=r_ok[:, None])
+        scores = tl.where(seen, tl.dot(q, tl.trans(k_new), input_precision=DOT) * scale, float("-inf"))
+        m_i = tl.max(scores, axis=1)
+        p = tl.exp(scores - m_i[:, None])
+        den = tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v_new.dtype), v_new, input_precision=DOT)  # [BLOCK_M, D] fp32
+    else:  # finite: a range without keys leaves exp(m - max) = 0, never NaN
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        den = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     scores = tl.where(ok[None, :], tl.dot(q, tl.trans(kb), input_precision=DOT) * scale, float("-inf"))
     m_i, den, acc = _softmax_rows(scores, vb, m_i, den, acc, DOT)
-    for s0 in range(BLOCK_S, start, BLOCK_S):
-        keys = s0 + tl.arange(0, BLOCK_S)
-        valid = keys < start
-        k_blk = tl.load(k_base + keys[:, None] * stride_pos + d[None, :], mask=valid[:, None], other=0.0)
-        v_blk = tl.load(v_base + keys[:, None] * stride_pos + d[None, :], mask=valid[:, None], other=0.0)
+    for s0 in range(lo + BLOCK_S, hi, BLOCK_S):
+        blk_keys = s0 + tl.arange(0, BLOCK_S)
+        valid = blk_keys < hi
+        k_blk = tl.load(k_base + blk_keys[:, None] * stride_pos + d[None, :], mask=valid[:, None], other=0.0)
+        v_blk = tl.load(v_base + blk_keys[:, None] * stride_pos + d[None, :], mask=valid[:, None], other=0.0)
         blk = tl.where(valid[None, :], tl.dot(q, tl.trans(k_blk), input_precision=DOT) * scale, float("-inf"))
         m_i, den, acc = _softmax_rows(blk, v_blk, m_i, den, acc, DOT)
-    out = acc / den[:, None]
-    tl.store(out_ptr + r[:, None] * (HQ * D) + h * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=r_ok[:, None])
+    out_at = out_ptr + (b * T + r)[:, None] * (HQ * D) + h * D + d[None, :]
+    if SPLITS == 1:
+        tl.store(out_at, (acc / den[:, None]).to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
+    else:  # hand over (m, den, acc); the last of the SPLITS programs combines them in range order
+        group = b * HQ + h
+        W: tl.constexpr = D + 2
+        mine = part_ptr + (group * SPLITS + split) * BLOCK_M * W + r * W
+        tl.store(mine[:, None] + d[None, :], acc, cache_modifier=".cg")
+        tl.store(mine + D, m_i, cache_modifier=".cg")
+        tl.store(mine + D + 1, den, cache_modifier=".cg")
+        tl.debug_barrier()
+        if tl.atomic_add(c_ptr + group, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            theirs = part_ptr + group * SPLITS * BLOCK_M * W + r * W
+            top = tl.full([BLOCK_M], -1.0e30, tl.float32)
+            for s in tl.static_range(SPLITS):
+                top = tl.maximum(top, tl.load(theirs + s * BLOCK_M * W + D, cache_modifier=".cg"))
+            total = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+            norm = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                at = theirs + s * BLOCK_M * W
+                w = tl.exp(tl.load(at + D, cache_modifier=".cg") - top)
+                total += tl.load(at[:, None] + d[None, :], cache_modifier=".cg") * w[:, None]
+                norm += tl.load(at + D + 1, cache_modifier=".cg") * w
+            tl.store(out_at, (total / norm[:, None]).to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
+            tl.store(c_ptr + group, 0)
 
 
-ATTENTION_BLOCK = (64, 4)  # committed keys per iteration, warps
+ATTENTION_BLOCK = (64, 4, 4)  # committed keys per iteration, warps, most key ranges a (query head, sequence)
+
+
+def key_ranges(batch: int, num_heads: int, sms: int) -> int:
+    """Key ranges a (query head, sequence): ATTENTION_BLOCK's while the grid stays within five
+    programs per multiprocessor, else one (a batch of many sequences fills the GPU by itself;
+    measured with bench.verify_step on the H200)."""
+    ranges = ATTENTION_BLOCK[2]
+    return ranges if batch * num_heads * ranges <= 5 * sms else 1
 
 
 def tree_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    entries: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, pdl: bool = False) -> torch.Tensor:
+                   v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, counters: torch.Tensor,
+                   sms: int, pdl: bool = False) -> torch.Tensor:
     """B sequences of T tokens: qkv [B*T, (Hq + 2 Hkv) * D] at rotary `positions` [B*T], written
     to KV entries `entries` [B, T] (each row consecutive: only its first is read) of `slots` [B];
     mask [B, T, T] (nonzero: token i sees new token j of its sequence); k_cache, v_cache
-    [slots, max_len, Hkv, D] of this layer. Every token sees its slot's committed entries
-    [0, entries[b, 0]) -> [B*T, Hq * D]."""
+    [slots, max_len, Hkv, D] of this layer; counters: B·Hq int32 zeros (left at zero); sms: the
+    GPU's multiprocessors. Every token sees its slot's committed entries [0, entries[b, 0])
+    -> [B*T, Hq * D].
+
+    The committed entries of each (query head, sequence) are split in `key_ranges` ranges, each a
+    program; the last program of the group to finish combines their partial softmaxes in range
+    order (the result does not depend on which finished last)."""
     (b, t), d = entries.shape, k_cache.shape[-1]
     if k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or cos.shape[-1] != d or not mask.is_contiguous():
         raise ValueError("tree_attention needs a contiguous [slots, max_len, kv_heads, head_dim] cache and mask")
     if qkv.shape[0] != b * t or mask.shape != (b, t, t) or not entries.is_contiguous():
         raise ValueError(f"tree_attention: {qkv.shape[0]} rows for entries {tuple(entries.shape)} and mask "
                          f"{tuple(mask.shape)}")
+    block, warps, _ = ATTENTION_BLOCK
+    splits = key_ranges(b, num_heads, sms)
+    if splits > 1 and counters.numel() < b * num_heads:
+        raise ValueError(f"tree_attention needs {b * num_heads} counters, got {counters.numel()}")
     out = torch.empty(b * t, num_heads * d, device=qkv.device, dtype=qkv.dtype)
-    block, warps = ATTENTION_BLOCK
-    _tree_attention[(num_heads, b)](qkv, qkv.stride(0), cos, sin, positions, entries, slots, mask, k_cache, v_cache,
-                                    out, k_cache.stride(0), k_cache.stride(1), t, HQ=num_heads, HKV=num_kv_heads, D=d,
-                                    scale=d ** -0.5, BLOCK_S=block, num_warps=warps, USE_PDL=pdl,
-                                    DOT=precision(qkv.dtype), BLOCK_M=block_m(t), **_launch(pdl))
+    bm = block_m(t)
+    parts = torch.empty(b * num_heads * splits * bm * (d + 2) if splits > 1 else 1, device=qkv.device,
+                        dtype=torch.float32)
+    _tree_attention[(num_heads, b, splits)](
+        qkv, qkv.stride(0), cos, sin, positions, entries, slots, mask, k_cache, v_cache, out, parts, counters,
+        k_cache.stride(0), k_cache.stride(1), t, HQ=num_heads, HKV=num_kv_heads, D=d, scale=d ** -0.5,
+        SPLITS=splits, BLOCK_S=block, num_warps=warps, USE_PDL=pdl, DOT=precision(qkv.dtype), BLOCK_M=bm,
+        **_launch(pdl))
     return out
