@@ -54,6 +54,8 @@ class DraftDeadline:
         self.cap_s, self.floor_s, self.factor, self.long_tokens = cap_s, floor_s, factor, long_tokens
         self.times: deque[float] = deque(maxlen=window)
         self.seen: set[tuple[int, ...]] = set()
+        self._p99: float | None = None  # of `times`, made again after every 8 records
+        self._records = 0
 
     def is_long(self, ops: list[DraftOp]) -> bool:
         return any(isinstance(op, ExtendPropose) and len(op.tokens) > self.long_tokens for op in ops)
@@ -64,9 +66,13 @@ class DraftDeadline:
         n = steps = topk = longest = last_start = last_end = 0
         for op in ops:
             if isinstance(op, ExtendPropose):
-                size = len(op.tokens)
-                n, steps, topk, longest = n + 1, max(steps, op.num_steps), max(topk, op.topk), max(longest, size)
-                last_start, last_end = max(last_start, op.position), max(last_end, op.position + size)
+                size, start = len(op.tokens), op.position
+                n += 1
+                steps = op.num_steps if op.num_steps > steps else steps
+                topk = op.topk if op.topk > topk else topk
+                longest = size if size > longest else longest
+                last_start = start if start > last_start else last_start
+                last_end = start + size if start + size > last_end else last_end
         if not n:
             return ()
         ctx = draft_cycle_entries(last_start, longest, last_end, steps, topk)
@@ -76,12 +82,17 @@ class DraftDeadline:
         """The deadline of a call of `shape` (DraftDeadline.shape(ops))."""
         if shape not in self.seen or len(self.times) < 8 or self.is_long(ops):
             return self.cap_s
-        p99 = sorted(self.times)[min(len(self.times) - 1, int(0.99 * len(self.times)))]
-        return min(self.cap_s, max(self.floor_s, self.factor * p99))
+        if self._p99 is None:
+            self._p99 = sorted(self.times)[min(len(self.times) - 1, int(0.99 * len(self.times)))]
+        return min(self.cap_s, max(self.floor_s, self.factor * self._p99))
 
-    def record(self, ops: list[DraftOp], shape: tuple[int, ...], seconds: float) -> None:
-        if shape in self.seen and not self.is_long(ops):
+    def record(self, ops: list[DraftOp], shape: tuple[int, ...], seconds: float, long: bool | None = None) -> None:
+        """A call's time; `long`: is_long(ops), where the caller knows it."""
+        if shape in self.seen and not (self.is_long(ops) if long is None else long):
             self.times.append(seconds)
+            self._records += 1
+            if self._records % 8 == 0:
+                self._p99 = None
         self.seen.add(shape)
 
 
@@ -120,7 +131,7 @@ async def draft_phase(sched: Scheduler) -> None:
         s.pending = None
     if not ops:
         return
-    shape = sched.draft_deadline.shape(ops)
+    shape, long = sched.draft_deadline.shape(ops), sched.draft_deadline.is_long(ops)
     deadline = sched.draft_deadline.seconds(ops, shape)
     sched.cycle_ms["other"] = 0.0  # a call made: until it is priced below, the cycle's rest is no cost of its shape
     t0 = time.perf_counter()
@@ -134,9 +145,9 @@ async def draft_phase(sched: Scheduler) -> None:
         sched.draft_failed(f"{type(e).__name__}: {e}")
         return
     seconds = time.perf_counter() - t0
-    sched.draft_deadline.record(ops, shape, seconds)
+    sched.draft_deadline.record(ops, shape, seconds, long)
     ms = seconds * 1e3
-    if users and not sched.draft_deadline.is_long(ops) and any(s.shape.steps for s in users):  # what's priced
+    if users and not long and any(s.shape.steps for s in users):  # what's priced
         del sched.cycle_ms["other"]
         sched.cycle_ms["draft"] = ms
         sched.chooser.costs.record_draft(len(users), max(s.shape.family for s in users),

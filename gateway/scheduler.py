@@ -288,8 +288,8 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         """Free slots to waiting requests, fairly; with none free, a slot of the client running
         the most is taken back for a client running at least two fewer (see _preempt)."""
-        newcomers = []
-        while True:  # cancel() takes waiting ones out itself
+        newcomers: list[Sequence] = []
+        while self.waiting:  # cancel() takes waiting ones out itself
             running = Counter(s.req.client for s in self.running)
             if len(self.running) >= self.max_sequences and not self._preempt(running):
                 break
