@@ -348,6 +348,11 @@ class Scheduler:
 
     # -- how sequences end
     def emit(self, s: Sequence, tokens: list[int]) -> None:
+        if len(s.generated) + len(tokens) < s.req.max_new_tokens and s.req.stop_ids.isdisjoint(tokens):
+            s.generated += tokens  # the usual cycle: no stop token, below the length
+            self.totals.output_tokens += len(tokens)
+            self._post(s, list(tokens))
+            return
         out: list[int] = []
         end: Finished | None = None
         for t in tokens:
