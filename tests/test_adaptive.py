@@ -320,6 +320,7 @@ def check_lossless(engines: LocalEngines, topk: int, rate: float | None) -> None
     assert engines.target.stats()["active_sequences"] == 0
 
 
+@pytest.mark.quick
 @pytest.mark.gpu
 @needs_gpus(1)
 @pytest.mark.parametrize("topk", [1, 4])

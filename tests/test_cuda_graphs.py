@@ -82,6 +82,7 @@ def test_model_graph_replay_is_bitwise_equal_to_eager(tiny_target: Path) -> None
     assert torch.equal(k_eager, k_graph)
 
 
+@pytest.mark.quick
 @needs_gpus(1)
 def test_engines_with_and_without_graphs_give_identical_tokens(tiny_target: Path, tiny_head: Path) -> None:
     results = {}
@@ -135,6 +136,7 @@ def test_trees_with_and_without_graphs_give_identical_tokens(tiny_target: Path, 
     assert any(parents for _, parents in results[True][2])
 
 
+@pytest.mark.quick
 @needs_gpus(1)
 def test_draft_proposals_with_and_without_graphs_are_identical(tiny_target: Path, tiny_head: Path) -> None:
     """The draft's proposals (not only the target's tokens) do not depend on graphs."""

@@ -101,6 +101,7 @@ def _cycle_reader(desc, device: str, ref_q, ack_q, q) -> None:  # noqa: ANN001
 
 
 # -- tests
+@pytest.mark.quick
 @needs_gpus(1)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_same_gpu_two_processes_bitwise(dtype: torch.dtype) -> None:

@@ -112,6 +112,7 @@ def _random_model(cfg: object, dtype: torch.dtype) -> LlamaModel:
     return model.to(dtype)
 
 
+@pytest.mark.quick
 @pytest.mark.gpu
 @needs_gpus(1)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -218,6 +219,7 @@ BATCHED_STEPS: list[list[int | list[int] | None]] = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.gpu
 @needs_gpus(1)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -285,6 +287,7 @@ def test_fused_step_refuses_more_rows_than_it_takes() -> None:
         fused.forward(tokens.view(t), batch, model.new_cache(2, 256))
 
 
+@pytest.mark.quick
 @pytest.mark.gpu
 @needs_gpus(1)
 def test_engine_serves_decode_and_verify_through_the_fused_step(tiny_target: Path, tiny_head: Path) -> None:
