@@ -348,21 +348,18 @@ class Scheduler:
 
     # -- how sequences end
     def emit(self, s: Sequence, tokens: list[int]) -> None:
-        if len(s.generated) + len(tokens) < s.req.max_new_tokens and s.req.stop_ids.isdisjoint(tokens):
-            s.generated += tokens  # the usual cycle: no stop token, below the length
-            self.totals.output_tokens += len(tokens)
-            self._post(s, list(tokens))
-            return
-        out: list[int] = []
+        out = list(tokens)  # the usual cycle: no stop token, below the length
         end: Finished | None = None
-        for t in tokens:
-            if t in s.req.stop_ids:
-                end = Finished("stop", t)
-                break
-            out.append(t)
-            if len(s.generated) + len(out) >= s.req.max_new_tokens:
-                end = Finished("length")
-                break
+        if len(s.generated) + len(tokens) >= s.req.max_new_tokens or not s.req.stop_ids.isdisjoint(tokens):
+            out = []
+            for t in tokens:
+                if t in s.req.stop_ids:
+                    end = Finished("stop", t)
+                    break
+                out.append(t)
+                if len(s.generated) + len(out) >= s.req.max_new_tokens:
+                    end = Finished("length")
+                    break
         s.generated += out
         self.totals.output_tokens += len(out)
         if out:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from specsplit.checkpoints.tiny import tiny_config
 from specsplit.models.batch import Batch
 from specsplit.models.config import LlamaConfig
 from specsplit.models.llama import LlamaModel, random_llama_weights
-from specsplit.models.parallel import TensorParallel, shard_heads
+from specsplit.models.parallel import TensorParallel, pack_for_cpu, shard_heads
 from specsplit.tokenizer import TextCodec
 
 
@@ -97,3 +98,30 @@ def test_smollm2_conversion_answers_sensibly(smollm2_dir: Path) -> None:
         logits, _ = m(torch.tensor(out[-1:]), Batch.sequence(torch.tensor(out[-1:]), n), cache)
         n += 1
     assert "Paris" in codec.decode(out)
+
+
+def test_cpu_fp32_projections_packed_for_onednn_match_and_keep_each_rows_bits() -> None:
+    """The runner packs an fp32 CPU model's projections once (models.parallel.pack_for_cpu): the
+    same logits as the unpacked model to fp32 rounding, a row's bits whatever the row count (the
+    property that keeps a verify's rows equal to decodes), and no packing for other dtypes or
+    after weights are loaded again."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    torch.manual_seed(0)
+    model = LlamaModel(dataclasses.replace(tiny_config(), num_layers=2), TensorParallel(), [0, 1])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    tokens = torch.randint(0, 512, (9,))
+    cache = model.new_cache(1, 64)
+    with torch.no_grad():
+        want = model(tokens, Batch.sequence(tokens, slot=0), cache)[0]
+        assert pack_for_cpu(model) == 4 * 2 + 1  # q|k|v, o, gate|up and down of each layer, the lm_head
+        got = model(tokens, Batch.sequence(tokens, slot=0), cache)[0]
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+        h = torch.randn(9, 64)
+        rows = [model.lm_head(h[:m])[0] for m in range(1, 10)]
+        assert all(torch.equal(rows[0], r) for r in rows)
+    model.lm_head.load_full(model.lm_head.weight.detach().clone())
+    assert model.lm_head.packed is None  # loaded again: back to the unpacked product
+    assert pack_for_cpu(model.to(torch.bfloat16)) == 0

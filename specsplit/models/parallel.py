@@ -3,6 +3,11 @@
 Weights are loaded whole and each rank keeps its slice. Attention is split by KV-head
 groups (unevenly when the group count does not divide, e.g. SmolLM2's 3 KV heads on 2
 ranks); with fewer KV heads than ranks, KV heads are replicated.
+
+On the CPU in fp32, `pack_for_cpu` also keeps each layer's weight in oneDNN's blocked layout,
+packed once (the runner does it): a product of a few rows (a verify's) then streams the weight
+about as a one-row product does, where MKL's small-M GEMM repacks it on every call, and a row
+computes the same bits whatever the number of rows.
 """
 
 from __future__ import annotations
@@ -64,16 +69,46 @@ def shard_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadSh
     return HeadShard(tp.rank * q_count, q_count, tp.rank * num_kv_heads // tp.world_size, 1)
 
 
+PACK_ROWS = 8  # the rows oneDNN's layout is chosen for (any count runs)
+
+
+def _linear(x: torch.Tensor, layer: nn.Linear | ParallelLMHead, bias: torch.Tensor | None = None) -> torch.Tensor:
+    packed = layer.packed
+    if packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, layer.weight, bias)
+
+
+def pack_for_cpu(model: nn.Module, pack: bool = True) -> int:
+    """Pack the weight of every parallel layer of an fp32 model on the CPU (see above), or with
+    `pack` False drop the packed copies (torch.compile traces the plain product); how many.
+    Weights loaded afterwards drop their packed copy."""
+    layers = [m for m in model.modules() if isinstance(m, MergedColumnParallelLinear | RowParallelLinear
+                                                                | ParallelLMHead)]
+    usable = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    if not pack or not usable or any(m.weight.device.type != "cpu" or m.weight.dtype != torch.float32
+                                     for m in layers):
+        for m in layers:
+            m.packed = None
+        return 0
+    with torch.no_grad():
+        for m in layers:
+            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_ROWS)
+    return len(layers)
+
+
 class MergedColumnParallelLinear(nn.Linear):
     """Several column-parallel projections of one input in one GEMM (q|k|v, gate|up):
     each rank stores its row slice of every part, stacked; `split` separates the outputs."""
 
     def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool = False) -> None:
         super().__init__(in_features, sum(end - start for start, end in parts), bias=bias)
+        self.packed: torch.Tensor | None = None  # pack_for_cpu
         self.parts = parts  # [(out_start, out_end)] of each part, in full-weight rows
         self.sizes = [end - start for start, end in parts]
 
     def load_parts(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> None:
+        self.packed = None
         self.weight.data.copy_(torch.cat([w[s:e] for w, (s, e) in zip(weights, self.parts, strict=True)]))
         if self.bias is not None:
             if biases is None or any(b is None for b in biases):
@@ -81,7 +116,7 @@ class MergedColumnParallelLinear(nn.Linear):
             self.bias.data.copy_(torch.cat([b[s:e] for b, (s, e) in zip(biases, self.parts, strict=True)]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self, self.bias)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.sizes, dim=-1)
@@ -92,13 +127,15 @@ class RowParallelLinear(nn.Linear):
 
     def __init__(self, in_start: int, in_end: int, out_features: int, tp: TensorParallel) -> None:
         super().__init__(in_end - in_start, out_features, bias=False)
+        self.packed: torch.Tensor | None = None  # pack_for_cpu
         self.in_start, self.in_end, self.tp = in_start, in_end, tp
 
     def load_full(self, weight: torch.Tensor) -> None:
+        self.packed = None
         self.weight.data.copy_(weight[:, self.in_start : self.in_end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(_linear(x, self))
 
 
 class ParallelLMHead(nn.Module):
@@ -110,12 +147,14 @@ class ParallelLMHead(nn.Module):
         self.shard = -(-vocab // tp.world_size)  # padded so all_gather gets equal parts
         self.start = tp.rank * self.shard
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden))
+        self.packed: torch.Tensor | None = None  # pack_for_cpu
 
     def load_full(self, weight: torch.Tensor) -> None:
         part = weight[self.start : self.start + self.shard]
+        self.packed = None
         self.weight.data.zero_()
         self.weight.data[: part.shape[0]].copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last(F.linear(x, self.weight))  # [tokens, padded vocab]
+        logits = self.tp.all_gather_last(_linear(x, self))  # [tokens, padded vocab]
         return logits[..., : self.vocab]

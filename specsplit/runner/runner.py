@@ -10,6 +10,9 @@ graphs, and the execution path of each step:
   (on CUDA; eagerly on the same shapes without graphs, with identical results);
 - eager: ragged, each row as long as it is (prompts, long rows, CPU serving).
 
+On the CPU in fp32 the runner packs the model's projection weights for oneDNN once
+(specsplit.models.parallel.pack_for_cpu), unless it compiles the model.
+
 Engines with computations of their own between model steps (the draft's tree growth) build
 them from `padded_forward` and capture them with `graphed`.
 """
@@ -28,6 +31,7 @@ from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.fused import FusedLlama
 from specsplit.models.layers import KVCache
 from specsplit.models.llama import LlamaModel
+from specsplit.models.parallel import pack_for_cpu
 from specsplit.runner.graphs import GraphCache, Outputs, bucket_up, compile_static, pow2_buckets
 
 Model = LlamaModel | Eagle3Head  # logits with captured features, or with pre-norm states
@@ -62,6 +66,7 @@ class ModelRunner:
         (a FusedLlama) takes the steps whose padded rows fit it."""
         self.model = model
         self.device = next(model.parameters()).device
+        pack_for_cpu(model, pack=not compile)  # (inductor lowers oneDNN's packed products only in frozen graphs)
         self.cache: KVCache = model.new_cache(slots + 1, max_len)  # the extra slot takes padding rows
         self.pad_slot = slots
         self._free = list(range(slots - 1, -1, -1))
