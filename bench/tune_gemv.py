@@ -88,17 +88,27 @@ def time_launch(run: Callable[[], None], launches: int, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / (launches * replays)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="smollm2-135m,llama-3.1-8b", help=f"comma list of {sorted(SHAPES)}")
+def tuner_args(doc: str | None, shapes: str, launches: int, replays: int) -> argparse.ArgumentParser:
+    """The flags bench.tune_gemv and bench.tune_mm share."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=shapes, help=f"comma list of {sorted(SHAPES)}")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-pdl", action="store_true", help="time without programmatic dependent launch")
-    p.add_argument("--launches", type=int, default=64, help="launches a graph")
-    p.add_argument("--replays", type=int, default=20)
-    p.add_argument("--write", action="store_true", help="pin the fastest blocks for this GPU model")
-    a = p.parse_args()
-    dtype, gpu = getattr(torch, a.dtype), torch.cuda.get_device_name()
+    p.add_argument("--launches", type=int, default=launches, help="launches a graph")
+    p.add_argument("--replays", type=int, default=replays)
+    p.add_argument("--write", action="store_true", help="pin the fastest for this GPU model")
+    return p
+
+
+def gpu_and_pdl(a: argparse.Namespace) -> tuple[torch.dtype, str, bool]:
+    """(dtype, GPU model name, whether launches use PDL) of a tuner's run."""
     pdl = not a.no_pdl and torch.cuda.get_device_capability()[0] >= 9
+    return getattr(torch, a.dtype), torch.cuda.get_device_name(), pdl
+
+
+def main() -> None:
+    a = tuner_args(__doc__, "smollm2-135m,llama-3.1-8b", 64, 20).parse_args()
+    dtype, gpu, pdl = gpu_and_pdl(a)
     seen: dict[str, blocks.Blocks] = {}
     for shape in a.shapes.split(","):
         for kernel, n, k in matrices(SHAPES[shape]):

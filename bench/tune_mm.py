@@ -11,7 +11,6 @@ One JSON line per matrix and bucket: the fastest plan, and what the pinned table
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 from collections.abc import Callable
@@ -19,20 +18,20 @@ from collections.abc import Callable
 import torch
 
 from bench.spec_vs_baseline import git_commit
-from bench.tune_gemv import L2_BYTES, time_launch
+from bench.tune_gemv import L2_BYTES, gpu_and_pdl, time_launch, tuner_args
+from bench.tune_gemv import matrices as gemv_matrices
 from specsplit.checkpoints.shapes import SHAPES
 from specsplit.models.config import LlamaConfig
 from specsplit.models.kernels import blocks
 from specsplit.models.kernels.blocks import Plan
 
+MM_KERNEL = {"norm_gemv": "norm_mm", "gate_up_silu": "gate_up_silu_mm", "gemv_residual": "mm_residual"}
+
 
 def matrices(cfg: LlamaConfig) -> list[tuple[str, int, int]]:
-    """(kernel, N, K) of every projection of the multi-row step at TP1 (gate_up_silu_mm's weight
-    holds 2N rows)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-    return [("norm_mm", qkv, h), ("mm_residual", h, cfg.num_heads * d), ("gate_up_silu_mm", cfg.intermediate_size, h),
-            ("mm_residual", h, cfg.intermediate_size), ("norm_mm", cfg.vocab_size, h)]
+    """(kernel, N, K) of every projection of the multi-row step at TP1: the decode's matrices
+    (bench.tune_gemv.matrices) under their multi-row kernels."""
+    return [(MM_KERNEL[kernel], n, k) for kernel, n, k in gemv_matrices(cfg)]
 
 
 def launcher(kernel: str, n: int, k: int, rows: int, dtype: torch.dtype, pdl: bool
@@ -68,17 +67,10 @@ def launcher(kernel: str, n: int, k: int, rows: int, dtype: torch.dtype, pdl: bo
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="smollm2-135m", help=f"comma list of {sorted(SHAPES)}")
+    p = tuner_args(__doc__, "smollm2-135m", 32, 10)
     p.add_argument("--rows", default="16", help="comma list of row counts (each its bucket: 16, 32, 64)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--no-pdl", action="store_true", help="time without programmatic dependent launch")
-    p.add_argument("--launches", type=int, default=32, help="launches a graph")
-    p.add_argument("--replays", type=int, default=10)
-    p.add_argument("--write", action="store_true", help="pin the fastest plans for this GPU model")
     a = p.parse_args()
-    dtype, gpu = getattr(torch, a.dtype), torch.cuda.get_device_name()
-    pdl = not a.no_pdl and torch.cuda.get_device_capability()[0] >= 9
+    dtype, gpu, pdl = gpu_and_pdl(a)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     seen: dict[str, tuple[int, ...]] = {}
     for shape in a.shapes.split(","):

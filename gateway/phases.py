@@ -66,13 +66,9 @@ class DraftDeadline:
         n = steps = topk = longest = last_start = last_end = 0
         for op in ops:
             if isinstance(op, ExtendPropose):
-                size, start = len(op.tokens), op.position
-                n += 1
-                steps = op.num_steps if op.num_steps > steps else steps
-                topk = op.topk if op.topk > topk else topk
-                longest = size if size > longest else longest
-                last_start = start if start > last_start else last_start
-                last_end = start + size if start + size > last_end else last_end
+                size = len(op.tokens)
+                n, steps, topk, longest = n + 1, max(steps, op.num_steps), max(topk, op.topk), max(longest, size)
+                last_start, last_end = max(last_start, op.position), max(last_end, op.position + size)
         if not n:
             return ()
         ctx = draft_cycle_entries(last_start, longest, last_end, steps, topk)
