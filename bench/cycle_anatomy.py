@@ -3,7 +3,9 @@ the engines' time per cycle (what bench.end_to_end reports as draft_us / verify_
 GPU time of the kernels they ran (torch.profiler, CUDA graphs on; the draft on its own GPU so
 that each GPU's kernels belong to one engine), the CUDA API calls that wait, and the host's
 busiest operators. Engine time well above its kernels' time means the host, not the GPU,
-decides the step. One JSON line per mode, then a summary line.
+decides the step. Then the same run without the profiler, and the target's last verify graph
+replayed alone: `verify_host_us` is the verify's engine time minus that replay, the target's
+host work around its kernels. One JSON line per mode, then a summary line.
 
   python -m bench.cycle_anatomy --model shape:smollm2-135m --device cuda:0 --draft-device cuda:1
   python -m bench.cycle_anatomy --model <SmolLM2 GGUF> --head default ...   # the real head
@@ -64,6 +66,26 @@ def profile_run(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], n
                                   "us_per_cycle": round(e.self_cpu_time_total / cycles, 1)} for e in host]}
 
 
+def unprofiled(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], new: int, steps: int, topk: int,
+               tree: int, replays: int = 50) -> dict[str, Any]:
+    """Engine µs per cycle without the profiler; the last verify graph's replay µs, timed alone."""
+    run = generate(target, draft if steps else None, prompt, new, steps, None, topk, tree)
+    verify_us = run.verify_ms * 1e3 / run.cycles
+    row = {"draft_engine_us": round(run.draft_ms * 1e3 / run.cycles, 1), "verify_engine_us": round(verify_us, 1)}
+    graph = target.engine.runner.graphs.last
+    if graph is not None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        replay_us = start.elapsed_time(end) * 1e3 / replays
+        row |= {"verify_replay_us": round(replay_us, 1), "verify_host_us": round(verify_us - replay_us, 1)}
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="shape:smollm2-135m")
@@ -96,9 +118,10 @@ def main() -> None:
         for steps, topk, tree in modes:
             generate(target, draft if steps else None, prompt, a.max_new_tokens, steps, None, topk, tree)  # warm-up
             row = profile_run(target, draft, prompt, a.max_new_tokens, steps, topk, tree, a.top)
+            row["unprofiled"] = unprofiled(target, draft, prompt, a.max_new_tokens, steps, topk, tree)
             name = "target_only" if not steps else f"{'tree' if tree else 'chain'}{steps}"
             summary[name] = {"draft_engine_us": row["draft_engine_us"], "verify_engine_us": row["verify_engine_us"],
-                             "gpu_kernel_us": row["gpu_kernel_us"]}
+                             "gpu_kernel_us": row["gpu_kernel_us"], "unprofiled": row["unprofiled"]}
             print(json.dumps({"bench": "cycle_anatomy", "mode": name, "model": a.model, "head": a.head,
                               "dtype": a.dtype, "fused_decode": a.fused_decode, **row}), flush=True)
     finally:

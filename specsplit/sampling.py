@@ -1,4 +1,4 @@
-"""Token selection: greedy, filtered sampling, and chain verification (lossless)."""
+"""Token selection: greedy, filtered sampling, sampled chain verification (lossless), forced acceptance."""
 
 from __future__ import annotations
 
@@ -41,27 +41,14 @@ def dense(dist: SparseDist, vocab: int, device: torch.device | str = "cpu") -> t
     return q
 
 
-def greedy_chain(best: list[int], draft_ids: list[int]) -> tuple[int, list[int]]:
-    """Greedy verification of a chain: best[i] is the target's argmax after [last, d1..di] ->
-    (accepted count a: drafts equal to the argmax before them, tokens d1..da + best[a])."""
-    a = 0
-    while a < len(draft_ids) and draft_ids[a] == best[a]:
-        a += 1
-    return a, [*draft_ids[:a], best[a]]
-
-
 def verify_chain(logits: torch.Tensor, draft_ids: list[int], draft_dists: list[SparseDist], s: Sampling,
                  gen: torch.Generator) -> tuple[int, list[int]]:
-    """Target logits [k+1, V] for [last, d1..dk] -> (accepted count a, tokens d1..da + one more).
-
-    Greedy: accept while the draft equals the target's argmax (greedy_chain). Sampling: standard
-    speculative sampling with the draft's probabilities q (accept with min(1, p/q),
-    on rejection sample from norm(max(0, p - q))), which preserves the target's
-    distribution exactly.
+    """Target logits [k+1, V] for [last, d1..dk] -> (accepted count a, tokens d1..da + one more),
+    for a sampled sequence (greedy ones accept in the verify step: specsplit.runner.acceptance).
+    Standard speculative sampling with the draft's probabilities q (accept with min(1, p/q), on
+    rejection sample from norm(max(0, p - q))), which preserves the target's distribution exactly.
     """
     k = len(draft_ids)
-    if s.greedy:
-        return greedy_chain(torch.argmax(logits, dim=-1).tolist(), draft_ids)
     p = probs_from_logits(logits, s)  # [k+1, V]
     vocab = p.shape[-1]
     for i, x in enumerate(draft_ids):
@@ -75,25 +62,9 @@ def verify_chain(logits: torch.Tensor, draft_ids: list[int], draft_dists: list[S
     return k, [*draft_ids, sample(p[k], gen)]
 
 
-def verify_tree(best: list[int], draft_ids: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
-    """Greedy verification of a tree. best[i] is the target's argmax after verified token i of
-    [last, d1..dn]; parents[i] is the index (into draft_ids) of d(i+1)'s parent, -1 for a child of
-    `last`. Walks down from `last` while one of the children is the target's argmax -> (path:
-    indices into the n+1 verified tokens, 0 = last, one per accepted draft after it; emitted
-    tokens: the accepted drafts + the target's own next token)."""
-    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node; node 0 is `last`
-    for i, (token, parent) in enumerate(zip(draft_ids, parents, strict=True)):
-        children.setdefault((parent + 1, token), i + 1)
-    path, node = [0], 0
-    while (child := children.get((node, best[node]))) is not None:
-        path.append(child)
-        node = child
-    return path, [draft_ids[i - 1] for i in path[1:]] + [best[node]]
-
-
 def forced_chain(best: list[int], draft_ids: list[int], forced: int) -> tuple[int, list[int]]:
     """Benchmark only: `forced` drafts accepted (at most all), then the target's argmax after
-    them. best as for greedy_chain."""
+    them. best[i]: the target's argmax after verified token i of [last, d1..dn]."""
     a = min(forced, len(draft_ids))
     return a, [*draft_ids[:a], best[a]]
 
@@ -101,7 +72,9 @@ def forced_chain(best: list[int], draft_ids: list[int], forced: int) -> tuple[in
 def forced_tree(best: list[int], draft_ids: list[int], parents: list[int], forced: int
                 ) -> tuple[list[int], list[int]]:
     """Benchmark only: the path down each node's first child, `forced` deep (or to a leaf),
-    then the target's argmax after it; best and the return as verify_tree."""
+    then the target's argmax after it; best as for forced_chain -> (path: indices into the n+1
+    verified tokens, 0 = last, one per accepted draft; emitted tokens: the accepted drafts + the
+    target's own next token)."""
     path, node = [0], 0
     while len(path) <= forced:
         child = next((i + 1 for i, p in enumerate(parents) if p + 1 == node), None)

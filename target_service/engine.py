@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TypeGuard
 
 import torch
 
@@ -28,8 +27,8 @@ from specsplit.ops import (
     TargetResult,
     Verify,
 )
-from specsplit.runner.runner import ModelRunner, Row, Step
-from specsplit.sampling import forced_chain, forced_tree, greedy_chain, select_token, verify_chain, verify_tree
+from specsplit.runner.runner import ModelRunner, Row, Step, Verified
+from specsplit.sampling import forced_chain, forced_tree, select_token, verify_chain
 from target_service.config import TargetConfig
 
 
@@ -197,7 +196,8 @@ class TargetEngine:
         seq = self.seqs[op.seq_id]
         if isinstance(op, Verify):  # the last emitted token, then the drafts (a tree under it: parents shifted)
             parents = [-1, *(p + 1 for p in op.draft_parents)] if op.draft_parents else None
-            return Work(i, op, seq, Row(seq.slot, seq.length, [seq.last_token, *op.draft_ids], parents))
+            on_device = seq.sampling.greedy and op.forced < 0  # greedy acceptance in the step
+            return Work(i, op, seq, Row(seq.slot, seq.length, [seq.last_token, *op.draft_ids], parents, on_device))
         if isinstance(op, Resume):  # its committed tokens again, in a slot of its own
             seq.slot = self.runner.allocate()
             return Work(i, op, seq, Row(seq.slot, 0, seq.tokens))
@@ -206,32 +206,31 @@ class TargetEngine:
     def _run(self, work: list[Work], outcomes: list[Outcome | None]) -> None:
         capture = any(getattr(w.op, "capture", True) for w in work)
         try:
-            outputs = self.runner.run(Step([w.row for w in work], capture=capture))
+            verified = self.runner.verify(Step([w.row for w in work], capture=capture))
         finally:
             for w in work:
                 if isinstance(w.op, Recapture):
                     self.runner.release(w.row.slot)
-        best = _argmax_rows(work, [logits for logits, _ in outputs])
-        for w, (logits, rows), b in zip(work, outputs, best, strict=True):
-            outcomes[w.index] = self._finish(w, logits, rows if getattr(w.op, "capture", True) else None, b)
+        for w, v in zip(work, verified, strict=True):
+            outcomes[w.index] = self._finish(w, v, v.features if getattr(w.op, "capture", True) else None)
 
-    def _finish(self, w: Work, logits: torch.Tensor, rows: torch.Tensor | None, best: list[int] | None) -> Outcome:
+    def _finish(self, w: Work, v: Verified, rows: torch.Tensor | None) -> Outcome:
         op, seq = w.op, w.seq
         if isinstance(op, Prefill):
-            first = best[-1] if best is not None else select_token(logits[-1], op.sampling, seq.generator)
+            first = v.best[-1] if seq.sampling.greedy else select_token(v.logits[-1], op.sampling, seq.generator)
             seq.length, seq.last_token, seq.tokens = len(op.prompt_ids), first, list(op.prompt_ids)
             return Outcome(TargetResult(op.seq_id, tokens=[first]), rows)
-        if _is_tree(op):
-            assert best is not None
-            return self._finish_tree(w, op, best, rows)
         if isinstance(op, Verify):
-            if best is None:
-                accepted, emitted = verify_chain(logits, op.draft_ids, op.draft_dists, seq.sampling, seq.generator)
-            elif op.forced >= 0:
-                accepted, emitted = forced_chain(best, op.draft_ids, op.forced)
+            if w.row.accept:  # accepted in the step: the path's KV entries and features are in place
+                path = v.path
+                emitted = [*(op.draft_ids[i - 1] for i in path[1:]), v.best[len(path) - 1]]
+            elif not seq.sampling.greedy:
+                accepted, emitted = verify_chain(v.logits, op.draft_ids, op.draft_dists, seq.sampling, seq.generator)
+                path = list(range(accepted + 1))
             else:
-                accepted, emitted = greedy_chain(best, op.draft_ids)
-            seq.tokens += [seq.last_token, *op.draft_ids[:accepted]]
+                path, emitted, rows = self._forced(w, op, v.best, rows)
+            accepted = len(path) - 1
+            seq.tokens += [seq.last_token, *emitted[:accepted]]
             seq.length += accepted + 1  # last token and the accepted drafts are now in the cache
             seq.last_token = emitted[-1]
             return Outcome(TargetResult(op.seq_id, tokens=emitted, num_accepted=accepted),
@@ -239,29 +238,25 @@ class TargetEngine:
         # Recapture, Resume: features of positions 0..length-1 pair with tokens 1..length (the last not cached yet)
         return Outcome(TargetResult(op.seq_id, tokens=[*seq.tokens[1:], seq.last_token]), rows)
 
-    def _finish_tree(self, w: Work, op: Verify, best: list[int], rows: torch.Tensor | None) -> Outcome:
-        """Accept the tree's longest matching path, then move the path's KV entries (written at
-        start + node index) to start + depth, where the committed sequence continues."""
-        seq, start = w.seq, w.row.start
-        if op.forced >= 0:
-            path, emitted = forced_tree(best, op.draft_ids, op.draft_parents, op.forced)
-        else:
-            path, emitted = verify_tree(best, op.draft_ids, op.draft_parents)
+    def _forced(self, w: Work, op: Verify, best: list[int], rows: torch.Tensor | None
+                ) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """Benchmark only: the forced path, its KV entries (written at start + node index) moved to
+        start + depth on the host, and its features' rows."""
+        if not op.draft_parents:
+            accepted, emitted = forced_chain(best, op.draft_ids, op.forced)
+            return list(range(accepted + 1)), emitted, rows
+        path, emitted = forced_tree(best, op.draft_ids, op.draft_parents, op.forced)
+        at = torch.tensor(path, device=self.device)
         if path != list(range(len(path))):
-            src = torch.tensor(path, device=self.device) + start
-            self.runner.cache.move(seq.slot, src, torch.arange(len(path), device=self.device) + start)
-        accepted = len(path) - 1
-        seq.tokens += [seq.last_token, *emitted[:accepted]]
-        seq.length += accepted + 1
-        seq.last_token = emitted[-1]
-        kept = None if rows is None else rows[torch.tensor(path, device=rows.device)]
-        return Outcome(TargetResult(op.seq_id, tokens=emitted, num_accepted=accepted), kept)
+            start = w.row.start
+            self.runner.cache.move(w.seq.slot, at + start, torch.arange(len(path), device=self.device) + start)
+        return path, emitted, None if rows is None else rows[at.to(rows.device)]
 
     def warm_up(self) -> None:
         """Compile the fused step's kernels before the first request: on a machine without
         Triton's cache that takes longer than a step may. Steps of every tile height the
         fused step uses (one token; 2, 20 and 40 rows; two sequences) run on a scratch slot,
-        which is then freed."""
+        which is then freed. The verify steps accept on the device, as served."""
         fused = self.runner.fused
         if fused is None:
             return
@@ -269,8 +264,8 @@ class TargetEngine:
         try:
             self.runner.run(Step([Row(slot, 0, [0] * 8)]))
             for rows, capture in ((1, False), (1, True), (2, True), (20, True), (40, True)):
-                self.runner.run(Step([Row(slot, 8, [0] * rows)], capture=capture))
-            self.runner.run(Step([Row(slot, 8, [0]), Row(self.runner.pad_slot, 8, [0])], capture=True))
+                self.runner.verify(Step([Row(slot, 8, [0] * rows, accept=True)], capture=capture))
+            self.runner.verify(Step([Row(slot, 8, [0]), Row(self.runner.pad_slot, 8, [0])], capture=True))
         finally:
             self.runner.release(slot)
 
@@ -296,23 +291,3 @@ class TargetEngine:
         self.runner.release(seq.slot)
         seq.slot = -1  # no KV entries: a Resume prefills its tokens again
         return Outcome(TargetResult(op.seq_id))
-
-
-def _argmax_rows(work: list[Work], logits: list[torch.Tensor]) -> list[list[int] | None]:
-    """Each greedy entry's argmax per token (a prefill's last token only), read back in one copy
-    for the whole step; None for sampled entries and recaptures."""
-    parts: dict[int, torch.Tensor] = {}
-    for i, (w, rows) in enumerate(zip(work, logits, strict=True)):
-        if isinstance(w.op, Prefill | Verify) and w.seq.sampling.greedy:
-            parts[i] = rows[-1:] if isinstance(w.op, Prefill) else rows
-    out: list[list[int] | None] = [None] * len(work)
-    if parts:
-        flat = torch.cat(list(parts.values())).argmax(-1).tolist()  # [rows of every greedy entry]
-        at = 0
-        for i, part in parts.items():
-            out[i], at = flat[at : at + part.shape[0]], at + part.shape[0]
-    return out
-
-
-def _is_tree(op: TargetOp) -> TypeGuard[Verify]:
-    return isinstance(op, Verify) and bool(op.draft_parents)

@@ -266,7 +266,7 @@ def test_batched_fused_steps_match_each_sequence_alone(dtype: torch.dtype) -> No
             lengths[row.slot] += len(row.tokens)
     if together.graphs.enabled:
         assert {("fused", 4, 1, True), ("fused", 2, 1, True), ("fused", 4, 4, True), ("fused", 4, 16, True)
-                } <= set(together.graphs.graphs)
+                } <= {key[:4] for key in together.graphs.graphs}
     for slot, end in enumerate(lengths):
         for ref_kv, kv in ((static.cache.k, together.cache.k), (static.cache.v, together.cache.v),
                            (alone.cache.k, together.cache.k)):
@@ -303,7 +303,8 @@ def test_engine_serves_decode_and_verify_through_the_fused_step(tiny_target: Pat
         try:
             runner = e.target.engine.runner
             if fused != "off":  # compiled at start, on a slot given back
-                assert ("fused", 1, 40, True) in runner.graphs.graphs and ("fused", 2, 1, True) in runner.graphs.graphs
+                keys = {key[:4] for key in runner.graphs.graphs}
+                assert {("fused", 1, 40, True), ("fused", 2, 1, True)} <= keys
             assert runner.free_slots == e.target.cfg.max_sequences
 
             def run(steps: int, topk: int = 1, e: LocalEngines = e) -> list[list[int]]:

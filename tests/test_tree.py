@@ -18,7 +18,7 @@ from gateway.requests import InvalidRequest, ModelLimits, tree_shape
 from gateway.scheduler import GenerationRequest
 from specsplit.models.batch import Segment, tree_segment
 from specsplit.ops import Code, ExtendPropose, HiddenRef, Prefill, Release, Sampling, Verify
-from specsplit.sampling import verify_tree
+from specsplit.runner.acceptance import accept, row_fields
 from specsplit.tokenizer import TextCodec
 from specsplit.transport.handoff.factory import open_reader
 from target_service.config import TargetConfig
@@ -35,12 +35,63 @@ def test_tree_segment_positions_and_mask() -> None:
                                     [True] * 3 + [True, True, False, True]]
 
 
+def walk_tree(best: list[int], draft_ids: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+    """The reference walk: from `last` down, while one of the children is the target's argmax
+    (the first such child) -> (path: indices into [last, d1..dn]; the accepted drafts + the
+    target's next token). parents[i]: d(i+1)'s parent in draft_ids, -1 for `last`."""
+    children: dict[tuple[int, int], int] = {}
+    for i, (token, parent) in enumerate(zip(draft_ids, parents, strict=True)):
+        children.setdefault((parent + 1, token), i + 1)
+    path, node = [0], 0
+    while (child := children.get((node, best[node]))) is not None:
+        path.append(child)
+        node = child
+    return path, [draft_ids[i - 1] for i in path[1:]] + [best[node]]
+
+
+def device_accept(best: list[int], draft_ids: list[int], parents: list[int] | None, t: int
+                  ) -> tuple[list[int], list[int]]:
+    """specsplit.runner.acceptance on one row padded to t nodes, as (path, emitted) like walk_tree."""
+    tokens = [0, *draft_ids]
+    nodes = [-1, *(p + 1 for p in parents)] if parents is not None else None
+    parent, expect = row_fields(tokens, nodes, True, t)
+    ancestors = None
+    if parents is not None:
+        ancestors = torch.zeros(1, t, t, dtype=torch.bool)
+        for j in range(t):
+            k = j
+            while k >= 0:
+                ancestors[0, j, k] = True
+                k = parent[k]
+    padded = torch.tensor([[*best, *[0] * (t - len(best))]])
+    path, count = accept(padded, torch.tensor([expect]), torch.tensor([parent]), ancestors)
+    got = path[0, : int(count[0])].tolist()
+    return got, [draft_ids[i - 1] for i in got[1:]] + [best[got[-1]]]
+
+
 def test_verify_tree_walks_the_matching_path() -> None:
     # drafts: 5 and 6 under the root, 7 under 6, 8 under 5; the target wants 6, then 7, then 1
-    path, emitted = verify_tree([6, 0, 7, 1, 0], [5, 6, 7, 8], [-1, -1, 1, 0])
-    assert path == [0, 2, 3] and emitted == [6, 7, 1]
-    path, emitted = verify_tree([9, 0, 0, 0, 0], [5, 6, 7, 8], [-1, -1, 1, 0])
-    assert path == [0] and emitted == [9]  # nothing matches: the target's own token
+    for walk in (walk_tree, lambda b, d, p: device_accept(b, d, p, 8)):
+        path, emitted = walk([6, 0, 7, 1, 0], [5, 6, 7, 8], [-1, -1, 1, 0])
+        assert path == [0, 2, 3] and emitted == [6, 7, 1]
+        path, emitted = walk([9, 0, 0, 0, 0], [5, 6, 7, 8], [-1, -1, 1, 0])
+        assert path == [0] and emitted == [9]  # nothing matches: the target's own token
+        path, emitted = walk([6, 7, 7, 1, 0], [6, 6, 7, 7], [-1, -1, 1, 0])
+        assert path == [0, 1, 4] and emitted == [6, 7, 0]  # twin children: the first is walked
+
+
+def test_device_acceptance_equals_the_walk_on_random_trees_and_chains() -> None:
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        n = int(torch.randint(0, 12, (1,), generator=g))
+        draft_ids = torch.randint(0, 3, (n,), generator=g).tolist()  # few ids: twins and matches are common
+        best = torch.randint(0, 3, (n + 1,), generator=g).tolist()
+        t = n + 1 + trial % 3  # padded
+        if trial % 4 == 0:  # a chain
+            ref = walk_tree(best, draft_ids, list(range(-1, n - 1)))
+            assert device_accept(best, draft_ids, None, t) == ref
+        parents = [int(torch.randint(-1, i, (1,), generator=g)) for i in range(n)]
+        assert device_accept(best, draft_ids, parents, t) == walk_tree(best, draft_ids, parents)
 
 
 def greedy_continuation(tiny_target: Path, prompt: list[int], n: int) -> list[int]:

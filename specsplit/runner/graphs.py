@@ -56,6 +56,7 @@ class GraphCache:
         # current then: engines on other GPUs of the same process need their own
         self.capture_stream = torch.cuda.Stream(device) if self.enabled else None
         self.replays = 0
+        self.last: torch.cuda.CUDAGraph | None = None  # the graph replayed last (benchmarks time it alone)
 
     def run(self, key: tuple[object, ...], fn: StaticFn, **inputs: torch.Tensor) -> Outputs:
         if not self.enabled:
@@ -75,6 +76,7 @@ class GraphCache:
                 captured.inputs[name].copy_(x, non_blocking=True)
         captured.graph.replay()
         self.replays += 1
+        self.last = captured.graph
         return captured.outputs
 
     def _capture(self, fn: StaticFn, inputs: dict[str, torch.Tensor]) -> _Captured:

@@ -20,7 +20,7 @@ them from `padded_forward` and capture them with `graphed`.
 from __future__ import annotations
 
 import contextlib
-import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +32,7 @@ from specsplit.models.fused import FusedLlama
 from specsplit.models.layers import KVCache
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import pack_for_cpu
+from specsplit.runner.acceptance import row_fields, verify_rows
 from specsplit.runner.graphs import GraphCache, Outputs, bucket_up, compile_static, pow2_buckets
 
 Model = LlamaModel | Eagle3Head  # logits with captured features, or with pre-norm states
@@ -45,6 +46,7 @@ class Row:
     start: int  # committed entries of the slot, all visible to the row
     tokens: list[int]
     parents: list[int] | None = None  # a tree: each token's parent in `tokens` (-1: after the committed entries)
+    accept: bool = False  # verify: accept the drafts after tokens[0] greedily on the device
 
 
 @dataclass
@@ -55,6 +57,18 @@ class Step:
 
 
 RowOutput = tuple[torch.Tensor, torch.Tensor | None]  # logits [T, V]; captured features or pre-norm states [T, X]
+
+
+@dataclass
+class Verified:
+    """One row of a verify step (see specsplit.runner.acceptance). With `row.accept` the
+    accepted path's KV entries already sit at start, start+1, ...; otherwise path is [0] and
+    nothing moved."""
+
+    logits: torch.Tensor  # [T, V]
+    features: torch.Tensor | None  # [T, X]: the path's rows first
+    path: list[int]  # the root (0) and the accepted drafts, as indices into the row's tokens
+    best: list[int]  # the target's argmax after each token: the path's first, then the others'
 
 
 class ModelRunner:
@@ -109,14 +123,49 @@ class ModelRunner:
     def run(self, step: Step) -> list[RowOutput]:
         """Each row's logits [T, V] and features [T, X] (views of graph outputs: valid until the
         next step of the same shape)."""
+        return self._step(step, False)[0]
+
+    def verify(self, step: Step) -> list[Verified]:
+        """The target's step: run(step), then each row's argmax and, for rows that accept on the
+        device, acceptance and the accepted path's KV entries moved into place; all in the step
+        (its graph), read back to the host in one copy."""
+        outputs, ints = self._step(step, True)
+        assert ints is not None
+        host = ints.tolist()
+        if ints.dim() == 1:  # eager: every row's argmax, then the accepting rows' readback
+            return self._eager_verified(step, outputs, host)
+        out = []
+        for r, (logits, features), row in zip(step.rows, outputs, host, strict=False):
+            t = (len(row) - 1) // 2
+            n = len(r.tokens)
+            path, best = row[1 : 1 + t], row[1 + t :]
+            out.append(Verified(logits, features, path[: row[0]], [best[j] for j in range(t) if path[j] < n]))
+        return out
+
+    def _eager_verified(self, step: Step, outputs: list[RowOutput], host: list[int]) -> list[Verified]:
+        out, at = [], 0
+        for r, (logits, features) in zip(step.rows, outputs, strict=True):
+            out.append(Verified(logits, features, [0], host[at : at + len(r.tokens)]))
+            at += len(r.tokens)
+        accepting = [v for r, v in zip(step.rows, out, strict=True) if r.accept]
+        if accepting:
+            t = ((len(host) - at) // len(accepting) - 1) // 2
+            for j, v in enumerate(accepting):
+                row = host[at + j * (1 + 2 * t) : at + (j + 1) * (1 + 2 * t)]
+                n = v.logits.shape[0]
+                path, best = row[1 : 1 + t], row[1 + t :]
+                v.path, v.best = path[: row[0]], [best[i] for i in range(t) if path[i] < n]
+        return out
+
+    def _step(self, step: Step, verify: bool) -> tuple[list[RowOutput], torch.Tensor | None]:
         t = max(len(r.tokens) for r in step.rows)
         continuing = all(r.start > 0 for r in step.rows)  # prompts (rows from entry 0) run eager
         with self.mode():
             if continuing and self.fused is not None and self.batch_bucket(len(step.rows)) * t <= self.fused.max_rows:
-                return self._run_fused(step)
+                return self._run_fused(step, verify)
             if continuing and self.padded and t <= self.padded_tokens:
-                return self._run_padded(step)
-            return self._run_eager(step)
+                return self._run_padded(step, verify)
+            return self._run_eager(step, verify)
 
     def graphed(self, key: tuple[object, ...], fn: Callable[..., Outputs], **inputs: torch.Tensor) -> Outputs:
         """fn(**inputs) from a CUDA graph of this key (captured on first use); inputs may be host tensors."""
@@ -140,7 +189,7 @@ class ModelRunner:
         logits, extra = self.model.forward(tokens.reshape(b * t), batch, self.cache)
         return logits.view(b, t, -1), None if extra is None else extra.view(b, t, -1)
 
-    def _run_eager(self, step: Step) -> list[RowOutput]:
+    def _run_eager(self, step: Step, verify: bool = False) -> tuple[list[RowOutput], torch.Tensor | None]:
         dev = self.device
         segments = [tree_segment(r.slot, r.start, r.parents, dev) if r.parents
                     else Segment(r.slot, r.start, len(r.tokens)) for r in step.rows]
@@ -152,76 +201,140 @@ class ModelRunner:
             part = slice(off, off + len(r.tokens))
             off += len(r.tokens)
             out.append((logits[part], None if extra is None else extra[part]))
-        return out
+        if not verify:
+            return out, None
+        # the verify rows padded to their longest, accepted as a padded step would; the others' argmax
+        best = logits.argmax(-1)  # [N]
+        rows = [i for i, r in enumerate(step.rows) if r.accept]
+        if not rows:
+            return out, best
+        t = max(len(step.rows[i].tokens) for i in rows)
+        tree = any(step.rows[i].parents for i in rows)
+        packed, layout = _pack([step.rows[i] for i in rows], len(rows), t, tree, True)
+        f = layout.unpack(packed.to(dev))
+        padded = torch.stack([torch.cat([lg, lg.new_zeros(t - lg.shape[0], lg.shape[1])]) for lg, _ in
+                              (out[i] for i in rows)])  # [A, t, V]
+        feats = None if extra is None else padded_rows([out[i][1] for i in rows], len(rows), t)  # type: ignore[misc]
+        ints, feats = verify_rows(padded, feats, f["fields"], f.get("mask"), self.cache, f["slots"],
+                                  f["entries"][:, 0], tree)
+        if feats is not None:
+            for j, i in enumerate(rows):
+                out[i] = (out[i][0], feats[j, : len(step.rows[i].tokens)])
+        return out, torch.cat([best, ints.flatten()])
 
-    def _run_padded(self, step: Step) -> list[RowOutput]:
-        """The rows padded to the batch bucket, each to the longest row T, in one host tensor
-        [B, 3T + 1 (+ T*T with trees)]: tokens, rotary positions, entries, slot (and the tree
-        mask). Padding tokens write entries past their row that later steps overwrite; padding
-        rows write the spare slot."""
+    def _run_padded(self, step: Step, verify: bool = False) -> tuple[list[RowOutput], torch.Tensor | None]:
+        """The rows padded to the batch bucket, each to the longest row T, their integers in one
+        host tensor (see _pack; trees: with their masks). Padding tokens write entries past
+        their row that later steps overwrite; padding rows write the spare slot."""
         rows = step.rows
         b, t = self.batch_bucket(len(rows)), max(len(r.tokens) for r in rows)
         if self.row_bucket is not None:
             t = self.row_bucket(t)
         ctx = self.ctx_bucket(max(r.start for r in rows) + t)
         tree = any(r.parents for r in rows)
-        pad = Row(self.pad_slot, 0, [])
-        ints = torch.tensor([_pack(r, t, tree) for r in [*rows, *[pad] * (b - len(rows))]])
-        inputs = {"ints": ints}
+        packed, layout = _pack(rows + [Row(self.pad_slot, 0, [])] * (b - len(rows)), b, t, tree, verify)
+        inputs = {"packed": packed}
         if step.hidden is not None:
             inputs["hidden"] = padded_rows(step.hidden, b, t)
 
-        def fn(ints: torch.Tensor, hidden: torch.Tensor | None = None) -> Outputs:
-            tokens, positions, entries, slots = ints[:, :t], ints[:, t : 2 * t], ints[:, 2 * t : 3 * t], ints[:, 3 * t]
-            tree_mask = ints[:, 3 * t + 1 :].view(b, t, t) if tree else None
-            return self.padded_forward(tokens, positions, slots, entries, ctx, tree_mask, hidden=hidden,
-                                       capture=step.capture)
+        def fn(packed: torch.Tensor, hidden: torch.Tensor | None = None) -> Outputs:
+            f = layout.unpack(packed)
+            logits, extra = self.padded_forward(f["tokens"], f["positions"], f["slots"], f["entries"], ctx,
+                                                f.get("mask"), hidden=hidden, capture=step.capture)
+            if not verify:
+                return logits, extra
+            ints, extra = verify_rows(logits, extra, f["fields"], f.get("mask"), self.cache, f["slots"],
+                                      f["entries"][:, 0], tree)
+            return logits, extra, ints
 
         width = None if step.hidden is None else step.hidden[0].shape[-1]
-        logits, extra = self.graphs.run(("padded", b, t, ctx, tree, step.capture, width), fn, **inputs)
+        got = self.graphs.run(("padded", b, t, ctx, tree, step.capture, width, verify), fn, **inputs)
+        logits, extra = got[0], got[1]
         assert logits is not None
-        return [(logits[i, : len(r.tokens)], None if extra is None else extra[i, : len(r.tokens)])
-                for i, r in enumerate(rows)]
+        return ([(logits[i, : len(r.tokens)], None if extra is None else extra[i, : len(r.tokens)])
+                 for i, r in enumerate(rows)], got[2] if verify else None)
 
-    def _run_fused(self, step: Step) -> list[RowOutput]:
-        """The rows padded to (batch bucket B, longest row T) as the fused step, its inputs in one
-        host tensor of fields side by side: tokens [B*T], rotary positions [B, T], entries [B, T],
-        slots [B], masks [B, T, T]."""
+    def _run_fused(self, step: Step, verify: bool = False) -> tuple[list[RowOutput], torch.Tensor | None]:
+        """The rows padded to (batch bucket B, longest row T) as the fused step, its integers in
+        one host tensor (see _pack, masks always)."""
         rows, fused = step.rows, self.fused
         assert fused is not None
         b, t = self.batch_bucket(len(rows)), max(len(r.tokens) for r in rows)
-        padded = [_pack(r, t, True) for r in [*rows, *[Row(self.pad_slot, 0, [])] * (b - len(rows))]]
-        cuts = [0, t, 2 * t, 3 * t, 3 * t + 1, 3 * t + 1 + t * t]
-        packed = torch.tensor([x for lo, hi in itertools.pairwise(cuts) for p in padded for x in p[lo:hi]])
-        bt = b * t
+        tree = any(r.parents for r in rows)
+        packed, layout = _pack(rows + [Row(self.pad_slot, 0, [])] * (b - len(rows)), b, t, True, verify)
 
         def fn(packed: torch.Tensor) -> Outputs:
-            tokens, positions, entries = packed[:bt], packed[bt : 2 * bt].view(b, t), packed[2 * bt : 3 * bt].view(b, t)
-            slots, mask = packed[3 * bt : 3 * bt + b], packed[3 * bt + b :].view(b, t, t)
-            return fused.forward(tokens, Batch.padded(positions, slots, entries, 0, mask, capture=step.capture),
-                                 self.cache)
+            f = layout.unpack(packed)
+            batch = Batch.padded(f["positions"], f["slots"], f["entries"], 0, f["mask"], capture=step.capture)
+            logits, extra = fused.forward(f["tokens"].reshape(-1), batch, self.cache)  # [B*T, V], [B*T, X]
+            if not verify:
+                return logits, extra
+            ints, extra = verify_rows(logits.view(b, t, -1), None if extra is None else extra.view(b, t, -1),
+                                      f["fields"], f["mask"], self.cache, f["slots"], f["entries"][:, 0], tree)
+            return logits, None if extra is None else extra.view(b * t, -1), ints
 
-        logits, extra = self.graphs.run(("fused", b, t, step.capture), fn, packed=packed)
+        got = self.graphs.run(("fused", b, t, step.capture, tree, verify), fn, packed=packed)
+        logits, extra = got[0], got[1]
         assert logits is not None
-        return [(logits[i * t : i * t + len(r.tokens)], None if extra is None else extra[i * t : i * t + len(r.tokens)])
-                for i, r in enumerate(rows)]
+        parts = [slice(i * t, i * t + len(r.tokens)) for i, r in enumerate(rows)]
+        return [(logits[p], None if extra is None else extra[p]) for p in parts], got[2] if verify else None
 
 
-def _pack(row: Row, t: int, tree: bool) -> list[int]:
-    """A row padded to t tokens: tokens, rotary positions, entries, slot (and with `tree` its
-    [t, t] mask: the tree's ancestors-and-self, causal for chains and padding tokens)."""
-    n, entries = len(row.tokens), list(range(row.start, row.start + t))
-    positions, mask = list(entries), []
-    if tree:
-        mask = [int(j <= i) for i in range(t) for j in range(t)]
-        if row.parents:
-            tree_positions, rows, cols = tree_layout(row.start, row.parents)
-            positions[:n] = tree_positions
-            for i in range(n):
-                mask[i * t : i * t + n] = [0] * n
-            for i, c in zip(rows, cols, strict=True):
-                mask[i * t + c - row.start] = 1
-    return [*row.tokens, *[0] * (t - n), *positions, *entries, row.slot, *mask]
+@dataclass
+class _Layout:
+    """Where each field of a packed step sits: field-major, so that every field is a view."""
+
+    b: int
+    t: int
+    tree: bool
+    verify: bool
+
+    def unpack(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+        b, t = self.b, self.t
+        shapes = {"tokens": (b, t), "positions": (b, t), "entries": (b, t), "slots": (b,)}
+        if self.tree:
+            shapes["mask"] = (b, t, t)
+        if self.verify:
+            shapes["fields"] = (2, b, t)
+        out, at = {}, 0
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            out[name], at = packed[at : at + n].view(shape), at + n
+        if self.verify:
+            out["fields"] = out["fields"].transpose(0, 1)  # [B, 2, T]: parent, expect
+        return out
+
+
+def _pack(rows: list[Row], b: int, t: int, tree: bool, verify: bool) -> tuple[torch.Tensor, _Layout]:
+    """b rows, each padded to t tokens, as one host tensor of fields side by side: tokens,
+    rotary positions, entries [B, T]; slots [B]; with `tree`, masks [B, T, T] (each token's
+    ancestors and itself: causal for chains and padding); with `verify`, the acceptance's
+    parent and expect [2, B, T] (see specsplit.runner.acceptance)."""
+    fields: list[list[int]] = [[], [], [], []]
+    masks: list[int] = []
+    accept: list[list[int]] = [[], []]
+    for row in rows:
+        n, entries = len(row.tokens), list(range(row.start, row.start + t))
+        positions = list(entries)
+        if tree:
+            mask = [int(j <= i) for i in range(t) for j in range(t)]
+            if row.parents:
+                tree_positions, rs, cs = tree_layout(row.start, row.parents)
+                positions[:n] = tree_positions
+                for i in range(n):
+                    mask[i * t : i * t + n] = [0] * n
+                for i, c in zip(rs, cs, strict=True):
+                    mask[i * t + c - row.start] = 1
+            masks += mask
+        for field, values in zip(fields, ([*row.tokens, *[0] * (t - n)], positions, entries, [row.slot]),
+                                 strict=True):
+            field += values
+        if verify:
+            parent, expect = row_fields(row.tokens, row.parents, row.accept, t)
+            accept[0] += parent
+            accept[1] += expect
+    flat = [x for field in fields for x in field] + masks + accept[0] + accept[1]
+    return torch.tensor(flat), _Layout(b, t, tree, verify)
 
 
 def padded_rows(rows: list[torch.Tensor], b: int, t: int) -> torch.Tensor:
