@@ -14,10 +14,12 @@ host work around its kernels. One JSON line per mode, then a summary line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from bench.spec_vs_baseline import git_commit
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
 from specsplit.models.parallel import TensorParallel
+from specsplit.runner import runner as runner_module
 from target_service.config import TargetConfig
 from target_service.runtime import TargetRuntime
 
@@ -66,12 +69,39 @@ def profile_run(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], n
                                   "us_per_cycle": round(e.self_cpu_time_total / cycles, 1)} for e in host]}
 
 
+@contextlib.contextmanager
+def timed(spent: dict[str, float], name: str, owner: object, attr: str) -> Iterator[None]:
+    """Add the wall time of every call of owner.attr to spent[name] while inside."""
+    fn = getattr(owner, attr)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - t0
+
+    setattr(owner, attr, wrapper)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, fn)
+
+
 def unprofiled(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], new: int, steps: int, topk: int,
                tree: int, replays: int = 50) -> dict[str, Any]:
-    """Engine µs per cycle without the profiler; the last verify graph's replay µs, timed alone."""
-    run = generate(target, draft if steps else None, prompt, new, steps, None, topk, tree)
+    """Engine µs per cycle without the profiler, the parts of the target's step (host time of
+    packing its inputs, of the graph launch, of the whole runner step with its wait for the GPU,
+    of the ring write), and the last verify graph's replay µs, timed alone."""
+    spent: dict[str, float] = defaultdict(float)
+    assert target.writer is not None
+    with (timed(spent, "pack", runner_module, "_pack"), timed(spent, "launch", target.engine.runner.graphs, "run"),
+          timed(spent, "runner_step", target.engine.runner, "verify"),
+          timed(spent, "ring_write", target.writer, "write_all")):
+        run = generate(target, draft if steps else None, prompt, new, steps, None, topk, tree)
     verify_us = run.verify_ms * 1e3 / run.cycles
-    row = {"draft_engine_us": round(run.draft_ms * 1e3 / run.cycles, 1), "verify_engine_us": round(verify_us, 1)}
+    row = {"draft_engine_us": round(run.draft_ms * 1e3 / run.cycles, 1), "verify_engine_us": round(verify_us, 1),
+           "verify_parts_us": {k: round(v * 1e6 / run.cycles, 1) for k, v in spent.items()}}
     graph = target.engine.runner.graphs.last
     if graph is not None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

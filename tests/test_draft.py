@@ -205,7 +205,8 @@ def test_extends_put_off_run_padded_as_they_run_eagerly(tiny_target: Path, tiny_
         runner = rt.engine.runner
         runner.padded, padded_steps = padded, []
         run_padded = runner._run_padded
-        runner._run_padded = lambda step, run=run_padded, seen=padded_steps: seen.append(step) or run(step)  # type: ignore[method-assign]
+        runner._run_padded = lambda step, verify=False, run=run_padded, seen=padded_steps: (  # type: ignore[method-assign]
+            seen.append(step) or run(step, verify))
         try:
             g = torch.Generator().manual_seed(3)
             feats = torch.randn(60, writer.descriptor.width, generator=g)

@@ -20,13 +20,15 @@ them from `padded_forward` and capture them with `graphed`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from specsplit.models.batch import Batch, Segment, tree_layout, tree_segment
+from specsplit.models.batch import Batch, Segment, tree_segment
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.fused import FusedLlama
 from specsplit.models.layers import KVCache
@@ -289,19 +291,23 @@ class _Layout:
     tree: bool
     verify: bool
 
-    def unpack(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+    def shapes(self) -> dict[str, tuple[int, ...]]:
         b, t = self.b, self.t
-        shapes = {"tokens": (b, t), "positions": (b, t), "entries": (b, t), "slots": (b,)}
+        out: dict[str, tuple[int, ...]] = {"tokens": (b, t), "positions": (b, t), "entries": (b, t), "slots": (b,)}
         if self.tree:
-            shapes["mask"] = (b, t, t)
+            out["mask"] = (b, t, t)
         if self.verify:
-            shapes["fields"] = (2, b, t)
+            out["fields"] = (2, b, t)  # parent, expect
+        return out
+
+    def unpack(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The fields as views of `packed`; "fields" as [B, 2, T]."""
         out, at = {}, 0
-        for name, shape in shapes.items():
+        for name, shape in self.shapes().items():
             n = math.prod(shape)
             out[name], at = packed[at : at + n].view(shape), at + n
         if self.verify:
-            out["fields"] = out["fields"].transpose(0, 1)  # [B, 2, T]: parent, expect
+            out["fields"] = out["fields"].transpose(0, 1)
         return out
 
 
@@ -310,31 +316,51 @@ def _pack(rows: list[Row], b: int, t: int, tree: bool, verify: bool) -> tuple[to
     rotary positions, entries [B, T]; slots [B]; with `tree`, masks [B, T, T] (each token's
     ancestors and itself: causal for chains and padding); with `verify`, the acceptance's
     parent and expect [2, B, T] (see specsplit.runner.acceptance)."""
-    fields: list[list[int]] = [[], [], [], []]
-    masks: list[int] = []
-    accept: list[list[int]] = [[], []]
-    for row in rows:
+    fields: list[list[int]] = [[], [], [], []]  # tokens, positions, entries, slots
+    accept: list[list[int]] = [[], []]  # parent, expect
+    masks = np.empty((b, t, t) if tree else (0,), dtype=np.int64)
+    for i, row in enumerate(rows):
         n, entries = len(row.tokens), list(range(row.start, row.start + t))
-        positions = list(entries)
+        positions = entries
         if tree:
-            mask = [int(j <= i) for i in range(t) for j in range(t)]
+            masks[i] = _causal(t)
             if row.parents:
-                tree_positions, rs, cs = tree_layout(row.start, row.parents)
-                positions[:n] = tree_positions
-                for i in range(n):
-                    mask[i * t : i * t + n] = [0] * n
-                for i, c in zip(rs, cs, strict=True):
-                    mask[i * t + c - row.start] = 1
-            masks += mask
-        for field, values in zip(fields, ([*row.tokens, *[0] * (t - n)], positions, entries, [row.slot]),
-                                 strict=True):
-            field += values
+                ancestors, depth = _tree(row.parents)
+                masks[i, :n] = (np.array(ancestors, dtype=np.uint64)[:, None] >> _shifts(t)) & 1
+                positions = [row.start + d for d in depth] + entries[n:]
+        fields[0] += [*row.tokens, *[0] * (t - n)]
+        fields[1] += positions
+        fields[2] += entries
+        fields[3].append(row.slot)
         if verify:
             parent, expect = row_fields(row.tokens, row.parents, row.accept, t)
             accept[0] += parent
             accept[1] += expect
-    flat = [x for field in fields for x in field] + masks + accept[0] + accept[1]
-    return torch.tensor(flat), _Layout(b, t, tree, verify)
+    ints = np.array([x for field in (*fields, *accept) for x in field], dtype=np.int64)
+    if tree:  # the masks sit between the slots and the acceptance's fields
+        cut = 3 * b * t + b
+        ints = np.concatenate([ints[:cut], masks.ravel(), ints[cut:]])
+    return torch.from_numpy(ints), _Layout(b, t, tree, verify)
+
+
+@functools.cache
+def _shifts(t: int) -> np.ndarray:
+    return np.arange(t, dtype=np.uint64)
+
+
+@functools.cache
+def _causal(t: int) -> np.ndarray:
+    return np.tril(np.ones((t, t), dtype=np.int64))
+
+
+def _tree(parents: list[int]) -> tuple[list[int], list[int]]:
+    """Each node's ancestors and itself as bits, and its depth (parents[i] < i; -1: the root's)."""
+    ancestors: list[int] = []
+    depth: list[int] = []
+    for i, p in enumerate(parents):
+        ancestors.append((ancestors[p] if p >= 0 else 0) | 1 << i)
+        depth.append(depth[p] + 1 if p >= 0 else 0)
+    return ancestors, depth
 
 
 def padded_rows(rows: list[torch.Tensor], b: int, t: int) -> torch.Tensor:
