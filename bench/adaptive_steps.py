@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--draft-device", default="")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--fused-decode", default="off")
+    p.add_argument("--fused-decode", default="auto")
     p.add_argument("--hidden-backend", default="")
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=96)

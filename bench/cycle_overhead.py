@@ -135,9 +135,8 @@ def variant_args(variant: str, spin_us: float) -> tuple[list[str], list[str]]:
 
 
 def add_fused_decode_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--fused-decode", choices=FUSED_DECODE, default="off",
-                   help="the target's steps of one sequence (decodes, and verifies of up to 64 tokens) as the "
-                        "fused Triton step, in process and in its service (target_service --fused-decode)")
+    p.add_argument("--fused-decode", choices=FUSED_DECODE, default="auto",
+                   help="the target's --fused-decode, in process and in its service (default: auto, as served)")
 
 
 ADAPTIVE = -1  # services' key of the requests that leave num_steps unset (steps chosen per cycle)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specsplit.flags import flag
 
-FUSED_DECODE = ("off", "on", "pdl")
+FUSED_DECODE = ("auto", "off", "on", "pdl")
 SPIN_HELP = ("after each reply, poll the step socket this many µs for the next request before a blocking read (a core "
              "kept busy while serving, no wake-up from idle; 0: block at once; -1, the default: 20000 on CUDA, 0 on "
              "CPU)")
@@ -44,9 +44,11 @@ class TargetConfig:
     compile: bool = flag(False, "--compile", "experimental: fuse the kernels of the static verify/decode forward with "
                          "torch.compile (inductor) before the CUDA graphs capture it; compiles on first use of each "
                          "shape")
-    fused_decode: str = flag("off", "--fused-decode", "run the steps of a single sequence (batch-1 decodes, and "
-                             "verifies of chains and trees of up to 64 tokens) as the fused Triton step, five kernels "
-                             "a layer (CUDA, tp 1); pdl: also with programmatic dependent launch (Hopper+)",
+    fused_decode: str = flag("auto", "--fused-decode", "steps of up to 64 tokens (decodes, verifies of chains and "
+                             "trees, batches of them) as the fused Triton step, five kernels a layer: auto (default) "
+                             "wherever it runs (CUDA, tp 1, a model it supports; elsewhere the padded path), with "
+                             "programmatic dependent launch where it pays (specsplit.models.fused.pdl_pays); on: "
+                             "without it; pdl: with it at every step; off: the padded path",
                              choices=FUSED_DECODE)
     forced_acceptance: bool = flag(False, "--benchmark-forced-acceptance", "benchmark only: honour verifies that "
                                    "force how many drafts are accepted (the gateway's --benchmark-forced-acceptance); "
@@ -76,7 +78,7 @@ class TargetConfig:
             raise ValueError(f"port {self.port} out of range")
         if self.fused_decode not in FUSED_DECODE:
             raise ValueError(f"fused_decode {self.fused_decode!r} not in {FUSED_DECODE}")
-        if self.fused_decode != "off" and (not self.device.startswith("cuda") or self.tp_size != 1):
+        if self.fused_decode in ("on", "pdl") and (not self.device.startswith("cuda") or self.tp_size != 1):
             raise ValueError("fused_decode needs a CUDA device and tp_size 1")
         check_step_socket(self.step_socket)
         check_spin_us(self.step_socket_spin_us)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specsplit.models.fused import FusedLlama
+from specsplit.models.fused import FusedLlama, fused_decode_unsupported
 from specsplit.models.llama import LlamaModel
 from specsplit.ops import (
     Code,
@@ -74,7 +74,9 @@ class TargetEngine:
     def __init__(self, cfg: TargetConfig, model: LlamaModel) -> None:
         self.cfg, self.model = cfg, model
         self.vocab = model.cfg.vocab_size
-        fused = FusedLlama(model, pdl=cfg.fused_decode == "pdl") if cfg.fused_decode != "off" else None
+        fused = None
+        if cfg.fused_decode in ("on", "pdl") or (cfg.fused_decode == "auto" and fused_runs(model)):
+            fused = FusedLlama(model, pdl={"on": False, "pdl": True}.get(cfg.fused_decode))
         # room for a padded verify past the context
         self.runner = ModelRunner(model, cfg.max_sequences, cfg.max_context + cfg.max_draft_tokens + 1,
                                   cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, fused=fused,
@@ -291,3 +293,14 @@ class TargetEngine:
         self.runner.release(seq.slot)
         seq.slot = -1  # no KV entries: a Resume prefills its tokens again
         return Outcome(TargetResult(op.seq_id))
+
+
+def fused_runs(model: LlamaModel) -> bool:
+    """--fused-decode auto: the fused step wherever it runs (a CUDA device, Triton, a model it supports)."""
+    if model.embed_tokens.weight.device.type != "cuda" or fused_decode_unsupported(model) is not None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

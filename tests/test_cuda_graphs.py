@@ -35,7 +35,7 @@ SMOLLM2_GGUF = os.environ.get("SPECSPLIT_SMOLLM2_GGUF", "/root/stage/smollm2.ggu
 
 def engines(target: Path | str, head: Path | str, graphs: bool, dtype: str = "bfloat16") -> LocalEngines:
     return LocalEngines(TargetConfig(model=str(target), device="cuda", dtype=dtype, hidden_backend="cuda_ipc",
-                                     max_context=512, cuda_graphs=graphs),
+                                     max_context=512, cuda_graphs=graphs, fused_decode="off"),  # the padded path
                         DraftConfig(head=str(head), target=str(target), device="cuda", dtype=dtype,
                                     max_context=512, cuda_graphs=graphs))
 
@@ -205,7 +205,7 @@ def test_in_process_target_and_draft_on_different_gpus(tiny_target: Path, tiny_h
     outs = []
     for target_dev, draft_dev in (("cuda:0", "cuda:0"), ("cuda:1", "cuda:0"), ("cuda:0", "cuda:1")):
         e = LocalEngines(TargetConfig(model=str(tiny_target), device=target_dev, dtype="bfloat16",
-                                      hidden_backend="cuda_ipc", max_context=512),
+                                      hidden_backend="cuda_ipc", max_context=512, fused_decode="off"),
                          DraftConfig(head=str(tiny_head), target=str(tiny_target), device=draft_dev,
                                      dtype="bfloat16", max_context=512))
         try:

@@ -17,13 +17,15 @@ from gateway.scheduler import GenerationRequest
 from specsplit.checkpoints.shapes import SHAPES
 from specsplit.checkpoints.tiny import tiny_config
 from specsplit.models.batch import Batch, tree_layout
-from specsplit.models.fused import FusedLlama, fused_decode_unsupported
+from specsplit.models.fused import FusedLlama, fused_decode_unsupported, pdl_pays
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
 from specsplit.ops import Sampling
 from specsplit.runner.graphs import GraphCache
 from specsplit.runner.runner import ModelRunner, Row, Step
 from target_service.config import TargetConfig
+from target_service.engine import TargetEngine, fused_runs
+from target_service.runtime import build_model
 from tests.test_gpu_services import TINY_PROMPTS, needs_gpus
 
 
@@ -35,6 +37,23 @@ def test_config_refuses_fused_decode_off_cuda_or_with_tensor_parallelism() -> No
     with pytest.raises(ValueError, match="fused_decode 'yes' not in"):
         TargetConfig(device="cuda", fused_decode="yes").validate()
     assert TargetConfig(device="cuda:1", fused_decode="pdl").validate().fused_decode == "pdl"
+    assert TargetConfig().validate().fused_decode == "auto"  # the default: the fused step wherever it runs
+
+
+def test_auto_serves_the_padded_path_where_the_fused_step_cannot_run(tiny_target: Path) -> None:
+    engine = TargetEngine(TargetConfig(model=str(tiny_target)), build_model(TargetConfig(model=str(tiny_target)),
+                                                                          TensorParallel()))
+    assert engine.cfg.fused_decode == "auto" and engine.runner.fused is None  # the CPU
+    model = LlamaModel(dataclasses.replace(tiny_config(layers=1), attention_bias=True), TensorParallel(), [0])
+    assert not fused_runs(model)
+
+
+def test_pdl_pays_for_decodes_and_for_small_models_rows() -> None:
+    hopper, ampere = (9, 0), (8, 0)
+    smollm2, llama8b = SHAPES["smollm2-135m"].hidden_size, SHAPES["llama-3.1-8b"].hidden_size
+    assert all(pdl_pays(smollm2, rows, hopper) for rows in (1, 4, 16, 64))
+    assert pdl_pays(llama8b, 1, hopper) and not pdl_pays(llama8b, 16, hopper)
+    assert not pdl_pays(smollm2, 1, ampere)
 
 
 def test_models_the_fused_step_cannot_run_are_refused_with_the_reason() -> None:

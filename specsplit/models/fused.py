@@ -49,10 +49,23 @@ def fused_decode_unsupported(model: LlamaModel) -> str | None:
     return None
 
 
-class FusedLlama:
-    """LlamaModel's forward for a padded batch of B sequences of T tokens (B·T ≤ max_rows), as fused kernels."""
+def pdl_pays(hidden_size: int, rows: int, capability: tuple[int, int]) -> bool:
+    """Whether a fused step of `rows` tokens should launch its kernels with programmatic
+    dependent launch (Hopper and later): each kernel's programs start in the previous kernel's
+    last wave and wait there. Measured on the H200 (bench.verify_step, docs/benchmarks.md): at
+    SmolLM2's size (hidden 576) it makes the decode and verifies of 4 to 64 tokens 10-22%
+    faster (32 tokens: 5% slower); at Llama-3.1-8B's (hidden 4096) the decode 5% faster, a 16-token
+    verify 30% slower (its projection grids are many waves deep, and the next kernel's early
+    programs hold multiprocessors while they wait). So: decodes always; steps of several rows
+    up to a hidden size of 2048."""
+    return capability[0] >= 9 and (rows == 1 or hidden_size <= 2048)
 
-    def __init__(self, model: LlamaModel, pdl: bool = False) -> None:
+
+class FusedLlama:
+    """LlamaModel's forward for a padded batch of B sequences of T tokens (B·T ≤ max_rows), as
+    fused kernels. pdl: True or False for every step; None: per step, as pdl_pays says."""
+
+    def __init__(self, model: LlamaModel, pdl: bool | None = False) -> None:
         reason = fused_decode_unsupported(model)
         if reason:
             raise ValueError(reason)
@@ -60,8 +73,13 @@ class FusedLlama:
         from specsplit.models.kernels import decode, projections, verify
 
         self.model, self.pdl, self.k, self.proj, self.tree = model, pdl, decode, projections, verify
+        dev = model.embed_tokens.weight.device
+        self.capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
         self.max_rows = verify.MAX_ROWS
         self.ws = projections.Workspace(model.embed_tokens.weight.device)  # split projections' partials, counters
+
+    def pdl_for(self, rows: int) -> bool:
+        return self.pdl if self.pdl is not None else pdl_pays(self.model.cfg.hidden_size, rows, self.capability)
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens [B*T] of a padded batch (device tensors, so a graph replays any position) ->
@@ -77,14 +95,15 @@ class FusedLlama:
         assert batch.slots is not None
         b, t = batch.entries.shape
         if n == 1:
-            return self._decode(tokens, batch.positions, batch.slots, cache, batch.capture)
+            return self._decode(tokens, batch.positions, batch.slots, cache, batch.capture, self.pdl_for(1))
         mask = (torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril().expand(b, t, t).contiguous()
                 if batch.tree_mask is None else batch.tree_mask)
-        return self._rows(tokens, batch.positions, batch.entries, batch.slots, mask, cache, batch.capture)
+        return self._rows(tokens, batch.positions, batch.entries, batch.slots, mask, cache, batch.capture,
+                          self.pdl_for(n))
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
-                capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        m, cfg, pdl, k = self.model, self.model.cfg, self.pdl, self.k
+                capture: bool, pdl: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        m, cfg, k = self.model, self.model.cfg, self.k
         eps = cfg.rms_norm_eps
         cos, sin = m.rotary.cos, m.rotary.sin  # [max_pos, D] float32, sin signed
         h = m.embed_tokens(tokens).view(-1)  # [H]
@@ -104,8 +123,9 @@ class FusedLlama:
         return logits.view(1, -1), aux
 
     def _rows(self, tokens: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor, cache: KVCache, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        m, cfg, pdl, k, ws = self.model, self.model.cfg, self.pdl, self.proj, self.ws
+              mask: torch.Tensor, cache: KVCache, capture: bool, pdl: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        m, cfg, k, ws = self.model, self.model.cfg, self.proj, self.ws
         eps = cfg.rms_norm_eps
         cos, sin = m.rotary.cos, m.rotary.sin
         # every residual add also scales its output for the next RMS norm (kernels.projections.Normed)
