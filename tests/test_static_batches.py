@@ -89,3 +89,54 @@ def test_static_and_eager_engines_agree_with_sampling(tiny_target: Path, tiny_he
         assert a == b
     finally:
         eager.close()
+
+
+def test_verify_steps_accept_alike_on_every_path(tiny_target: Path) -> None:
+    """One verify step of a tree (the target's path at scattered nodes, twin siblings), a chain
+    accepted in part, and a row accepted on the host (path [0]), batched: the eager, padded and
+    fused-packed paths accept the same paths, give the same argmax, put the same KV entries at
+    the committed positions and the path's features first."""
+    from specsplit.runner.runner import ModelRunner, Row, Step
+    from tests.test_fused_decode import PaddedAsFused
+
+    model = tiny_model(tiny_target)
+    prompts = [p[:6] for p in TINY_PROMPTS[:3]]
+    ref = ModelRunner(model, 3, 64)
+    greedy = []
+    for slot, prompt in enumerate(prompts):  # each prompt's greedy continuation, 5 tokens
+        tokens = list(prompt)
+        for _ in range(5):
+            ((logits, _),) = ref.run(Step([Row(slot, 0, tokens)]))  # the whole sequence again
+            tokens.append(int(logits[-1].argmax()))
+        greedy.append(tokens[len(prompt):])
+    g0, g1, g2 = greedy
+    wrong = [(t + 1) % 512 for t in g0]
+    # row 0, a tree under g0[0]: wrong[1] and g0[1] twice (twins: the first, node 2, is walked), g0[2]
+    # under the second twin, g0[2] (node 5) then g0[3] (node 6) under the first
+    tree = Row(0, len(prompts[0]), [g0[0], wrong[1], g0[1], g0[1], g0[2], g0[2], g0[3]], [-1, 0, 0, 0, 3, 2, 5],
+               accept=True)
+    chain = Row(1, len(prompts[1]), [g1[0], g1[1], wrong[2]], accept=True)
+    host = Row(2, len(prompts[2]), [g2[0], g2[1]])
+    runners = {"eager": ModelRunner(model, 3, 64), "padded": ModelRunner(model, 3, 64, padded_tokens=16),
+               "fused": ModelRunner(model, 3, 64, fused=PaddedAsFused(model))}  # type: ignore[arg-type]
+    runners["padded"].padded = True
+    out = {}
+    for name, r in runners.items():
+        for slot, prompt in enumerate(prompts):
+            r.run(Step([Row(slot, 0, prompt)]))
+        out[name] = r.verify(Step([tree, chain, host], capture=True))
+    want = out["eager"]
+    assert [v.path for v in want] == [[0, 2, 5, 6], [0, 1], [0]]
+    assert want[0].best[3] == g0[4] and want[1].best[1] == g1[2]  # the target's token after the path
+    assert want[2].best == g2[1:3]
+    for name in ("padded", "fused"):
+        got = out[name]
+        for v, w, row in zip(got, want, (tree, chain, host), strict=True):
+            assert v.path == w.path and v.best == w.best
+            n = len(v.path)
+            assert v.features is not None and w.features is not None
+            torch.testing.assert_close(v.features[:n], w.features[:n], rtol=1e-4, atol=1e-4)
+            for a, b in ((runners[name].cache.k, runners["eager"].cache.k),
+                         (runners[name].cache.v, runners["eager"].cache.v)):
+                end = row.start + n  # the committed entries after the step
+                torch.testing.assert_close(a[:, row.slot, :end], b[:, row.slot, :end], rtol=1e-4, atol=1e-4)
