@@ -325,8 +325,8 @@ def _pack(rows: list[Row], b: int, t: int, tree: bool, verify: bool) -> tuple[to
         if tree:
             masks[i] = _causal(t)
             if row.parents:
-                ancestors, depth = _tree(row.parents)
-                masks[i, :n] = (np.array(ancestors, dtype=np.uint64)[:, None] >> _shifts(t)) & 1
+                mask, depth = _tree(tuple(row.parents), t)
+                masks[i, :n] = mask
                 positions = [row.start + d for d in depth] + entries[n:]
         fields[0] += [*row.tokens, *[0] * (t - n)]
         fields[1] += positions
@@ -344,23 +344,20 @@ def _pack(rows: list[Row], b: int, t: int, tree: bool, verify: bool) -> tuple[to
 
 
 @functools.cache
-def _shifts(t: int) -> np.ndarray:
-    return np.arange(t, dtype=np.uint64)
-
-
-@functools.cache
 def _causal(t: int) -> np.ndarray:
     return np.tril(np.ones((t, t), dtype=np.int64))
 
 
-def _tree(parents: list[int]) -> tuple[list[int], list[int]]:
-    """Each node's ancestors and itself as bits, and its depth (parents[i] < i; -1: the root's)."""
-    ancestors: list[int] = []
+@functools.lru_cache(maxsize=4096)
+def _tree(parents: tuple[int, ...], t: int) -> tuple[np.ndarray, list[int]]:
+    """A tree's mask rows [n, t] (each node's ancestors and itself) and each node's depth
+    (parents[i] < i; -1: the root's). Cached: a draft's trees often repeat their shape."""
+    ancestors: list[int] = []  # as bits
     depth: list[int] = []
     for i, p in enumerate(parents):
         ancestors.append((ancestors[p] if p >= 0 else 0) | 1 << i)
         depth.append(depth[p] + 1 if p >= 0 else 0)
-    return ancestors, depth
+    return (np.array(ancestors, dtype=np.uint64)[:, None] >> np.arange(t, dtype=np.uint64)) & 1, depth
 
 
 def padded_rows(rows: list[torch.Tensor], b: int, t: int) -> torch.Tensor:
