@@ -3,8 +3,8 @@ the engines' time per cycle (what bench.end_to_end reports as draft_us / verify_
 GPU time of the kernels they ran (torch.profiler, CUDA graphs on; the draft on its own GPU so
 that each GPU's kernels belong to one engine), the CUDA API calls that wait, and the host's
 busiest operators. Engine time well above its kernels' time means the host, not the GPU,
-decides the step. Then the same run without the profiler, and the target's last verify graph
-replayed alone: `verify_host_us` is the verify's engine time minus that replay, the target's
+decides the step. Then the same run without the profiler, and each engine's last graph replayed
+alone: `verify_host_us` (`draft_host_us`) is the engine's time a cycle minus that replay, its
 host work around its kernels. One JSON line per mode, then a summary line.
 
   python -m bench.cycle_anatomy --model shape:smollm2-135m --device cuda:0 --draft-device cuda:1
@@ -88,11 +88,24 @@ def timed(spent: dict[str, float], name: str, owner: object, attr: str) -> Itera
         setattr(owner, attr, fn)
 
 
+def replay_alone(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """µs a replay of `graph`, timed alone."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
 def unprofiled(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], new: int, steps: int, topk: int,
                tree: int, replays: int = 50) -> dict[str, Any]:
     """Engine µs per cycle without the profiler, the parts of the target's step (host time of
     packing its inputs, of the graph launch, of the whole runner step with its wait for the GPU,
-    of the ring write), and the last verify graph's replay µs, timed alone."""
+    of the ring write), and the last verify graph's and draft graph's replay µs, timed alone
+    (`*_host_us`: the engine's time a cycle minus that)."""
     spent: dict[str, float] = defaultdict(float)
     assert target.writer is not None
     with (timed(spent, "pack", runner_module, "_pack"), timed(spent, "launch", target.engine.runner.graphs, "run"),
@@ -102,17 +115,12 @@ def unprofiled(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], ne
     verify_us = run.verify_ms * 1e3 / run.cycles
     row = {"draft_engine_us": round(run.draft_ms * 1e3 / run.cycles, 1), "verify_engine_us": round(verify_us, 1),
            "verify_parts_us": {k: round(v * 1e6 / run.cycles, 1) for k, v in spent.items()}}
-    graph = target.engine.runner.graphs.last
-    if graph is not None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        replay_us = start.elapsed_time(end) * 1e3 / replays
-        row |= {"verify_replay_us": round(replay_us, 1), "verify_host_us": round(verify_us - replay_us, 1)}
+    for name, runtime, engine_us in (("verify", target, verify_us),
+                                     ("draft", draft, run.draft_ms * 1e3 / run.cycles if steps else 0.0)):
+        graph = runtime.engine.runner.graphs.last
+        if graph is not None and engine_us:
+            replay_us = replay_alone(graph, replays)
+            row |= {f"{name}_replay_us": round(replay_us, 1), f"{name}_host_us": round(engine_us - replay_us, 1)}
     return row
 
 
