@@ -54,15 +54,12 @@ def accept(best: torch.Tensor, expect: torch.Tensor, parent: torch.Tensor, ances
 
 def compact(cache: KVCache, slots: torch.Tensor, starts: torch.Tensor, path: torch.Tensor) -> None:
     """Move each row's KV entries start + path[d] to start + d, in every layer (trees: a chain's
-    path is already in place). slots, starts [B]; path [B, T]. Each of k and v is gathered
-    and written back as one row-indexed copy over (slot, entry) flattened."""
-    layers, slots_n, entries = cache.k.shape[:3]
-    base = slots[:, None] * entries + starts[:, None]  # [B, 1]
-    src = (base + path).flatten()  # [B*T]
-    dst = (base + torch.arange(path.shape[1], device=path.device)).flatten()
+    path is already in place). slots, starts [B]; path [B, T]."""
+    rows = slots[:, None]  # [B, 1]
+    src = starts[:, None] + path  # [B, T]
+    dst = starts[:, None] + torch.arange(path.shape[1], device=path.device)
     for kv in (cache.k, cache.v):  # [layers, slots, entries, kv_heads, head_dim]
-        flat = kv.view(layers, slots_n * entries, -1)
-        flat.index_copy_(1, dst, flat.index_select(1, src))
+        kv[:, rows, dst] = kv[:, rows, src]
 
 
 def verify_rows(logits: torch.Tensor, features: torch.Tensor | None, fields: torch.Tensor,
