@@ -136,13 +136,8 @@ class ModelRunner:
         host = ints.tolist()
         if ints.dim() == 1:  # eager: every row's argmax, then the accepting rows' readback
             return self._eager_verified(step, outputs, host)
-        out = []
-        for r, (logits, features), row in zip(step.rows, outputs, host, strict=False):
-            t = (len(row) - 1) // 2
-            n = len(r.tokens)
-            path, best = row[1 : 1 + t], row[1 + t :]
-            out.append(Verified(logits, features, path[: row[0]], [best[j] for j in range(t) if path[j] < n]))
-        return out
+        return [Verified(logits, features, *_accepted(row, len(r.tokens)))
+                for r, (logits, features), row in zip(step.rows, outputs, host, strict=False)]
 
     def _eager_verified(self, step: Step, outputs: list[RowOutput], host: list[int]) -> list[Verified]:
         out, at = [], 0
@@ -150,13 +145,9 @@ class ModelRunner:
             out.append(Verified(logits, features, [0], host[at : at + len(r.tokens)]))
             at += len(r.tokens)
         accepting = [v for r, v in zip(step.rows, out, strict=True) if r.accept]
-        if accepting:
-            t = ((len(host) - at) // len(accepting) - 1) // 2
-            for j, v in enumerate(accepting):
-                row = host[at + j * (1 + 2 * t) : at + (j + 1) * (1 + 2 * t)]
-                n = v.logits.shape[0]
-                path, best = row[1 : 1 + t], row[1 + t :]
-                v.path, v.best = path[: row[0]], [best[i] for i in range(t) if path[i] < n]
+        width = (len(host) - at) // len(accepting) if accepting else 0  # 1 + 2T
+        for j, v in enumerate(accepting):
+            v.path, v.best = _accepted(host[at + j * width : at + (j + 1) * width], v.logits.shape[0])
         return out
 
     def _step(self, step: Step, verify: bool) -> tuple[list[RowOutput], torch.Tensor | None]:
@@ -280,6 +271,14 @@ class ModelRunner:
         assert logits is not None
         parts = [slice(i * t, i * t + len(r.tokens)) for i, r in enumerate(rows)]
         return [(logits[p], None if extra is None else extra[p]) for p in parts], got[2] if verify else None
+
+
+def _accepted(row: list[int], n: int) -> tuple[list[int], list[int]]:
+    """One row's readback [accepted nodes, path (T), argmax along it (T)] for n real tokens ->
+    (the accepted path, the argmax after each real token: the path's first)."""
+    t = (len(row) - 1) // 2
+    path, best = row[1 : 1 + t], row[1 + t :]
+    return path[: row[0]], [best[j] for j in range(t) if path[j] < n]
 
 
 @dataclass
