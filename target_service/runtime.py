@@ -63,9 +63,18 @@ class TargetRuntime:
         self.engine = TargetEngine(cfg, self.model)
         if self.engine.runner.fused is not None:
             t0 = time.perf_counter()
-            with self._on_device():
-                self.engine.warm_up()
-            log.info("fused step's kernels compiled in %.1f s", time.perf_counter() - t0)
+            try:
+                with self._on_device():
+                    self.engine.warm_up()
+            except Exception as e:  # noqa: BLE001 - e.g. Triton finds no C compiler for its launcher
+                if cfg.fused_decode != "auto":
+                    raise
+                log.warning("the fused step's kernels do not compile here (%s: %s): the padded path serves",
+                            type(e).__name__, e)
+                self.engine.runner.fused = None
+                self.engine.runner.graphs.graphs.clear()
+            else:
+                log.info("fused step's kernels compiled in %.1f s", time.perf_counter() - t0)
         self.writer = None
         if tp.rank == 0:
             width = 3 * self.model.cfg.hidden_size

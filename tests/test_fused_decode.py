@@ -20,7 +20,7 @@ from specsplit.models.batch import Batch, tree_layout
 from specsplit.models.fused import FusedLlama, fused_decode_unsupported, pdl_pays
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import TensorParallel
-from specsplit.ops import Sampling
+from specsplit.ops import Prefill, Sampling, Verify
 from specsplit.runner.graphs import GraphCache
 from specsplit.runner.runner import ModelRunner, Row, Step
 from target_service.config import TargetConfig
@@ -347,3 +347,35 @@ def test_engine_serves_decode_and_verify_through_the_fused_step(tiny_target: Pat
     assert runs["pdl"][0] == runs["off"][0]
     assert runs["pdl"][1] == runs["pdl"][2] == runs["pdl"][0]
     assert runs["off"][1] == runs["off"][2] == runs["off"][0]
+
+
+def test_auto_falls_back_to_the_padded_path_when_the_kernels_do_not_compile(
+        tiny_target: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """--fused-decode auto on a machine where the fused step is chosen but its kernels fail to
+    compile (Triton without a C compiler, say): the target starts on the padded path and says
+    why; an explicit --fused-decode refuses to start instead."""
+    import target_service.engine as engine_module
+    from target_service.runtime import TargetRuntime
+
+    class Uncompilable(PaddedAsFused):
+        def __init__(self, model: LlamaModel, pdl: bool | None = None) -> None:
+            super().__init__(model)
+
+        def forward(self, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+            raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(engine_module, "FusedLlama", Uncompilable)
+    monkeypatch.setattr(engine_module, "fused_runs", lambda model: True)
+    cfg = TargetConfig(model=str(tiny_target), max_context=64).validate()
+    with caplog.at_level("WARNING", logger="specsplit.target"):
+        rt = TargetRuntime(cfg, TensorParallel())
+    try:
+        assert rt.engine.runner.fused is None and "padded path serves" in caplog.text
+        (res,), _ = rt.step([Prefill(1, [3, 14, 15], capture=False)], [])
+        (res,), _ = rt.step([Verify(1, [], capture=False)], [])
+        assert res.code == 0 and len(res.tokens) == 1
+    finally:
+        rt.close()
+    cfg.fused_decode = "on"  # (validated for CUDA only: set after)
+    with pytest.raises(RuntimeError, match="C compiler"):
+        TargetRuntime(cfg, TensorParallel())
