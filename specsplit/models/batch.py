@@ -9,8 +9,10 @@ Two layouts:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -95,20 +97,26 @@ class Batch:
         return self._masks[key]
 
 
-def tree_layout(start: int, parents: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """A tree of len(parents) tokens at entries start..: token i's parent is parents[i] (< i; -1
-    for none, i.e. it follows the committed entries). Returns each token's rotary position
-    (start + depth) and the (token, entry) pairs of the tree that each token sees: its
-    ancestors and itself. Plain lists: a whole tree's mask is then one indexed write."""
-    positions, rows, cols = [], [], []
-    seen: list[list[int]] = []
+@functools.lru_cache(maxsize=4096)
+def tree_ancestry(parents: tuple[int, ...], t: int) -> tuple[np.ndarray, list[int]]:
+    """A tree of n = len(parents) tokens (parents[i] < i; -1 for none, i.e. it follows the
+    committed entries) -> its mask rows [n, t] (t >= n; each token's ancestors and itself) and
+    each token's depth. Cached: a draft's trees often repeat their shape."""
+    ancestors: list[int] = []  # as bits
+    depth: list[int] = []
     for i, p in enumerate(parents):
-        own = [*(seen[p] if p >= 0 else []), start + i]
-        seen.append(own)
-        positions.append(start + len(own) - 1)
-        rows += [i] * len(own)
-        cols += own
-    return positions, rows, cols
+        ancestors.append((ancestors[p] if p >= 0 else 0) | 1 << i)
+        depth.append(depth[p] + 1 if p >= 0 else 0)
+    return (np.array(ancestors, dtype=np.uint64)[:, None] >> np.arange(t, dtype=np.uint64)) & 1, depth
+
+
+def tree_layout(start: int, parents: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """A tree (see tree_ancestry) at entries start..: each token's rotary position (start +
+    depth) and the (token, entry) pairs of the tree that each token sees: its ancestors and
+    itself. Plain lists: a whole tree's mask is then one indexed write."""
+    mask, depth = tree_ancestry(tuple(parents), len(parents))
+    rows, cols = np.nonzero(mask)
+    return [start + d for d in depth], rows.tolist(), (cols + start).tolist()
 
 
 def tree_segment(slot: int, start: int, parents: list[int], device: torch.device | str = "cpu") -> Segment:

@@ -76,7 +76,7 @@ class FusedLlama:
         dev = model.embed_tokens.weight.device
         self.capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
         self.max_rows = verify.MAX_ROWS
-        self.ws = projections.Workspace(model.embed_tokens.weight.device)  # split projections' partials, counters
+        self.ws = projections.Workspace(dev)  # split projections' partials, counters
 
     def pdl_for(self, rows: int) -> bool:
         return self.pdl if self.pdl is not None else pdl_pays(self.model.cfg.hidden_size, rows, self.capability)

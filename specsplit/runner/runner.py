@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specsplit.models.batch import Batch, Segment, tree_segment
+from specsplit.models.batch import Batch, Segment, tree_ancestry, tree_segment
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.fused import FusedLlama
 from specsplit.models.layers import KVCache
@@ -324,7 +324,7 @@ def _pack(rows: list[Row], b: int, t: int, tree: bool, verify: bool) -> tuple[to
         if tree:
             masks[i] = _causal(t)
             if row.parents:
-                mask, depth = _tree(tuple(row.parents), t)
+                mask, depth = tree_ancestry(tuple(row.parents), t)
                 masks[i, :n] = mask
                 positions = [row.start + d for d in depth] + entries[n:]
         fields[0] += [*row.tokens, *[0] * (t - n)]
@@ -345,18 +345,6 @@ def _pack(rows: list[Row], b: int, t: int, tree: bool, verify: bool) -> tuple[to
 @functools.cache
 def _causal(t: int) -> np.ndarray:
     return np.tril(np.ones((t, t), dtype=np.int64))
-
-
-@functools.lru_cache(maxsize=4096)
-def _tree(parents: tuple[int, ...], t: int) -> tuple[np.ndarray, list[int]]:
-    """A tree's mask rows [n, t] (each node's ancestors and itself) and each node's depth
-    (parents[i] < i; -1: the root's). Cached: a draft's trees often repeat their shape."""
-    ancestors: list[int] = []  # as bits
-    depth: list[int] = []
-    for i, p in enumerate(parents):
-        ancestors.append((ancestors[p] if p >= 0 else 0) | 1 << i)
-        depth.append(depth[p] + 1 if p >= 0 else 0)
-    return (np.array(ancestors, dtype=np.uint64)[:, None] >> np.arange(t, dtype=np.uint64)) & 1, depth
 
 
 def padded_rows(rows: list[torch.Tensor], b: int, t: int) -> torch.Tensor:
