@@ -5,7 +5,8 @@ that each GPU's kernels belong to one engine), the CUDA API calls that wait, and
 busiest operators. Engine time well above its kernels' time means the host, not the GPU,
 decides the step. Then the same run without the profiler, and each engine's last graph replayed
 alone: `verify_host_us` (`draft_host_us`) is the engine's time a cycle minus that replay, its
-host work around its kernels. One JSON line per mode, then a summary line.
+host work around its kernels, and that graph's kernels profiled (`verify_graph`, `draft_graph`:
+count, GPU µs and the heaviest by name, a replay). One JSON line per mode, then a summary line.
 
   python -m bench.cycle_anatomy --model shape:smollm2-135m --device cuda:0 --draft-device cuda:1
   python -m bench.cycle_anatomy --model <SmolLM2 GGUF> --head default ...   # the real head
@@ -100,8 +101,29 @@ def replay_alone(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / replays
 
 
+def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int, top: int) -> dict[str, Any]:
+    """The kernels of one replay of `graph` (torch.profiler over `replays` replays): their count,
+    GPU µs, and the `top` heaviest by name with calls and µs a replay."""
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name][0] += 1
+            per[ev.name][1] += ev.device_time_total
+    heavy = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels": round(sum(n for n, _ in per.values()) / replays, 1),
+            "kernel_us": round(sum(us for _, us in per.values()) / replays, 1),
+            "top": [{"kernel": name[:90], "calls": round(n / replays, 2), "us": round(us / replays, 1)}
+                    for name, (n, us) in heavy]}
+
+
 def unprofiled(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], new: int, steps: int, topk: int,
-               tree: int, replays: int = 50) -> dict[str, Any]:
+               tree: int, replays: int = 50, top: int = 25) -> dict[str, Any]:
     """Engine µs per cycle without the profiler, the parts of the target's step (host time of
     packing its inputs, of the graph launch, of the whole runner step with its wait for the GPU,
     of the ring write), and the last verify graph's and draft graph's replay µs, timed alone
@@ -120,7 +142,8 @@ def unprofiled(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], ne
         graph = runtime.engine.runner.graphs.last
         if graph is not None and engine_us:
             replay_us = replay_alone(graph, replays)
-            row |= {f"{name}_replay_us": round(replay_us, 1), f"{name}_host_us": round(engine_us - replay_us, 1)}
+            row |= {f"{name}_replay_us": round(replay_us, 1), f"{name}_host_us": round(engine_us - replay_us, 1),
+                    f"{name}_graph": graph_kernels(graph, 10, top)}
     return row
 
 
@@ -136,7 +159,8 @@ def main() -> None:
     p.add_argument("--num-steps", default="0,3,5", help="0: target-only; the others as chains and as trees")
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--num-draft-tokens", type=int, default=16)
-    p.add_argument("--top", type=int, default=12, help="host operators listed per mode")
+    p.add_argument("--top", type=int, default=12, help="host operators and graph kernels listed per mode")
+    p.add_argument("--draft-compile", action="store_true", help="the draft's --compile: cycle graphs compiled whole")
     cycle_overhead.add_fused_decode_arg(p)
     a = p.parse_args()
     t0 = time.time()
@@ -145,7 +169,8 @@ def main() -> None:
                                         fused_decode=a.fused_decode).validate(),
                            TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
-                                     max_context=1024, max_sequences=2, max_topk=max(8, a.topk)).validate())
+                                     max_context=1024, max_sequences=2, max_topk=max(8, a.topk),
+                                     compile=a.draft_compile).validate())
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
     prompt = [100 + (i * 37) % 5000 for i in range(a.prompt_tokens)]
@@ -156,12 +181,13 @@ def main() -> None:
         for steps, topk, tree in modes:
             generate(target, draft if steps else None, prompt, a.max_new_tokens, steps, None, topk, tree)  # warm-up
             row = profile_run(target, draft, prompt, a.max_new_tokens, steps, topk, tree, a.top)
-            row["unprofiled"] = unprofiled(target, draft, prompt, a.max_new_tokens, steps, topk, tree)
+            row["unprofiled"] = unprofiled(target, draft, prompt, a.max_new_tokens, steps, topk, tree, top=a.top)
             name = "target_only" if not steps else f"{'tree' if tree else 'chain'}{steps}"
             summary[name] = {"draft_engine_us": row["draft_engine_us"], "verify_engine_us": row["verify_engine_us"],
                              "gpu_kernel_us": row["gpu_kernel_us"], "unprofiled": row["unprofiled"]}
             print(json.dumps({"bench": "cycle_anatomy", "mode": name, "model": a.model, "head": a.head,
-                              "dtype": a.dtype, "fused_decode": a.fused_decode, **row}), flush=True)
+                              "dtype": a.dtype, "fused_decode": a.fused_decode,
+                              "draft_compile": a.draft_compile, **row}), flush=True)
     finally:
         target.close()
     print(json.dumps({"bench": "cycle_anatomy", "summary": "engine µs per cycle against their GPUs' kernel µs",

@@ -45,6 +45,16 @@ def per_cycle(label: str, steps: int, tokens: int, decode_s: float, cycles: int,
             "overhead_us": round(cycle_us - (draft_ms + verify_ms) * 1e3 / cycles, 1)}
 
 
+def add_compile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", action="store_true", help="the target's and the draft's --compile")
+    p.add_argument("--draft-compile", action="store_true", help="the draft's --compile only: its cycle graphs "
+                   "compiled whole (CUDA)")
+
+
+def draft_compiles(a: argparse.Namespace) -> bool:
+    return a.compile or a.draft_compile
+
+
 def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list[int]
                ) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
     target = TargetRuntime(TargetConfig(model=a.model, dtype=a.dtype, device=a.device, hidden_backend=a.backend,
@@ -52,7 +62,7 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
                                         fused_decode=a.fused_decode, forced_acceptance=forced(a) is not None,
                                         max_draft_tokens=max(16, tree_size(a))).validate(), TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
-                                     max_context=a.max_context, max_sequences=2, compile=a.compile,
+                                     max_context=a.max_context, max_sequences=2, compile=draft_compiles(a),
                                      max_topk=max(8, tree_topk(a))).validate())
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
@@ -162,7 +172,8 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                          hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
                          extra_target_args=[*engine_flags, *target_only, *service_extra, "--max-draft-tokens",
                                             str(max(16, tree_size(a))), "--fused-decode", a.fused_decode],
-                         extra_draft_args=[*engine_flags, *service_extra, "--max-topk", str(max(8, tree_topk(a)))],
+                         extra_draft_args=[*engine_flags, *(["--compile"] if a.draft_compile else []),
+                                           *service_extra, "--max-topk", str(max(8, tree_topk(a)))],
                          extra_gateway_args=[*replay, *trees, *gateway_extra],
                          gateway_module="bench.replay_gateway" if replay else "gateway",
                          step_sockets=not a.grpc_steps)
@@ -228,8 +239,7 @@ def main() -> None:
     p.add_argument("--inline-steps", action="store_true", help="services run steps on their event loop thread")
     p.add_argument("--grpc-steps", action="store_true",
                    help="the gateway's Steps over the gRPC streams (default: the services' Unix step sockets)")
-    p.add_argument("--compile", action="store_true", help="the target's and the draft's static forwards through "
-                   "torch.compile")
+    add_compile_args(p)
     add_fused_decode_arg(p)
     add_variant_args(p)
     a = p.parse_args()

@@ -93,8 +93,7 @@ def main() -> None:
     p.add_argument("--inline-steps", action="store_true", help="services run steps on their event loop thread")
     p.add_argument("--grpc-steps", action="store_true",
                    help="the gateway's Steps over the gRPC streams (default: the services' Unix step sockets)")
-    p.add_argument("--compile", action="store_true", help="the target's and the draft's static forwards through "
-                   "torch.compile")
+    cycle_overhead.add_compile_args(p)
     cycle_overhead.add_fused_decode_arg(p)
     p.add_argument("--topk", type=int, default=1, help="> 1: the draft proposes trees branching topk ways")
     p.add_argument("--num-draft-tokens", type=int, default=16, help="a tree's size counting the root (trees only)")
@@ -161,7 +160,8 @@ def main() -> None:
                       "in_process_target_only_tokens_per_s": base, "ratios": summary, "best_services": best,
                       "target_device": a.device, "draft_device": a.draft_device, "inline_steps": a.inline_steps,
                       "step_transport": "grpc stream" if a.grpc_steps else "unix socket",
-                      "compile": a.compile, "fused_decode": a.fused_decode, "variants": a.variants,
+                      "compile": a.compile, "draft_compile": cycle_overhead.draft_compiles(a),
+                      "fused_decode": a.fused_decode, "variants": a.variants,
                       "spin_us": a.spin_us,
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "commit": git_commit(), "machine": platform.machine(),

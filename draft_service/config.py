@@ -33,8 +33,9 @@ class DraftConfig:
     engine_thread: bool = flag(True, "--inline-steps", INLINE_HELP)
     cuda_graphs: bool = flag(True, "--no-cuda-graphs", "run the head eagerly on CUDA (default: CUDA graphs per shape "
                              "bucket)")
-    compile: bool = flag(False, "--compile", "experimental: fuse the head's static forward with torch.compile "
-                         "(inductor) before the CUDA graphs capture it; compiles on first use of each shape")
+    compile: bool = flag(False, "--compile", "experimental: compile each cycle's CUDA graph whole with torch.compile "
+                         "(inductor) before capturing it (without CUDA graphs: the head's padded forward); the "
+                         "first cycle of each new shape compiles (seconds to tens of seconds)")
     step_socket: str = flag("", "--step-socket", "also serve Step on this Unix socket, for a gateway on the same host "
                             "(default: gRPC only)", env="SPECSPLIT_DRAFT_STEP_SOCKET")
     step_socket_spin_us: float = flag(-1.0, "--step-socket-spin-us", SPIN_HELP)

@@ -85,8 +85,12 @@ class DraftEngine:
         # padded, from graphs on CUDA; room for them, chains and trees past the context
         longest = max(max_steps + 1, PUT_OFF_TOKENS)
         room = extend_bucket(longest) + max_steps + 1 + max_steps * max_topk
-        self.runner = ModelRunner(head, max_sequences, max_context + room, cuda_graphs=cuda_graphs, compile=compile,
-                                  padded_tokens=longest, row_bucket=extend_bucket)
+        # compile: on CUDA with graphs each cycle's graph compiled whole (its shapes are static), elsewhere
+        # the padded forward
+        whole = compile and cuda_graphs and next(head.parameters()).device.type == "cuda"
+        self.runner = ModelRunner(head, max_sequences, max_context + room, cuda_graphs=cuda_graphs,
+                                  compile=compile and not whole, compile_graphs=whole, padded_tokens=longest,
+                                  row_bucket=extend_bucket)
         self.seqs: dict[int, DraftSequence] = {}
         self.reader: HiddenReader | None = None
         self.device = self.runner.device

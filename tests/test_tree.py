@@ -11,7 +11,7 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
-from draft_service.tree import grow_trees, tree_result
+from draft_service.tree import grow_trees, top_log_probs, tree_result
 from gateway.config import GatewayConfig
 from gateway.local import LocalEngines
 from gateway.requests import InvalidRequest, ModelLimits, tree_shape
@@ -523,3 +523,14 @@ def test_a_draft_narrower_than_the_gateways_max_topk_is_not_used() -> None:
         recovery = Recovery(scheduler, None, Draft(max_topk), None, [], 8, 1.0, max_topk=8)
         assert asyncio.run(recovery.attach_draft()) is usable
         assert (scheduler.draft is None) is not usable
+
+
+@pytest.mark.parametrize("shape", [(3, 8192), (2, 4, 8192), (2, 32000), (1, 5000), (2, 40), (1, 1999)])
+def test_top_log_probs_by_slices_match_a_whole_row_top_k(shape: tuple[int, ...]) -> None:
+    """The draft's two-stage top-k (slices of the vocabulary, then their best) returns what a
+    top-k of the whole row's log-probabilities returns, values and indices, largest first."""
+    logits = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[-1]))
+    for k in (1, 2, 4, 8):
+        values, ids = top_log_probs(logits, k)
+        want = torch.log_softmax(logits, -1).topk(k)
+        assert torch.equal(values, want.values) and torch.equal(ids, want.indices)

@@ -5,16 +5,21 @@ growth) is captured once per key, e.g. (batch bucket, tokens per sequence, conte
 later steps of that key copy their inputs into the graph's input buffers and replay it: one
 launch instead of hundreds.
 With graphs disabled (or off CUDA) the same function runs eagerly on the same shapes, so
-the two modes compute the same kernels and give identical results.
+the two modes compute the same kernels and give identical results. With `compile`, each
+function is compiled whole for its key's shapes (torch.compile, inductor) before its graph
+captures it: its elementwise work, norms and index arithmetic become a few generated kernels.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.fx.experimental._config
+
+log = logging.getLogger("specsplit.graphs")
 
 Outputs = tuple[torch.Tensor | None, ...]
 StaticFn = Callable[..., Outputs]
@@ -47,8 +52,12 @@ class GraphCache:
     tensors: each is placed on the cache's device by one copy (into the graph's input
     buffer when replaying), so callers need not move them first."""
 
-    def __init__(self, device: torch.device, enabled: bool = True, max_graphs: int = 256) -> None:
+    def __init__(self, device: torch.device, enabled: bool = True, max_graphs: int = 256,
+                 compile: bool = False) -> None:
         self.enabled = enabled and device.type == "cuda"
+        self.compile = compile and self.enabled
+        if self.compile:  # one compiled variant per key: the graphed functions' code is shared by many keys
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, max_graphs)
         self.device, self.max_graphs = device, max_graphs
         self.graphs: dict[tuple[object, ...], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
@@ -70,7 +79,7 @@ class GraphCache:
         if captured is None:
             if len(self.graphs) >= self.max_graphs:  # shapes beyond the budget run eagerly
                 return fn(**{name: x.to(self.device) for name, x in inputs.items()})
-            captured = self.graphs[key] = self._capture(fn, inputs)
+            captured = self.graphs[key] = self._capture(key, fn, inputs)
         else:
             for name, x in inputs.items():
                 captured.inputs[name].copy_(x, non_blocking=True)
@@ -79,7 +88,10 @@ class GraphCache:
         self.last = captured.graph
         return captured.outputs
 
-    def _capture(self, fn: StaticFn, inputs: dict[str, torch.Tensor]) -> _Captured:
+    def _capture(self, key: tuple[object, ...], fn: StaticFn, inputs: dict[str, torch.Tensor]) -> _Captured:
+        if self.compile:
+            log.info("compiling the graph of %s (its first use)", key)
+            fn = torch.compile(fn, dynamic=False)
         static = {name: x.to(self.device, copy=True) for name, x in inputs.items()}
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

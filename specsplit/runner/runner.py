@@ -75,18 +75,20 @@ class Verified:
 
 class ModelRunner:
     def __init__(self, model: Model, slots: int, max_len: int, *, cuda_graphs: bool = True,
-                 compile: bool = False, fused: FusedLlama | None = None, padded_tokens: int = 0,
-                 row_bucket: Callable[[int], int] | None = None) -> None:
+                 compile: bool = False, compile_graphs: bool = False, fused: FusedLlama | None = None,
+                 padded_tokens: int = 0, row_bucket: Callable[[int], int] | None = None) -> None:
         """`slots` sequences of up to `max_len` KV entries each; rows of up to `padded_tokens`
         tokens run padded on CUDA, to the longest row (or its `row_bucket`: fewer graphs); `fused`
-        (a FusedLlama) takes the steps whose padded rows fit it."""
+        (a FusedLlama) takes the steps whose padded rows fit it. `compile`: the padded forward
+        compiled once for all shapes; `compile_graphs`: each graphed function compiled whole for
+        its shapes before capture (CUDA graphs only)."""
         self.model = model
         self.device = next(model.parameters()).device
         pack_for_cpu(model, pack=not compile)  # (inductor lowers oneDNN's packed products only in frozen graphs)
         self.cache: KVCache = model.new_cache(slots + 1, max_len)  # the extra slot takes padding rows
         self.pad_slot = slots
         self._free = list(range(slots - 1, -1, -1))
-        self.graphs = GraphCache(self.device, cuda_graphs)
+        self.graphs = GraphCache(self.device, cuda_graphs, compile=compile_graphs)
         self.padded = self.device.type == "cuda"  # steps of short rows padded (tests turn it on on the CPU)
         self.padded_tokens = padded_tokens
         self.row_bucket = row_bucket
