@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.tree import grow_trees, tree_result
+from draft_service.tree import fused_top_k, grow_trees, tree_result
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.ops import (
     MAX_EARLIER,
@@ -94,6 +94,7 @@ class DraftEngine:
         self.seqs: dict[int, DraftSequence] = {}
         self.reader: HiddenReader | None = None
         self.device = self.runner.device
+        self.top_k = fused_top_k(self.device)  # the proposal's log-softmax + top-k as one kernel (CUDA)
         self.vocab = head.cfg.vocab_size
         self.epoch = 0  # the lease new sequences belong to (0: none)
 
@@ -261,7 +262,7 @@ class DraftEngine:
             return logits, prenorm
 
         return (torch.cat(grow_trees(forward, self.head.to_target_ids, logits, hidden, lengths, slots, topk, steps,
-                                     ctx), dim=1),)  # one copy to the host
+                                     ctx, self.top_k), dim=1),)  # one copy to the host
 
     def _sampled_chains(self, work: list[Work], logits: torch.Tensor, hidden: torch.Tensor, ends: list[int],
                         out: list[Proposal]) -> None:

@@ -18,16 +18,21 @@ chain is the tree of topk 1.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+MAX_FUSED_VOCAB = 16384  # kernels.topk.MAX_VOCAB (that module imports Triton)
+TOPK_SLICE = 1024  # vocabulary entries a first-stage top-k slice covers, about
+log = logging.getLogger("specsplit.draft")
 
 
 def grow_trees(forward: Forward, to_target_ids: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor,
-               hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, topk: int, steps: int, ctx: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, topk: int, steps: int, ctx: int,
+               fused_top_k: TopK | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grow B trees of `steps` levels at once. logits [B, Vd] and hidden [B, H] of each
     sequence after its extend; lengths [B] committed draft entries; slots [B].
     `forward(tokens, hidden, positions, slots, ctx, entries, visible)` is the head on a padded
@@ -35,7 +40,7 @@ def grow_trees(forward: Forward, to_target_ids: Callable[[torch.Tensor], torch.T
     ids [B, N], parents [B, N] (candidate index, -1 under the sequence) and the candidates
     best first [B, N] (stable: ties keep index order, so parents come before children)."""
     b, k, h = logits.shape[0], topk, hidden.shape[-1]
-    lp, ids = top_log_probs(logits, k)  # [B, K]
+    lp, ids = top_log_probs(logits, k, fused_top_k)  # [B, K]
     front_scores = lp.double().clamp(max=0.0)  # cumulative log-probabilities, in float64
     front_tokens = to_target_ids(ids)  # [B, K]
     tokens, scores = [front_tokens], [front_scores]
@@ -50,7 +55,7 @@ def grow_trees(forward: Forward, to_target_ids: Callable[[torch.Tensor], torch.T
         positions = (lengths + depth - 1)[:, None].expand(b, k)  # the chain's position for this depth
         visible = seen | (keys == entries[..., None])  # [B, K, ctx]
         out, prenorm = forward(front_tokens, inputs, positions, slots, ctx, entries, visible)  # [B,K,Vd], [B,K,H]
-        lp, ids = top_log_probs(out, k)  # [B, K, K]
+        lp, ids = top_log_probs(out, k, fused_top_k)  # [B, K, K]
         cand = (front_scores[..., None] + lp.double().clamp(max=0.0)).reshape(b, k * k)
         cand_tokens = to_target_ids(ids).reshape(b, k * k)
         tokens.append(cand_tokens)
@@ -67,24 +72,39 @@ def grow_trees(forward: Forward, to_target_ids: Callable[[torch.Tensor], torch.T
     return torch.cat(tokens, dim=1), torch.cat(parents, dim=1), order
 
 
-TOPK_SLICE = 1024  # vocabulary entries a first-stage top-k slice covers, about
+def fused_top_k(device: torch.device) -> TopK | None:
+    """The one-kernel log-softmax + top-k (specsplit.models.kernels.topk) on a CUDA device, once it
+    has run there and matched the unfused result; None elsewhere, without Triton, or where its
+    kernel does not compile (with a warning)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from specsplit.models.kernels.topk import top_log_probs as fused
+    except ImportError:  # torch without Triton
+        return None
+    try:
+        x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)).to(device)
+        values, ids = fused(x, 4)
+        want = torch.log_softmax(x, -1).topk(4)
+        if not torch.equal(ids, want.indices) or not torch.allclose(values, want.values):
+            raise RuntimeError("its result differs from log_softmax + topk")
+    except Exception as e:  # e.g. Triton without a C compiler
+        log.warning("the draft's fused top-k does not run here (%s): it takes the unfused path", e)
+        return None
+    return fused
 
 
-def _slices(v: int, k: int) -> int:
-    """How many equal slices of about TOPK_SLICE entries a vocabulary of v splits into (1: none)."""
-    for c in range(max(2, v // TOPK_SLICE), 4 * v // TOPK_SLICE + 1):
-        if v % c == 0 and v // c >= k:
-            return c
-    return 1
-
-
-def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_log_probs(logits: torch.Tensor, k: int, fused: TopK | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest log-probabilities of each row of logits [..., V] and their indices, largest
-    first (k = 1: the argmax). A top-k over a few rows of a whole vocabulary runs one GPU block per
-    row (~30 µs for 8192 entries on the H200); here the rows are cut into slices of TOPK_CHUNK
-    entries, each slice's top k taken in parallel, then the top k of those."""
+    first. With `fused` (fused_top_k's, CUDA) one kernel for vocabularies up to MAX_FUSED_VOCAB
+    (ties: the lowest index first); else a log-softmax, then for k = 1 the argmax, for more a
+    top-k in two stages (a top-k over a few rows of a whole vocabulary runs one GPU block per row,
+    ~30 µs for 8192 entries on the H200): the row cut into slices of about TOPK_SLICE entries,
+    each slice's top k, then the top k of those."""
+    v = logits.shape[-1]
+    if fused is not None and k <= v <= MAX_FUSED_VOCAB:
+        return fused(logits, k)
     lp = torch.log_softmax(logits.float(), dim=-1)
-    v = lp.shape[-1]
     if k == 1:
         best, ids = lp.max(dim=-1, keepdim=True)
         return best, ids
@@ -96,6 +116,14 @@ def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     offsets = torch.arange(0, v, v // chunks, device=lp.device)[:, None]  # [C, 1]
     values, at = part.values.flatten(-2).topk(k, dim=-1)  # [..., K] of the C·K
     return values, (part.indices + offsets).flatten(-2).gather(-1, at)
+
+
+def _slices(v: int, k: int) -> int:
+    """How many equal slices of about TOPK_SLICE entries a vocabulary of v splits into (1: none)."""
+    for c in range(max(2, v // TOPK_SLICE), 4 * v // TOPK_SLICE + 1):
+        if v % c == 0 and v // c >= k:
+            return c
+    return 1
 
 
 def tree_result(tokens: list[int], parents: list[int], order: list[int], topk: int, steps: int, keep: int

@@ -11,7 +11,7 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
-from draft_service.tree import grow_trees, top_log_probs, tree_result
+from draft_service.tree import fused_top_k, grow_trees, top_log_probs, tree_result
 from gateway.config import GatewayConfig
 from gateway.local import LocalEngines
 from gateway.requests import InvalidRequest, ModelLimits, tree_shape
@@ -22,6 +22,7 @@ from specsplit.runner.acceptance import accept, row_fields
 from specsplit.tokenizer import TextCodec
 from specsplit.transport.handoff.factory import open_reader
 from target_service.config import TargetConfig
+from tests.test_gpu_services import needs_gpus
 from tests.test_lossless import CHAT_PROMPTS, TINY_PROMPTS
 from tests.test_target_engine import runtime
 
@@ -534,3 +535,22 @@ def test_top_log_probs_by_slices_match_a_whole_row_top_k(shape: tuple[int, ...])
         values, ids = top_log_probs(logits, k)
         want = torch.log_softmax(logits, -1).topk(k)
         assert torch.equal(values, want.values) and torch.equal(ids, want.indices)
+
+
+@pytest.mark.gpu
+@pytest.mark.quick
+@needs_gpus(1)
+@pytest.mark.parametrize("shape", [(1, 8192), (4, 8192), (2, 4, 8192), (3, 40), (2, 16384), (5, 1000)])
+def test_fused_top_k_matches_log_softmax_top_k_on_the_gpu(shape: tuple[int, ...]) -> None:
+    """The draft's one-kernel log-softmax + top-k: the indices of log_softmax + topk, and its
+    log-probabilities to fp32 rounding; the engine takes it on CUDA."""
+    fused = fused_top_k(torch.device("cuda"))
+    assert fused is not None
+    logits = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[-1])).cuda() * 4
+    for k in (1, 2, 4, 8):
+        if k > shape[-1]:
+            continue
+        values, ids = top_log_probs(logits, k, fused)
+        want = torch.log_softmax(logits, -1).topk(k)
+        assert torch.equal(ids, want.indices)
+        torch.testing.assert_close(values, want.values, rtol=1e-6, atol=1e-6)
