@@ -97,3 +97,20 @@ def test_compiled_engine_in_cuda_graphs_is_lossless_fp32(tiny_target: Path, tiny
         assert engines.target.engine.runner.graphs.replays > 0 and sum(taus) / len(taus) > 1.5
     finally:
         engines.close()
+
+
+@pytest.mark.gpu
+@needs_gpus(1)
+def test_draft_cycle_graphs_compiled_whole_are_lossless_fp32(tiny_target: Path, tiny_head: Path) -> None:
+    """The draft's --compile on CUDA: each cycle graph (extend, proposal steps, fused top-k)
+    compiled whole before capture; speculation stays lossless."""
+    engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="float32",
+                                        hidden_backend="cuda_ipc", max_context=256),
+                           DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", dtype="float32",
+                                       max_context=256, compile=True))
+    try:
+        assert engines.draft is not None and engines.draft.engine.runner.graphs.compile
+        taus = check_lossless(engines, TINY_PROMPTS[:2], 16, {511}, range(3, 4), replay_rate=0.8)
+        assert sum(taus) / len(taus) > 1.5
+    finally:
+        engines.close()
