@@ -553,4 +553,4 @@ def test_fused_top_k_matches_log_softmax_top_k_on_the_gpu(shape: tuple[int, ...]
         values, ids = top_log_probs(logits, k, fused)
         want = torch.log_softmax(logits, -1).topk(k)
         assert torch.equal(ids, want.indices)
-        torch.testing.assert_close(values, want.values, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(values, want.values, rtol=1e-5, atol=1e-5)  # sums in another order
