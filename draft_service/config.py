@@ -36,6 +36,8 @@ class DraftConfig:
     compile: bool = flag(False, "--compile", "experimental: compile each cycle's CUDA graph whole with torch.compile "
                          "(inductor) before capturing it (without CUDA graphs: the head's padded forward); the "
                          "first cycle of each new shape compiles (seconds to tens of seconds)")
+    fused_head: bool = flag(False, "--fused-head", "experimental: the head's steps of up to 64 tokens as fused Triton "
+                            "kernels (CUDA, tensor parallelism 1; elsewhere the padded path)")
     step_socket: str = flag("", "--step-socket", "also serve Step on this Unix socket, for a gateway on the same host "
                             "(default: gRPC only)", env="SPECSPLIT_DRAFT_STEP_SOCKET")
     step_socket_spin_us: float = flag(-1.0, "--step-socket-spin-us", SPIN_HELP)

@@ -15,6 +15,7 @@ are one function in one CUDA graph, fed by one host copy and read back once.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ import torch
 
 from draft_service.tree import fused_top_k, grow_trees, tree_result
 from specsplit.models.eagle3 import Eagle3Head
+from specsplit.models.fused_head import FusedHead, fused_head_unsupported
 from specsplit.ops import (
     MAX_EARLIER,
     PUT_OFF_TOKENS,
@@ -40,6 +42,7 @@ from specsplit.runner.runner import ModelRunner, Row, Step, padded_rows
 from specsplit.sampling import probs_from_logits, sample
 from specsplit.transport.handoff.base import HiddenReader
 
+log = logging.getLogger("specsplit.draft")
 _DRAFT_SEED_SALT = 0x9E3779B97F4A7C15  # the draft's sampler must not share the target's stream
 
 
@@ -79,7 +82,7 @@ class Proposal:
 
 class DraftEngine:
     def __init__(self, head: Eagle3Head, max_sequences: int, max_context: int, max_steps: int,
-                 cuda_graphs: bool = True, compile: bool = False, max_topk: int = 8) -> None:
+                 cuda_graphs: bool = True, compile: bool = False, max_topk: int = 8, fused: bool = False) -> None:
         self.head, self.max_steps, self.max_context, self.max_topk = head, max_steps, max_context, max_topk
         # extends of up to max_steps + 1 tokens (a cycle's) or PUT_OFF_TOKENS (those put off, gateway.phases) run
         # padded, from graphs on CUDA; room for them, chains and trees past the context
@@ -87,10 +90,11 @@ class DraftEngine:
         room = extend_bucket(longest) + max_steps + 1 + max_steps * max_topk
         # compile: on CUDA with graphs each cycle's graph compiled whole (its shapes are static), elsewhere
         # the padded forward
-        whole = compile and cuda_graphs and next(head.parameters()).device.type == "cuda"
+        cuda = next(head.parameters()).device.type == "cuda"
+        whole = compile and cuda_graphs and cuda
         self.runner = ModelRunner(head, max_sequences, max_context + room, cuda_graphs=cuda_graphs,
                                   compile=compile and not whole, compile_graphs=whole, padded_tokens=longest,
-                                  row_bucket=extend_bucket)
+                                  row_bucket=extend_bucket, fused_head=fused_head(head) if fused and cuda else None)
         self.seqs: dict[int, DraftSequence] = {}
         self.reader: HiddenReader | None = None
         self.device = self.runner.device
@@ -305,6 +309,18 @@ class DraftEngine:
         if seq is not None:
             self.runner.release(seq.slot)
         return DraftResult(op.seq_id)
+
+
+def fused_head(head: Eagle3Head) -> FusedHead | None:
+    """The head's fused step where it runs (a head it supports, Triton), else None with a warning."""
+    reason = fused_head_unsupported(head)
+    if reason is None:
+        try:
+            return FusedHead(head)
+        except ImportError as e:
+            reason = str(e)
+    log.warning("the draft's fused head step does not run here (%s): the padded path", reason)
+    return None
 
 
 def _unpack(packed: torch.Tensor, shapes: dict[int, tuple[int, int, int]], topk: int

@@ -1,0 +1,114 @@
+"""The fused head step (specsplit.models.fused_head) computes what Eagle3Head.forward computes on a
+padded batch: an extend of the target's features (causal) and a draft tree's level (each node
+sees the committed entries, its ancestors' and its own). On a GPU; on the CPU under the Triton
+interpreter (TRITON_INTERPRET=1) too."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_service.config import DraftConfig
+from gateway.local import LocalEngines
+from gateway.scheduler import GenerationRequest
+from specsplit.models.batch import Batch
+from specsplit.models.config import Eagle3Config
+from specsplit.models.eagle3 import Eagle3Head
+from specsplit.ops import Sampling
+from target_service.config import TargetConfig
+from tests.test_lossless import TINY_PROMPTS, check_lossless
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = DEV == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = [pytest.mark.quick, *([] if INTERPRETED else [pytest.mark.gpu])]
+
+
+def _head(dtype: torch.dtype) -> Eagle3Head:
+    cfg = Eagle3Config(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32,
+                       vocab_size=600, draft_vocab_size=300, target_hidden_size=128, rope_theta=10000.0,
+                       rms_norm_eps=1e-5, max_position=512)
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        head = Eagle3Head(cfg).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return head.to(dtype)
+
+
+def _both(head: Eagle3Head, tokens: torch.Tensor, batch: Batch) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """(logits, pre-norm states, keys, values) of the head and of the fused step, each on a cache
+    of its own holding the same committed entries."""
+    from specsplit.models.fused_head import FusedHead
+
+    first = head.new_cache(3, 64)
+    g = torch.Generator().manual_seed(1)
+    for kv in (first.k, first.v):
+        kv.copy_(torch.randn(kv.shape, generator=g).to(kv))
+    outs = []
+    for fn in (head.forward, FusedHead(head).forward):
+        cache = head.new_cache(3, 64)
+        cache.k.copy_(first.k)
+        cache.v.copy_(first.v)
+        with torch.inference_mode():
+            logits, prenorm = fn(tokens, batch, cache)
+        outs.append((logits, prenorm, cache.k, cache.v))
+    return tuple(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_extend_matches_the_head(dtype: torch.dtype) -> None:
+    head = _head(dtype)
+    b, t = 2, 3
+    starts = torch.tensor([5, 17], device=DEV)
+    entries = starts[:, None] + torch.arange(t, device=DEV)  # [B, T]
+    tokens = torch.randint(0, 600, (b * t,), device=DEV)
+    features = torch.randn(b * t, 3 * 128, device=DEV).to(dtype)
+    batch = Batch.padded(entries, torch.tensor([2, 0], device=DEV), entries, 32, hidden=features.view(b, t, -1))
+    (want, got) = _both(head, tokens, batch)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
+    for x, y in zip(want, got, strict=True):
+        torch.testing.assert_close(y.float(), x.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_tree_level_matches_the_head(dtype: torch.dtype) -> None:
+    """A second level of a topk-3 tree: each node sees the committed entries, one node of the
+    first level (its parent) and itself."""
+    head = _head(dtype)
+    b, k, ctx = 2, 3, 32
+    lengths = torch.tensor([6, 11], device=DEV)
+    entries = lengths[:, None] + k + torch.arange(k, device=DEV)  # the level after the first
+    keys = torch.arange(ctx, device=DEV)
+    parent = lengths[:, None] + torch.tensor([[0, 0, 2], [1, 2, 2]], device=DEV)  # [B, K] first-level entries
+    visible = ((keys < lengths[:, None, None]) | (keys == parent[..., None]) | (keys == entries[..., None]))
+    positions = (lengths + 1)[:, None].expand(b, k)
+    tokens = torch.randint(0, 600, (b * k,), device=DEV)
+    prenorm = torch.randn(b, k, 128, device=DEV).to(dtype)
+    batch = Batch.padded(positions, torch.tensor([1, 2], device=DEV), entries, ctx, visible=visible, hidden=prenorm)
+    (want, got) = _both(head, tokens, batch)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
+    for x, y in zip(want, got, strict=True):
+        torch.testing.assert_close(y.float(), x.float(), **tol)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA device")
+def test_draft_with_the_fused_head_is_lossless_fp32(tiny_target: Path, tiny_head: Path) -> None:
+    """The draft service's --fused-head: its extends and tree levels run the fused step (in CUDA
+    graphs) and speculation stays lossless, chains and trees."""
+    engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="float32",
+                                        hidden_backend="cuda_ipc", max_context=256),
+                           DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", dtype="float32",
+                                       max_context=256, fused_head=True))
+    try:
+        assert engines.draft is not None and engines.draft.engine.runner.fused_head is not None
+        taus = check_lossless(engines, TINY_PROMPTS[:2], 16, {511}, range(3, 4), replay_rate=0.8)
+        assert sum(taus) / len(taus) > 1.5
+        base = engines.generate([GenerationRequest(p, 16, Sampling(), set(), 0) for p in TINY_PROMPTS[:2]])
+        trees = engines.generate([GenerationRequest(p, 16, Sampling(), set(), 4, 3, 8) for p in TINY_PROMPTS[:2]])
+        assert [r.tokens for r in trees] == [r.tokens for r in base]
+    finally:
+        engines.close()
