@@ -160,6 +160,7 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--num-draft-tokens", type=int, default=16)
     p.add_argument("--top", type=int, default=12, help="host operators and graph kernels listed per mode")
+    p.add_argument("--draft-fused-head", action="store_true", help="the draft's --fused-head")
     p.add_argument("--draft-compile", action="store_true", help="the draft's --compile: cycle graphs compiled whole")
     cycle_overhead.add_fused_decode_arg(p)
     a = p.parse_args()
@@ -170,7 +171,7 @@ def main() -> None:
                            TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
                                      max_context=1024, max_sequences=2, max_topk=max(8, a.topk),
-                                     compile=a.draft_compile).validate())
+                                     compile=a.draft_compile, fused_head=a.draft_fused_head).validate())
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
     prompt = [100 + (i * 37) % 5000 for i in range(a.prompt_tokens)]
@@ -187,7 +188,7 @@ def main() -> None:
                              "gpu_kernel_us": row["gpu_kernel_us"], "unprofiled": row["unprofiled"]}
             print(json.dumps({"bench": "cycle_anatomy", "mode": name, "model": a.model, "head": a.head,
                               "dtype": a.dtype, "fused_decode": a.fused_decode,
-                              "draft_compile": a.draft_compile, **row}), flush=True)
+                              "draft_compile": a.draft_compile, "draft_fused_head": a.draft_fused_head, **row}), flush=True)
     finally:
         target.close()
     print(json.dumps({"bench": "cycle_anatomy", "summary": "engine µs per cycle against their GPUs' kernel µs",

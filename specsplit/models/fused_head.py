@@ -69,15 +69,17 @@ class FusedHead:
         hidden = batch.hidden
         if hidden.shape[-1] != cfg.hidden_size:
             hidden = m.fc(hidden.to(m.fc.weight.dtype))  # [N, H]
+        hidden = hidden.contiguous()  # the residual of o_proj: read row by row
+        positions, entries = batch.positions.contiguous(), batch.entries.contiguous()  # views of packed inputs
         x = torch.cat([mid.input_layernorm(m.embed_tokens(tokens)), mid.hidden_norm(hidden)], dim=-1)  # [N, 2H]
         qkv = F.linear(x, mid.self_attn.qkv_proj.weight)  # [N, (Hq + 2 Hkv) * D]
         mask = visible = None
         if batch.visible is not None:
-            visible = batch.visible
+            visible = batch.visible.contiguous()
         else:
             mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril().expand(b, t, t).contiguous()
         shard = mid.self_attn.shard
-        o = self.attn.tree_attention(qkv, m.rotary.cos, m.rotary.sin, batch.positions, batch.entries, batch.slots,
+        o = self.attn.tree_attention(qkv, m.rotary.cos, m.rotary.sin, positions, entries, batch.slots,
                                      mask, cache.k[0], cache.v[0], shard.q_count, shard.kv_count, ws.counters, ws.sms,
                                      self.pdl, visible=visible)  # [N, Hq * D]
         h, normed = k.mm_residual(o, mid.self_attn.o_proj.weight, hidden, self.pdl, ws,
