@@ -188,7 +188,8 @@ def main() -> None:
                              "gpu_kernel_us": row["gpu_kernel_us"], "unprofiled": row["unprofiled"]}
             print(json.dumps({"bench": "cycle_anatomy", "mode": name, "model": a.model, "head": a.head,
                               "dtype": a.dtype, "fused_decode": a.fused_decode,
-                              "draft_compile": a.draft_compile, "draft_fused_head": a.draft_fused_head, **row}), flush=True)
+                              "draft_compile": a.draft_compile, "draft_fused_head": a.draft_fused_head, **row}),
+                  flush=True)
     finally:
         target.close()
     print(json.dumps({"bench": "cycle_anatomy", "summary": "engine µs per cycle against their GPUs' kernel µs",
