@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -99,6 +101,8 @@ class DraftEngine:
         self.reader: HiddenReader | None = None
         self.device = self.runner.device
         self.top_k = fused_top_k(self.device)  # the proposal's log-softmax + top-k as one kernel (CUDA)
+        # with the fused head: each tree level's bookkeeping as one kernel too
+        self.level = level_kernel(head) if self.runner.fused_head is not None else None
         self.vocab = head.cfg.vocab_size
         self.epoch = 0  # the lease new sequences belong to (0: none)
 
@@ -266,7 +270,7 @@ class DraftEngine:
             return logits, prenorm
 
         return (torch.cat(grow_trees(forward, self.head.to_target_ids, logits, hidden, lengths, slots, topk, steps,
-                                     ctx, self.top_k), dim=1),)  # one copy to the host
+                                     ctx, self.top_k, self.level), dim=1),)  # one copy to the host
 
     def _sampled_chains(self, work: list[Work], logits: torch.Tensor, hidden: torch.Tensor, ends: list[int],
                         out: list[Proposal]) -> None:
@@ -321,6 +325,16 @@ def fused_head(head: Eagle3Head) -> FusedHead | None:
             reason = str(e)
     log.warning("the draft's fused head step does not run here (%s): the padded path", reason)
     return None
+
+
+def level_kernel(head: Eagle3Head) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """kernels.tree.tree_level with the head's draft-to-target id map bound."""
+    from specsplit.models.kernels.tree import tree_level  # Triton: the fused head imports it too
+
+    def level(lp: torch.Tensor, ids: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, ...]:
+        return tree_level(lp, ids, head.d2t, *rest)
+
+    return level
 
 
 def _unpack(packed: torch.Tensor, shapes: dict[int, tuple[int, int, int]], topk: int

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from draft_service.config import DraftConfig
+from draft_service.tree import grow_trees
 from gateway.local import LocalEngines
 from gateway.scheduler import GenerationRequest
 from specsplit.models.batch import Batch
@@ -112,3 +113,33 @@ def test_draft_with_the_fused_head_is_lossless_fp32(tiny_target: Path, tiny_head
         assert [r.tokens for r in trees] == [r.tokens for r in base]
     finally:
         engines.close()
+
+
+@pytest.mark.parametrize("topk,steps", [(1, 4), (2, 3), (4, 5), (8, 3)])
+def test_fused_tree_level_grows_the_same_trees(topk: int, steps: int) -> None:
+    """grow_trees with a level's bookkeeping in one kernel (kernels.tree.tree_level) grows what
+    the unfused levels grow: candidates, scores' order, parents, and each level's inputs,
+    entries, positions and views."""
+    from specsplit.models.kernels.tree import tree_level
+    from tests.test_tree import FakeHead
+
+    head, g = FakeHead(), torch.Generator().manual_seed(topk * 10 + steps)
+    logits, hidden = torch.randn(3, 40, generator=g).to(DEV), torch.randn(3, 6, generator=g).to(DEV)
+    head.tok, head.mix, head.emb = head.tok.to(DEV), head.mix.to(DEV), head.emb.to(DEV)
+    lengths, slots = torch.tensor([5, 9, 1], device=DEV), torch.tensor([2, 0, 1], device=DEV)
+    d2t = 2 * torch.arange(40, device=DEV) + 1  # FakeHead's ids map to 3·id + 1
+
+    def level(*args: torch.Tensor | int) -> tuple[torch.Tensor, ...]:
+        lp, ids, *rest = args
+        return tree_level(lp, ids, d2t, *rest)  # type: ignore[arg-type]
+
+    grown, seen = [], []
+    for fused in (None, level):
+        head.seen = []
+        grown.append(grow_trees(head.forward, head.to_target_ids, logits, hidden, lengths, slots, topk, steps, 40,
+                                fused_level=fused))
+        seen.append(head.seen)
+    for x, y in zip(*grown, strict=True):
+        assert torch.equal(x, y)
+    for (p0, e0, v0), (p1, e1, v1) in zip(*seen, strict=True):
+        assert torch.equal(p0, p1) and torch.equal(e0, e1) and torch.equal(v0, v1)
