@@ -3,7 +3,7 @@ padded batch of B sequences of T tokens (B·T ≤ kernels.verify.MAX_ROWS): an e
 features through fc, causal), or one level of a draft tree (the head's own pre-norm states, each
 node seeing the committed entries, its ancestors' and its own).
 
-    x   = [rms_norm(E[tokens]), rms_norm(hidden)]           embedding, two norms (torch)
+    x   = [rms_norm(E[tokens]), rms_norm(hidden)]           head_input
     qkv = W_qkv · x                                          one GEMM (torch)
     o   = attention(rope(q), rope(k) → cache, v → cache)     tree_attention (visible rows or causal)
     h   = hidden + W_o · o                                   mm_residual (+ the next norm's input)
@@ -11,7 +11,7 @@ node seeing the committed entries, its ancestors' and its own).
     h'  = h + W_down · a                                     mm_residual (the pre-norm states)
     logits = W_lm · rms_norm(h')                             norm_mm, float32
 
-The unfused head runs ~60 kernels a step; this runs ~10.
+The unfused head runs ~60 kernels a step; this runs seven (eight for an extend: fc).
 """
 
 from __future__ import annotations
@@ -46,9 +46,11 @@ class FusedHead:
         reason = fused_head_unsupported(head)
         if reason:
             raise ValueError(reason)
-        from specsplit.models.kernels import projections, verify  # Triton: imported only when made
+        from specsplit.models.kernels import head as head_kernels  # Triton: imported only when made
+        from specsplit.models.kernels import projections, verify
 
         self.head, self.pdl, self.proj, self.attn = head, pdl, projections, verify
+        self.input = head_kernels.head_input
         dev = head.fc.weight.device
         self.max_rows = verify.MAX_ROWS
         self.ws = projections.Workspace(dev)
@@ -71,7 +73,8 @@ class FusedHead:
             hidden = m.fc(hidden.to(m.fc.weight.dtype))  # [N, H]
         hidden = hidden.contiguous()  # the residual of o_proj: read row by row
         positions, entries = batch.positions.contiguous(), batch.entries.contiguous()  # views of packed inputs
-        x = torch.cat([mid.input_layernorm(m.embed_tokens(tokens)), mid.hidden_norm(hidden)], dim=-1)  # [N, 2H]
+        x = self.input(tokens, m.embed_tokens.weight, hidden, mid.input_layernorm.weight, mid.hidden_norm.weight,
+                       eps)  # [N, 2H]
         qkv = F.linear(x, mid.self_attn.qkv_proj.weight)  # [N, (Hq + 2 Hkv) * D]
         mask = visible = None
         if batch.visible is not None:
