@@ -25,7 +25,7 @@ import torch
 from bench.plain_loop import LoopRun, generate
 from bench.replay import LABEL, Replayer
 from bench.spec_vs_baseline import git_commit
-from draft_service.config import DraftConfig
+from draft_service.config import FUSED_HEAD, DraftConfig
 from draft_service.runtime import DraftRuntime
 from gateway.forced import ForcedAcceptance
 from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
@@ -49,7 +49,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="the target's and the draft's --compile")
     p.add_argument("--draft-compile", action="store_true", help="the draft's --compile only: its cycle graphs "
                    "compiled whole (CUDA)")
-    p.add_argument("--draft-fused-head", action="store_true", help="the draft's --fused-head")
+    p.add_argument("--draft-fused-head", default="auto", choices=FUSED_HEAD, help="the draft's --fused-head")
 
 
 def draft_compiles(a: argparse.Namespace) -> bool:
@@ -174,7 +174,7 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                          extra_target_args=[*engine_flags, *target_only, *service_extra, "--max-draft-tokens",
                                             str(max(16, tree_size(a))), "--fused-decode", a.fused_decode],
                          extra_draft_args=[*engine_flags, *(["--compile"] if a.draft_compile else []),
-                                           *(["--fused-head"] if a.draft_fused_head else []),
+                                           "--fused-head", a.draft_fused_head,
                                            *service_extra, "--max-topk", str(max(8, tree_topk(a)))],
                          extra_gateway_args=[*replay, *trees, *gateway_extra],
                          gateway_module="bench.replay_gateway" if replay else "gateway",

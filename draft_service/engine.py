@@ -84,7 +84,7 @@ class Proposal:
 
 class DraftEngine:
     def __init__(self, head: Eagle3Head, max_sequences: int, max_context: int, max_steps: int,
-                 cuda_graphs: bool = True, compile: bool = False, max_topk: int = 8, fused: bool = False) -> None:
+                 cuda_graphs: bool = True, compile: bool = False, max_topk: int = 8, fused: str = "auto") -> None:
         self.head, self.max_steps, self.max_context, self.max_topk = head, max_steps, max_context, max_topk
         # extends of up to max_steps + 1 tokens (a cycle's) or PUT_OFF_TOKENS (those put off, gateway.phases) run
         # padded, from graphs on CUDA; room for them, chains and trees past the context
@@ -96,7 +96,7 @@ class DraftEngine:
         whole = compile and cuda_graphs and cuda
         self.runner = ModelRunner(head, max_sequences, max_context + room, cuda_graphs=cuda_graphs,
                                   compile=compile and not whole, compile_graphs=whole, padded_tokens=longest,
-                                  row_bucket=extend_bucket, fused_head=fused_head(head) if fused and cuda else None)
+                                  row_bucket=extend_bucket, fused_head=fused_head(head, fused) if cuda else None)
         self.seqs: dict[int, DraftSequence] = {}
         self.reader: HiddenReader | None = None
         self.device = self.runner.device
@@ -129,7 +129,13 @@ class DraftEngine:
                 gen = op.hidden.generation if isinstance(op, ExtendPropose) else 0
                 results[i] = DraftResult(op.seq_id, e.code, str(e), consumed_generation=gen)
         if work:
-            for w, p in zip(work, self._extend_and_propose(work), strict=True):
+            try:
+                proposals = self._extend_and_propose(work)  # its readback passes every use of the features
+            except BaseException:
+                if self.device.type == "cuda":  # the features read may still be in use: done before the reply
+                    torch.cuda.current_stream(self.device).synchronize()
+                raise
+            for w, p in zip(work, proposals, strict=True):
                 results[w.index] = DraftResult(w.op.seq_id, draft_ids=p.ids, draft_dists=p.dists,
                                                consumed_generation=w.op.hidden.generation, draft_parents=p.parents)
         ended = time.time_ns()
@@ -315,15 +321,20 @@ class DraftEngine:
         return DraftResult(op.seq_id)
 
 
-def fused_head(head: Eagle3Head) -> FusedHead | None:
-    """The head's fused step where it runs (a head it supports, Triton), else None with a warning."""
+def fused_head(head: Eagle3Head, mode: str) -> FusedHead | None:
+    """The head's fused step for --fused-head `mode` (auto, on, off) on CUDA: None for off, or for
+    auto where it does not run (a head it does not support, no Triton; logged); on raises there."""
+    if mode == "off":
+        return None
     reason = fused_head_unsupported(head)
     if reason is None:
         try:
             return FusedHead(head)
         except ImportError as e:
             reason = str(e)
-    log.warning("the draft's fused head step does not run here (%s): the padded path", reason)
+    if mode == "on":
+        raise ValueError(f"--fused-head on: {reason}")
+    log.info("the draft's fused head step does not run here (%s): the padded path", reason)
     return None
 
 

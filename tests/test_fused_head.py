@@ -100,15 +100,18 @@ def test_fused_head_tree_level_matches_the_head(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA device")
-def test_draft_with_the_fused_head_is_lossless_fp32(tiny_target: Path, tiny_head: Path) -> None:
-    """The draft service's --fused-head: its extends and tree levels run the fused step (in CUDA
-    graphs) and speculation stays lossless, chains and trees."""
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_draft_with_and_without_the_fused_head_is_lossless_fp32(tiny_target: Path, tiny_head: Path,
+                                                               mode: str) -> None:
+    """The draft service's --fused-head on: its extends and tree levels run the fused step (in CUDA
+    graphs); off: the padded path. Speculation stays lossless either way, chains and trees."""
     engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="float32",
                                         hidden_backend="cuda_ipc", max_context=256),
                            DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", dtype="float32",
-                                       max_context=256, fused_head=True))
+                                       max_context=256, fused_head=mode))
     try:
-        assert engines.draft is not None and engines.draft.engine.runner.fused_head is not None
+        assert engines.draft is not None
+        assert (engines.draft.engine.runner.fused_head is not None) == (mode == "on")
         taus = check_lossless(engines, TINY_PROMPTS[:2], 16, {511}, range(3, 4), replay_rate=0.8)
         assert sum(taus) / len(taus) > 1.5
         base = engines.generate([GenerationRequest(p, 16, Sampling(), set(), 0) for p in TINY_PROMPTS[:2]])
