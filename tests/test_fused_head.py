@@ -48,13 +48,13 @@ def _both(head: Eagle3Head, tokens: torch.Tensor, batch: Batch) -> tuple[tuple[t
     of its own holding the same committed entries."""
     from specsplit.models.fused_head import FusedHead
 
-    first = head.new_cache(3, 64)
+    first = head.new_cache(5, 64)
     g = torch.Generator().manual_seed(1)
     for kv in (first.k, first.v):
         kv.copy_(torch.randn(kv.shape, generator=g).to(kv))
     outs = []
     for fn in (head.forward, FusedHead(head).forward):
-        cache = head.new_cache(3, 64)
+        cache = head.new_cache(5, 64)
         cache.k.copy_(first.k)
         cache.v.copy_(first.v)
         with torch.inference_mode():
@@ -76,6 +76,24 @@ def test_fused_head_extend_matches_the_head(dtype: torch.dtype) -> None:
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
     for x, y in zip(want, got, strict=True):
         torch.testing.assert_close(y.float(), x.float(), **tol)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_fused_head_reads_the_engines_packed_inputs(t: int) -> None:
+    """Four sequences whose tokens, positions, slots and entries are strided views of one integer
+    tensor, as the draft engine's one host copy gives them ([B, 2T + 2]: tokens, positions, slot,
+    first entry): each sequence reads its own slot and tokens."""
+    head, b = _head(torch.float32), 4
+    starts = torch.tensor([5, 17, 9, 30])
+    slots = torch.tensor([[4], [0], [3], [1]])
+    ints = torch.cat([torch.randint(0, 600, (b, t)), starts[:, None] + torch.arange(t), slots, starts[:, None]],
+                     dim=1).to(DEV)  # [B, 2T + 2]
+    positions, slots = ints[:, t : 2 * t], ints[:, 2 * t]
+    features = torch.randn(b, t, 3 * 128, device=DEV)
+    batch = Batch.padded(positions, slots, positions, 48, hidden=features)
+    (want, got) = _both(head, ints[:, :t].reshape(b * t), batch)
+    for x, y in zip(want, got, strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -72,7 +72,8 @@ class FusedHead:
         if hidden.shape[-1] != cfg.hidden_size:
             hidden = m.fc(hidden.to(m.fc.weight.dtype))  # [N, H]
         hidden = hidden.contiguous()  # the residual of o_proj: read row by row
-        positions, entries = batch.positions.contiguous(), batch.entries.contiguous()  # views of packed inputs
+        # views of packed inputs, read by the kernels as contiguous
+        positions, entries, slots = batch.positions.contiguous(), batch.entries.contiguous(), batch.slots.contiguous()
         x = self.input(tokens, m.embed_tokens.weight, hidden, mid.input_layernorm.weight, mid.hidden_norm.weight,
                        eps)  # [N, 2H]
         qkv = F.linear(x, mid.self_attn.qkv_proj.weight)  # [N, (Hq + 2 Hkv) * D]
@@ -82,7 +83,7 @@ class FusedHead:
         else:
             mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril().expand(b, t, t).contiguous()
         shard = mid.self_attn.shard
-        o = self.attn.tree_attention(qkv, m.rotary.cos, m.rotary.sin, positions, entries, batch.slots,
+        o = self.attn.tree_attention(qkv, m.rotary.cos, m.rotary.sin, positions, entries, slots,
                                      mask, cache.k[0], cache.v[0], shard.q_count, shard.kv_count, ws.counters, ws.sms,
                                      self.pdl, visible=visible)  # [N, Hq * D]
         h, normed = k.mm_residual(o, mid.self_attn.o_proj.weight, hidden, self.pdl, ws,

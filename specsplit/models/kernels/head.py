@@ -33,6 +33,6 @@ def head_input(tokens: torch.Tensor, embedding: torch.Tensor, hidden: torch.Tens
     out = torch.empty(n, 2 * h, dtype=hidden.dtype, device=hidden.device)
     block = triton.next_power_of_2(h)
     if n:
-        _head_input[(n,)](tokens, embedding, hidden, embed_norm, hidden_norm, out, h, embedding.stride(0),
+        _head_input[(n,)](tokens.contiguous(), embedding, hidden, embed_norm, hidden_norm, out, h, embedding.stride(0),
                           hidden.stride(0), eps, BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return out

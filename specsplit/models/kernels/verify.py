@@ -176,7 +176,9 @@ def tree_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
         raise ValueError("tree_attention needs a mask or visible")
     if k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or cos.shape[-1] != d or not mask.is_contiguous():
         raise ValueError("tree_attention needs a contiguous [slots, max_len, kv_heads, head_dim] cache and mask")
-    if qkv.shape[0] != b * t or (visible is None and mask.shape != (b, t, t)) or not entries.is_contiguous():
+    if not (entries.is_contiguous() and positions.is_contiguous() and slots.is_contiguous()):
+        raise ValueError("tree_attention reads entries, positions and slots as contiguous tensors")
+    if qkv.shape[0] != b * t or (visible is None and mask.shape != (b, t, t)):
         raise ValueError(f"tree_attention: {qkv.shape[0]} rows for entries {tuple(entries.shape)} and mask "
                          f"{tuple(mask.shape)}")
     block, warps, _ = ATTENTION_BLOCK
