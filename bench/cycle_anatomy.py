@@ -6,7 +6,11 @@ busiest operators. Engine time well above its kernels' time means the host, not 
 decides the step. Then the same run without the profiler, and each engine's last graph replayed
 alone: `verify_host_us` (`draft_host_us`) is the engine's time a cycle minus that replay, its
 host work around its kernels, and that graph's kernels profiled (`verify_graph`, `draft_graph`:
-count, GPU µs and the heaviest by name, a replay). One JSON line per mode, then a summary line.
+count, GPU µs and the heaviest by name, a replay), with the host time of its launch from an idle
+GPU and its time until done (`*_launch`), and the parts of each engine's step timed by wrapping
+them (`verify_parts_us`, `draft_parts_us`: the draft's reads of the target's features, its graph
+launches with their input copies, its readback of the proposals with the wait for the GPU).
+One JSON line per mode, then a summary line.
 
   python -m bench.cycle_anatomy --model shape:smollm2-135m --device cuda:0 --draft-device cuda:1
   python -m bench.cycle_anatomy --model <SmolLM2 GGUF> --head default ...   # the real head
@@ -28,7 +32,8 @@ import torch
 from bench import cycle_overhead
 from bench.plain_loop import generate
 from bench.spec_vs_baseline import git_commit
-from draft_service.config import DraftConfig
+from draft_service import engine as draft_engine_module
+from draft_service.config import FUSED_HEAD, DraftConfig
 from draft_service.runtime import DraftRuntime
 from specsplit.models.parallel import TensorParallel
 from specsplit.runner import runner as runner_module
@@ -101,6 +106,22 @@ def replay_alone(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / replays
 
 
+def launch_costs(graph: torch.cuda.CUDAGraph, replays: int) -> dict[str, float]:
+    """From an idle GPU: µs of host time in `graph.replay()` (the launch), and µs until the
+    replay is done (launch, kernels, synchronisation), each a median of `replays`."""
+    launch, done = [], []
+    for _ in range(replays):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        launch.append(t1 - t0)
+        done.append(time.perf_counter() - t0)
+    return {"launch_host_us": round(sorted(launch)[replays // 2] * 1e6, 1),
+            "replay_and_sync_us": round(sorted(done)[replays // 2] * 1e6, 1)}
+
+
 def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int, top: int) -> dict[str, Any]:
     """The kernels of one replay of `graph` (torch.profiler over `replays` replays): their count,
     GPU µs, and the `top` heaviest by name with calls and µs a replay."""
@@ -130,20 +151,25 @@ def unprofiled(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], ne
     (`*_host_us`: the engine's time a cycle minus that)."""
     spent: dict[str, float] = defaultdict(float)
     assert target.writer is not None
+    drafted: dict[str, float] = defaultdict(float)
     with (timed(spent, "pack", runner_module, "_pack"), timed(spent, "launch", target.engine.runner.graphs, "run"),
           timed(spent, "runner_step", target.engine.runner, "verify"),
-          timed(spent, "ring_write", target.writer, "write_all")):
+          timed(spent, "ring_write", target.writer, "write_all"),
+          timed(drafted, "read", draft.engine, "_check_and_read"),
+          timed(drafted, "launch", draft.engine.runner.graphs, "run"),
+          timed(drafted, "readback", draft_engine_module, "_unpack")):
         run = generate(target, draft if steps else None, prompt, new, steps, None, topk, tree)
     verify_us = run.verify_ms * 1e3 / run.cycles
     row = {"draft_engine_us": round(run.draft_ms * 1e3 / run.cycles, 1), "verify_engine_us": round(verify_us, 1),
-           "verify_parts_us": {k: round(v * 1e6 / run.cycles, 1) for k, v in spent.items()}}
+           "verify_parts_us": {k: round(v * 1e6 / run.cycles, 1) for k, v in spent.items()},
+           "draft_parts_us": {k: round(v * 1e6 / run.cycles, 1) for k, v in drafted.items()}}
     for name, runtime, engine_us in (("verify", target, verify_us),
                                      ("draft", draft, run.draft_ms * 1e3 / run.cycles if steps else 0.0)):
         graph = runtime.engine.runner.graphs.last
         if graph is not None and engine_us:
             replay_us = replay_alone(graph, replays)
             row |= {f"{name}_replay_us": round(replay_us, 1), f"{name}_host_us": round(engine_us - replay_us, 1),
-                    f"{name}_graph": graph_kernels(graph, 10, top)}
+                    f"{name}_launch": launch_costs(graph, replays), f"{name}_graph": graph_kernels(graph, 10, top)}
     return row
 
 
@@ -160,6 +186,7 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--num-draft-tokens", type=int, default=16)
     p.add_argument("--top", type=int, default=12, help="host operators and graph kernels listed per mode")
+    p.add_argument("--draft-fused-head", default="auto", choices=FUSED_HEAD, help="the draft's --fused-head")
     p.add_argument("--draft-compile", action="store_true", help="the draft's --compile: cycle graphs compiled whole")
     cycle_overhead.add_fused_decode_arg(p)
     a = p.parse_args()
@@ -170,7 +197,7 @@ def main() -> None:
                            TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
                                      max_context=1024, max_sequences=2, max_topk=max(8, a.topk),
-                                     compile=a.draft_compile).validate())
+                                     compile=a.draft_compile, fused_head=a.draft_fused_head).validate())
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
     prompt = [100 + (i * 37) % 5000 for i in range(a.prompt_tokens)]
@@ -187,7 +214,8 @@ def main() -> None:
                              "gpu_kernel_us": row["gpu_kernel_us"], "unprofiled": row["unprofiled"]}
             print(json.dumps({"bench": "cycle_anatomy", "mode": name, "model": a.model, "head": a.head,
                               "dtype": a.dtype, "fused_decode": a.fused_decode,
-                              "draft_compile": a.draft_compile, **row}), flush=True)
+                              "draft_compile": a.draft_compile, "draft_fused_head": a.draft_fused_head, **row}),
+                  flush=True)
     finally:
         target.close()
     print(json.dumps({"bench": "cycle_anatomy", "summary": "engine µs per cycle against their GPUs' kernel µs",

@@ -25,7 +25,7 @@ import torch
 from bench.plain_loop import LoopRun, generate
 from bench.replay import LABEL, Replayer
 from bench.spec_vs_baseline import git_commit
-from draft_service.config import DraftConfig
+from draft_service.config import FUSED_HEAD, DraftConfig
 from draft_service.runtime import DraftRuntime
 from gateway.forced import ForcedAcceptance
 from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
@@ -49,6 +49,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="the target's and the draft's --compile")
     p.add_argument("--draft-compile", action="store_true", help="the draft's --compile only: its cycle graphs "
                    "compiled whole (CUDA)")
+    p.add_argument("--draft-fused-head", default="auto", choices=FUSED_HEAD, help="the draft's --fused-head")
 
 
 def draft_compiles(a: argparse.Namespace) -> bool:
@@ -63,7 +64,7 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
                                         max_draft_tokens=max(16, tree_size(a))).validate(), TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
                                      max_context=a.max_context, max_sequences=2, compile=draft_compiles(a),
-                                     max_topk=max(8, tree_topk(a))).validate())
+                                     fused_head=a.draft_fused_head, max_topk=max(8, tree_topk(a))).validate())
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
     try:
@@ -173,6 +174,7 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                          extra_target_args=[*engine_flags, *target_only, *service_extra, "--max-draft-tokens",
                                             str(max(16, tree_size(a))), "--fused-decode", a.fused_decode],
                          extra_draft_args=[*engine_flags, *(["--compile"] if a.draft_compile else []),
+                                           "--fused-head", a.draft_fused_head,
                                            *service_extra, "--max-topk", str(max(8, tree_topk(a)))],
                          extra_gateway_args=[*replay, *trees, *gateway_extra],
                          gateway_module="bench.replay_gateway" if replay else "gateway",

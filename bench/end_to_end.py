@@ -161,7 +161,7 @@ def main() -> None:
                       "target_device": a.device, "draft_device": a.draft_device, "inline_steps": a.inline_steps,
                       "step_transport": "grpc stream" if a.grpc_steps else "unix socket",
                       "compile": a.compile, "draft_compile": cycle_overhead.draft_compiles(a),
-                      "fused_decode": a.fused_decode, "variants": a.variants,
+                      "fused_decode": a.fused_decode, "draft_fused_head": a.draft_fused_head, "variants": a.variants,
                       "spin_us": a.spin_us,
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "commit": git_commit(), "machine": platform.machine(),

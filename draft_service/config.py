@@ -10,6 +10,7 @@ from specsplit.flags import flag
 SPIN_HELP = ("after each reply, poll the step socket this many µs for the next request before a blocking read (a core "
              "kept busy while serving, no wake-up from idle; 0: block at once; -1, the default: 20000 on CUDA, 0 on "
              "CPU)")
+FUSED_HEAD = ("auto", "on", "off")
 INLINE_HELP = ("run gRPC Step calls on the event loop thread instead of an engine thread (less latency per step; "
                "health checks wait while a step runs); the step socket always steps on its own connection thread")
 
@@ -36,6 +37,10 @@ class DraftConfig:
     compile: bool = flag(False, "--compile", "experimental: compile each cycle's CUDA graph whole with torch.compile "
                          "(inductor) before capturing it (without CUDA graphs: the head's padded forward); the "
                          "first cycle of each new shape compiles (seconds to tens of seconds)")
+    fused_head: str = flag("auto", "--fused-head", "the head's steps of up to 64 tokens (extends, chain and tree "
+                           "levels) and each tree level's bookkeeping as fused Triton kernels: auto (default) wherever "
+                           "they run (CUDA, tensor parallelism 1, a head they support; elsewhere the padded path), on "
+                           "(refuse to start where they do not), off (the padded path)", choices=FUSED_HEAD)
     step_socket: str = flag("", "--step-socket", "also serve Step on this Unix socket, for a gateway on the same host "
                             "(default: gRPC only)", env="SPECSPLIT_DRAFT_STEP_SOCKET")
     step_socket_spin_us: float = flag(-1.0, "--step-socket-spin-us", SPIN_HELP)
@@ -52,6 +57,10 @@ class DraftConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        if self.fused_head not in FUSED_HEAD:
+            raise ValueError(f"fused_head {self.fused_head!r} not in {FUSED_HEAD}")
+        if self.fused_head == "on" and not self.device.startswith("cuda"):
+            raise ValueError("fused_head on needs a CUDA device")
         check_step_socket(self.step_socket)
         check_spin_us(self.step_socket_spin_us)
         return self

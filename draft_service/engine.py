@@ -15,13 +15,17 @@ are one function in one CUDA graph, fed by one host copy and read back once.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from draft_service.tree import fused_top_k, grow_trees, tree_result
 from specsplit.models.eagle3 import Eagle3Head
+from specsplit.models.fused_head import FusedHead, fused_head_unsupported
 from specsplit.ops import (
     MAX_EARLIER,
     PUT_OFF_TOKENS,
@@ -40,6 +44,7 @@ from specsplit.runner.runner import ModelRunner, Row, Step, padded_rows
 from specsplit.sampling import probs_from_logits, sample
 from specsplit.transport.handoff.base import HiddenReader
 
+log = logging.getLogger("specsplit.draft")
 _DRAFT_SEED_SALT = 0x9E3779B97F4A7C15  # the draft's sampler must not share the target's stream
 
 
@@ -79,7 +84,7 @@ class Proposal:
 
 class DraftEngine:
     def __init__(self, head: Eagle3Head, max_sequences: int, max_context: int, max_steps: int,
-                 cuda_graphs: bool = True, compile: bool = False, max_topk: int = 8) -> None:
+                 cuda_graphs: bool = True, compile: bool = False, max_topk: int = 8, fused: str = "auto") -> None:
         self.head, self.max_steps, self.max_context, self.max_topk = head, max_steps, max_context, max_topk
         # extends of up to max_steps + 1 tokens (a cycle's) or PUT_OFF_TOKENS (those put off, gateway.phases) run
         # padded, from graphs on CUDA; room for them, chains and trees past the context
@@ -87,14 +92,17 @@ class DraftEngine:
         room = extend_bucket(longest) + max_steps + 1 + max_steps * max_topk
         # compile: on CUDA with graphs each cycle's graph compiled whole (its shapes are static), elsewhere
         # the padded forward
-        whole = compile and cuda_graphs and next(head.parameters()).device.type == "cuda"
+        cuda = next(head.parameters()).device.type == "cuda"
+        whole = compile and cuda_graphs and cuda
         self.runner = ModelRunner(head, max_sequences, max_context + room, cuda_graphs=cuda_graphs,
                                   compile=compile and not whole, compile_graphs=whole, padded_tokens=longest,
-                                  row_bucket=extend_bucket)
+                                  row_bucket=extend_bucket, fused_head=fused_head(head, fused) if cuda else None)
         self.seqs: dict[int, DraftSequence] = {}
         self.reader: HiddenReader | None = None
         self.device = self.runner.device
         self.top_k = fused_top_k(self.device)  # the proposal's log-softmax + top-k as one kernel (CUDA)
+        # with the fused head: each tree level's bookkeeping as one kernel too
+        self.level = level_kernel(head) if self.runner.fused_head is not None else None
         self.vocab = head.cfg.vocab_size
         self.epoch = 0  # the lease new sequences belong to (0: none)
 
@@ -121,7 +129,13 @@ class DraftEngine:
                 gen = op.hidden.generation if isinstance(op, ExtendPropose) else 0
                 results[i] = DraftResult(op.seq_id, e.code, str(e), consumed_generation=gen)
         if work:
-            for w, p in zip(work, self._extend_and_propose(work), strict=True):
+            try:
+                proposals = self._extend_and_propose(work)  # its readback passes every use of the features
+            except BaseException:
+                if self.device.type == "cuda":  # the features read may still be in use: done before the reply
+                    torch.cuda.current_stream(self.device).synchronize()
+                raise
+            for w, p in zip(work, proposals, strict=True):
                 results[w.index] = DraftResult(w.op.seq_id, draft_ids=p.ids, draft_dists=p.dists,
                                                consumed_generation=w.op.hidden.generation, draft_parents=p.parents)
         ended = time.time_ns()
@@ -262,7 +276,7 @@ class DraftEngine:
             return logits, prenorm
 
         return (torch.cat(grow_trees(forward, self.head.to_target_ids, logits, hidden, lengths, slots, topk, steps,
-                                     ctx, self.top_k), dim=1),)  # one copy to the host
+                                     ctx, self.top_k, self.level), dim=1),)  # one copy to the host
 
     def _sampled_chains(self, work: list[Work], logits: torch.Tensor, hidden: torch.Tensor, ends: list[int],
                         out: list[Proposal]) -> None:
@@ -305,6 +319,33 @@ class DraftEngine:
         if seq is not None:
             self.runner.release(seq.slot)
         return DraftResult(op.seq_id)
+
+
+def fused_head(head: Eagle3Head, mode: str) -> FusedHead | None:
+    """The head's fused step for --fused-head `mode` (auto, on, off) on CUDA: None for off, or for
+    auto where it does not run (a head it does not support, no Triton; logged); on raises there."""
+    if mode == "off":
+        return None
+    reason = fused_head_unsupported(head)
+    if reason is None:
+        try:
+            return FusedHead(head)
+        except ImportError as e:
+            reason = str(e)
+    if mode == "on":
+        raise ValueError(f"--fused-head on: {reason}")
+    log.info("the draft's fused head step does not run here (%s): the padded path", reason)
+    return None
+
+
+def level_kernel(head: Eagle3Head) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """kernels.tree.tree_level with the head's draft-to-target id map bound."""
+    from specsplit.models.kernels.tree import tree_level  # Triton: the fused head imports it too
+
+    def level(lp: torch.Tensor, ids: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, ...]:
+        return tree_level(lp, ids, head.d2t, *rest)
+
+    return level
 
 
 def _unpack(packed: torch.Tensor, shapes: dict[int, tuple[int, int, int]], topk: int

@@ -47,7 +47,7 @@ class DraftRuntime:
         self.cfg = cfg
         self.head = head or build_head(cfg)
         self.engine = DraftEngine(self.head, cfg.max_sequences, cfg.max_context, cfg.max_steps, cfg.cuda_graphs,
-                                  cfg.compile, cfg.max_topk)
+                                  cfg.compile, cfg.max_topk, cfg.fused_head)
         self.descriptor: Descriptor | None = None
         self.opens = 0  # hidden-store mappings opened: once per target, never per cycle
 

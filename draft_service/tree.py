@@ -32,13 +32,16 @@ log = logging.getLogger("specsplit.draft")
 
 def grow_trees(forward: Forward, to_target_ids: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor,
                hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, topk: int, steps: int, ctx: int,
-               fused_top_k: TopK | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               fused_top_k: TopK | None = None, fused_level: Callable[..., tuple[torch.Tensor, ...]] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grow B trees of `steps` levels at once. logits [B, Vd] and hidden [B, H] of each
     sequence after its extend; lengths [B] committed draft entries; slots [B].
     `forward(tokens, hidden, positions, slots, ctx, entries, visible)` is the head on a padded
     batch. Returns, for the N = topk + (steps - 1) * topk² candidates of each tree: target
     ids [B, N], parents [B, N] (candidate index, -1 under the sequence) and the candidates
-    best first [B, N] (stable: ties keep index order, so parents come before children)."""
+    best first [B, N] (stable: ties keep index order, so parents come before children).
+    `fused_top_k` and `fused_level` (kernels.tree.tree_level with the head's d2t bound) do a
+    level's top-k and bookkeeping in one kernel each on CUDA."""
     b, k, h = logits.shape[0], topk, hidden.shape[-1]
     lp, ids = top_log_probs(logits, k, fused_top_k)  # [B, K]
     front_scores = lp.double().clamp(max=0.0)  # cumulative log-probabilities, in float64
@@ -50,12 +53,21 @@ def grow_trees(forward: Forward, to_target_ids: Callable[[torch.Tensor], torch.T
     keys = torch.arange(ctx, device=logits.device)
     seen = (keys[None, :] < lengths[:, None])[:, None].expand(b, k, ctx)  # [B, K, ctx] committed entries
     lane = torch.arange(k, device=logits.device)
+    visible: torch.Tensor | None = None  # with fused_level: the next level's view, entries and positions
     for depth in range(1, steps):
-        entries = lengths[:, None] + (depth - 1) * k + lane  # [B, K] a level's nodes side by side
-        positions = (lengths + depth - 1)[:, None].expand(b, k)  # the chain's position for this depth
-        visible = seen | (keys == entries[..., None])  # [B, K, ctx]
+        if visible is None:
+            entries = lengths[:, None] + (depth - 1) * k + lane  # [B, K] a level's nodes side by side
+            positions = (lengths + depth - 1)[:, None].expand(b, k)  # the chain's position for this depth
+            visible = seen | (keys == entries[..., None])  # [B, K, ctx]
         out, prenorm = forward(front_tokens, inputs, positions, slots, ctx, entries, visible)  # [B,K,Vd], [B,K,H]
         lp, ids = top_log_probs(out, k, fused_top_k)  # [B, K, K]
+        if fused_level is not None:
+            cand, cand_tokens, under, front_scores, front_tokens, frontier, inputs, visible, entries, positions = \
+                fused_level(lp, ids, front_scores, frontier, lengths, prenorm, visible, k + (depth - 1) * k * k, depth)
+            tokens.append(cand_tokens)
+            scores.append(cand)
+            parents.append(under)
+            continue
         cand = (front_scores[..., None] + lp.double().clamp(max=0.0)).reshape(b, k * k)
         cand_tokens = to_target_ids(ids).reshape(b, k * k)
         tokens.append(cand_tokens)
@@ -67,6 +79,7 @@ def grow_trees(forward: Forward, to_target_ids: Callable[[torch.Tensor], torch.T
         parent_lane = best // k  # each new frontier node's parent, as a lane of this level
         inputs = prenorm.gather(1, parent_lane[..., None].expand(b, k, h))
         seen = visible.gather(1, parent_lane[..., None].expand(b, k, ctx))  # the parent's view, with its entry
+        visible = None
     all_scores = torch.cat(scores, dim=1)
     order = torch.sort(all_scores, dim=-1, descending=True, stable=True).indices
     return torch.cat(tokens, dim=1), torch.cat(parents, dim=1), order

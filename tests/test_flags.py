@@ -119,6 +119,7 @@ def test_service_flags_keep_their_behaviours(clean_env: pytest.MonkeyPatch, tmp_
     ("gateway", ["--num-steps", "99"], "gateway: configuration error: default_num_steps must be within"),
     ("target_service", ["--port", "0"], "target_service: configuration error: port 0 out of range"),
     ("draft_service", ["--max-topk", "0"], "draft_service: configuration error: max_topk must be >= 1"),
+    ("draft_service", ["--fused-head", "on"], "draft_service: configuration error: fused_head on needs a CUDA"),
 ])
 def test_a_configuration_error_exits_without_a_traceback(module: str, argv: list[str], message: str) -> None:
     r = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120)

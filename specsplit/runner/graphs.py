@@ -44,13 +44,17 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: dict[str, torch.Tensor]
     outputs: Outputs
+    staging: dict[str, torch.Tensor]  # pinned host copies of the host inputs: their copies run asynchronously
+    staged: torch.cuda.Event  # after the last copies out of `staging`
 
 
 class GraphCache:
     """Captured graphs by key. `run(key, fn, **inputs)` returns fn's outputs: the graph's
     static output tensors, valid until the next run of the same key. Inputs may be host
     tensors: each is placed on the cache's device by one copy (into the graph's input
-    buffer when replaying), so callers need not move them first."""
+    buffer when replaying), so callers need not move them first. A host input goes through a
+    pinned buffer of its graph: a copy from pageable memory would block the host until the
+    device has it, a pinned one is queued before the replay like a kernel."""
 
     def __init__(self, device: torch.device, enabled: bool = True, max_graphs: int = 256,
                  compile: bool = False) -> None:
@@ -81,8 +85,14 @@ class GraphCache:
                 return fn(**{name: x.to(self.device) for name, x in inputs.items()})
             captured = self.graphs[key] = self._capture(key, fn, inputs)
         else:
+            captured.staged.synchronize()  # the last replay's copies out of the staging buffers are done
             for name, x in inputs.items():
+                pinned = captured.staging.get(name)
+                if pinned is not None and x.device.type == "cpu":
+                    pinned.copy_(x)  # a host copy; the device copy below then runs without blocking the host
+                    x = pinned
                 captured.inputs[name].copy_(x, non_blocking=True)
+            captured.staged.record()
         captured.graph.replay()
         self.replays += 1
         self.last = captured.graph
@@ -102,7 +112,11 @@ class GraphCache:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             outputs = fn(**static)
-        return _Captured(graph, static, outputs)
+        staging = {name: torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for name, x in inputs.items()
+                   if x.device.type == "cpu"}
+        staged = torch.cuda.Event()
+        staged.record()
+        return _Captured(graph, static, outputs, staging, staged)
 
 
 RECOMPILE_LIMIT = 64  # variants of one compiled function: runners (target, draft) x capture x masks x inputs

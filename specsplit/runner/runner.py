@@ -31,6 +31,7 @@ import torch
 from specsplit.models.batch import Batch, Segment, tree_ancestry, tree_segment
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.fused import FusedLlama
+from specsplit.models.fused_head import FusedHead
 from specsplit.models.layers import KVCache
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import pack_for_cpu
@@ -76,10 +77,12 @@ class Verified:
 class ModelRunner:
     def __init__(self, model: Model, slots: int, max_len: int, *, cuda_graphs: bool = True,
                  compile: bool = False, compile_graphs: bool = False, fused: FusedLlama | None = None,
-                 padded_tokens: int = 0, row_bucket: Callable[[int], int] | None = None) -> None:
+                 fused_head: FusedHead | None = None, padded_tokens: int = 0,
+                 row_bucket: Callable[[int], int] | None = None) -> None:
         """`slots` sequences of up to `max_len` KV entries each; rows of up to `padded_tokens`
         tokens run padded on CUDA, to the longest row (or its `row_bucket`: fewer graphs); `fused`
-        (a FusedLlama) takes the steps whose padded rows fit it. `compile`: the padded forward
+        (a FusedLlama) takes the steps whose padded rows fit it; `fused_head` (a FusedHead) the
+        head's padded forwards that fit it. `compile`: the padded forward
         compiled once for all shapes; `compile_graphs`: each graphed function compiled whole for
         its shapes before capture (CUDA graphs only)."""
         self.model = model
@@ -92,7 +95,7 @@ class ModelRunner:
         self.padded = self.device.type == "cuda"  # steps of short rows padded (tests turn it on on the CPU)
         self.padded_tokens = padded_tokens
         self.row_bucket = row_bucket
-        self.fused = fused
+        self.fused, self.fused_head = fused, fused_head
         self.compiled = compile
         self._padded_fn = compile_static(self._padded_forward) if compile else self._padded_forward
         self.batch_buckets = pow2_buckets(1, slots)
@@ -181,7 +184,8 @@ class ModelRunner:
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t = tokens.shape
         batch = Batch.padded(positions, slots, entries, ctx, tree_mask, visible, capture, hidden)
-        logits, extra = self.model.forward(tokens.reshape(b * t), batch, self.cache)
+        head = self.fused_head if self.fused_head is not None and b * t <= self.fused_head.max_rows else None
+        logits, extra = (head or self.model).forward(tokens.reshape(b * t), batch, self.cache)
         return logits.view(b, t, -1), None if extra is None else extra.view(b, t, -1)
 
     def _run_eager(self, step: Step, verify: bool = False) -> tuple[list[RowOutput], torch.Tensor | None]:

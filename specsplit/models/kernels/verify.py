@@ -40,9 +40,10 @@ def _softmax_rows(scores, vb, m_i, den, acc, DOT: tl.constexpr):
 
 @triton.jit
 def _tree_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, slot_ptr, mask_ptr, k_ptr, v_ptr,
-                    out_ptr, part_ptr, c_ptr, stride_slot, stride_pos, T, HQ: tl.constexpr, HKV: tl.constexpr,
-                    D: tl.constexpr, scale, SPLITS: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+                    out_ptr, part_ptr, c_ptr, stride_slot, stride_pos, T, vis_ptr, stride_vb, stride_vt,
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale, SPLITS: tl.constexpr,
+                    USE_PDL: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+                    VISIBLE: tl.constexpr):
     h, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # query head, sequence, key range
     kvh = h // (HQ // HKV)
     qkv_ptr += b * T * stride_qkv  # this sequence's rows
@@ -68,11 +69,15 @@ def _tree_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, s
     ok = keys < hi
     kb = tl.load(k_base + keys[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_S, D]
     vb = tl.load(v_base + keys[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
+    vis_rows = vis_ptr + b * stride_vb + r * stride_vt  # VISIBLE: each token's row of visible [B, T, ctx]
     _wait(USE_PDL)
     q = _rotate_rows(qkv_ptr + h * D, stride_qkv, r, r_ok, d, half, D, cos, sin)  # [BLOCK_M, D]
     if split == 0:  # the new keys, from registers as the mask allows
-        seen = tl.load(mask_ptr + b * T * T + r[:, None] * T + r[None, :], mask=r_ok[:, None] & r_ok[None, :],
-                       other=0) != 0
+        if VISIBLE:
+            seen = tl.load(vis_rows[:, None] + (start + r)[None, :], mask=r_ok[:, None] & r_ok[None, :], other=0) != 0
+        else:
+            seen = tl.load(mask_ptr + b * T * T + r[:, None] * T + r[None, :], mask=r_ok[:, None] & r_ok[None, :],
+                           other=0) != 0
         seen = seen | (r[:, None] == r[None, :])  # padding rows see themselves: no row is all -inf
         k_new = _rotate_rows(qkv_ptr + (HQ + kvh) * D, stride_qkv, r, r_ok, d, half, D, cos, sin)
         v_new = tl.load(qkv_ptr + r[:, None] * stride_qkv + (HQ + HKV + kvh) * D + d[None, :], mask=r_ok[:, None],
@@ -90,14 +95,21 @@ def _tree_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, s
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         den = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    scores = tl.where(ok[None, :], tl.dot(q, tl.trans(kb), input_precision=DOT) * scale, float("-inf"))
+    allowed = ok[None, :]
+    if VISIBLE:
+        allowed = allowed & (tl.load(vis_rows[:, None] + keys[None, :], mask=r_ok[:, None] & ok[None, :], other=0) != 0)
+    scores = tl.where(allowed, tl.dot(q, tl.trans(kb), input_precision=DOT) * scale, float("-inf"))
     m_i, den, acc = _softmax_rows(scores, vb, m_i, den, acc, DOT)
     for s0 in range(lo + BLOCK_S, hi, BLOCK_S):
         blk_keys = s0 + tl.arange(0, BLOCK_S)
         valid = blk_keys < hi
         k_blk = tl.load(k_base + blk_keys[:, None] * stride_pos + d[None, :], mask=valid[:, None], other=0.0)
         v_blk = tl.load(v_base + blk_keys[:, None] * stride_pos + d[None, :], mask=valid[:, None], other=0.0)
-        blk = tl.where(valid[None, :], tl.dot(q, tl.trans(k_blk), input_precision=DOT) * scale, float("-inf"))
+        allowed = valid[None, :]
+        if VISIBLE:
+            allowed = allowed & (tl.load(vis_rows[:, None] + blk_keys[None, :], mask=r_ok[:, None] & valid[None, :],
+                                         other=0) != 0)
+        blk = tl.where(allowed, tl.dot(q, tl.trans(k_blk), input_precision=DOT) * scale, float("-inf"))
         m_i, den, acc = _softmax_rows(blk, v_blk, m_i, den, acc, DOT)
     out_at = out_ptr + (b * T + r)[:, None] * (HQ * D) + h * D + d[None, :]
     if SPLITS == 1:
@@ -138,23 +150,35 @@ def key_ranges(batch: int, num_heads: int, sms: int) -> int:
 
 
 def tree_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                   entries: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor,
+                   entries: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, counters: torch.Tensor,
-                   sms: int, pdl: bool = False) -> torch.Tensor:
+                   sms: int, pdl: bool = False, visible: torch.Tensor | None = None) -> torch.Tensor:
     """B sequences of T tokens: qkv [B*T, (Hq + 2 Hkv) * D] at rotary `positions` [B*T], written
     to KV entries `entries` [B, T] (each row consecutive: only its first is read) of `slots` [B];
     mask [B, T, T] (nonzero: token i sees new token j of its sequence); k_cache, v_cache
     [slots, max_len, Hkv, D] of this layer; counters: B·Hq int32 zeros (left at zero); sms: the
     GPU's multiprocessors. Every token sees its slot's committed entries [0, entries[b, 0])
-    -> [B*T, Hq * D].
+    -> [B*T, Hq * D]. With `visible` [B, T, ≥ entries + T] (bool or integers; instead of mask)
+    each token sees the entries its row names, committed and new (a draft's tree level: the
+    committed entries, its ancestors' and its own).
 
     The committed entries of each (query head, sequence) are split in `key_ranges` ranges, each a
     program; the last program of the group to finish combines their partial softmaxes in range
     order (the result does not depend on which finished last)."""
     (b, t), d = entries.shape, k_cache.shape[-1]
+    if visible is not None:
+        if visible.dtype == torch.bool:
+            visible = visible.view(torch.uint8)
+        if visible.shape[:2] != (b, t) or visible.stride(-1) != 1:
+            raise ValueError(f"tree_attention: visible {tuple(visible.shape)} for entries {tuple(entries.shape)}")
+        mask = visible  # unread
+    elif mask is None:
+        raise ValueError("tree_attention needs a mask or visible")
     if k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or cos.shape[-1] != d or not mask.is_contiguous():
         raise ValueError("tree_attention needs a contiguous [slots, max_len, kv_heads, head_dim] cache and mask")
-    if qkv.shape[0] != b * t or mask.shape != (b, t, t) or not entries.is_contiguous():
+    if not (entries.is_contiguous() and positions.is_contiguous() and slots.is_contiguous()):
+        raise ValueError("tree_attention reads entries, positions and slots as contiguous tensors")
+    if qkv.shape[0] != b * t or (visible is None and mask.shape != (b, t, t)):
         raise ValueError(f"tree_attention: {qkv.shape[0]} rows for entries {tuple(entries.shape)} and mask "
                          f"{tuple(mask.shape)}")
     block, warps, _ = ATTENTION_BLOCK
@@ -167,7 +191,8 @@ def tree_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
                         dtype=torch.float32)
     _tree_attention[(num_heads, b, splits)](
         qkv, qkv.stride(0), cos, sin, positions, entries, slots, mask, k_cache, v_cache, out, parts, counters,
-        k_cache.stride(0), k_cache.stride(1), t, HQ=num_heads, HKV=num_kv_heads, D=d, scale=d ** -0.5,
-        SPLITS=splits, BLOCK_S=block, num_warps=warps, USE_PDL=pdl, DOT=precision(qkv.dtype), BLOCK_M=bm,
-        **_launch(pdl))
+        k_cache.stride(0), k_cache.stride(1), t, mask if visible is None else visible,
+        0 if visible is None else visible.stride(0), 0 if visible is None else visible.stride(1), HQ=num_heads,
+        HKV=num_kv_heads, D=d, scale=d ** -0.5, SPLITS=splits, BLOCK_S=block, num_warps=warps, USE_PDL=pdl,
+        DOT=precision(qkv.dtype), BLOCK_M=bm, VISIBLE=visible is not None, **_launch(pdl))
     return out

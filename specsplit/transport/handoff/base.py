@@ -100,7 +100,10 @@ class HiddenWriter(Protocol):
 
 
 class HiddenReader(Protocol):
-    """Draft side: mapped once; reads the rows a reference points to."""
+    """Draft side: mapped once; reads the rows a reference points to. A read holds them until it
+    is acknowledged, when the writer may reuse them: on a GPU it can be a view of the ring or a
+    copy queued on the reader's current stream, so that stream must pass every use of it before
+    the reply that acknowledges it."""
 
     def read(self, offset: int, rows: int, inline: bytes = b"") -> torch.Tensor: ...
     def close(self) -> None: ...

@@ -161,10 +161,10 @@ class CudaIpcReader:
     def read(self, offset: int, rows: int, inline: bytes = b"") -> torch.Tensor:
         if offset < 0 or rows < 0 or offset + rows > self.ring.shape[0]:
             raise ValueError(f"reference [{offset}, {offset + rows}) outside the ring")
-        # a copy on the reader's device (the slot may be reused once acknowledged), complete on return
-        out = self.ring[offset : offset + rows].to(self.device, copy=True)
-        torch.cuda.current_stream(self.ring.device).synchronize()
-        return out
+        # a view where the ring is on the reader's device, else a copy queued there: either holds the rows only
+        # until the read is acknowledged (the writer reuses them then), so the reader's stream must pass its uses
+        # before it replies (the draft's readback of its proposals does)
+        return self.ring[offset : offset + rows].to(self.device)
 
     def close(self) -> None:
-        del self.ring  # reads returned copies, so this drops the last use: PyTorch unmaps and releases the counter
+        del self.ring  # reads live within a step, so this drops the last use: PyTorch unmaps, releases the counter

@@ -1,0 +1,96 @@
+"""The EAGLE-3 head's step on one GPU as fused kernels: what `Eagle3Head.forward` computes for a
+padded batch of B sequences of T tokens (B·T ≤ kernels.verify.MAX_ROWS): an extend (the target's
+features through fc, causal), or one level of a draft tree (the head's own pre-norm states, each
+node seeing the committed entries, its ancestors' and its own).
+
+    x   = [rms_norm(E[tokens]), rms_norm(hidden)]           head_input
+    qkv = W_qkv · x                                          one GEMM (torch)
+    o   = attention(rope(q), rope(k) → cache, v → cache)     tree_attention (visible rows or causal)
+    h   = hidden + W_o · o                                   mm_residual (+ the next norm's input)
+    a   = silu(W_g · rms_norm(h)) * (W_u · rms_norm(h))      gate_up_silu
+    h'  = h + W_down · a                                     mm_residual (the pre-norm states)
+    logits = W_lm · rms_norm(h')                             norm_mm, float32
+
+The unfused head runs ~60 kernels a step; this runs seven (eight for an extend: fc).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specsplit.models.batch import Batch
+from specsplit.models.eagle3 import Eagle3Head
+from specsplit.models.layers import KVCache
+
+
+def fused_head_unsupported(head: Eagle3Head) -> str | None:
+    """Why this head cannot run the fused step, or None."""
+    cfg = head.cfg
+    attn = head.midlayer.self_attn
+    if attn.shard.q_count != cfg.num_heads:
+        return "the fused head step runs on one GPU (tensor parallelism 1)"
+    if attn.qkv_proj.bias is not None or attn.q_norm is not None:
+        return "the fused head step supports neither attention biases nor q/k norms"
+    if cfg.head_dim & (cfg.head_dim - 1) or not 16 <= cfg.head_dim <= 256:
+        return f"the fused head step needs a power-of-two head_dim in 16..256, not {cfg.head_dim}"
+    if cfg.num_heads % cfg.num_kv_heads:
+        return "the fused head step needs num_heads divisible by num_kv_heads"
+    return None
+
+
+class FusedHead:
+    """Eagle3Head's forward for a padded batch of B·T ≤ max_rows tokens, as fused kernels."""
+
+    def __init__(self, head: Eagle3Head, pdl: bool = False) -> None:
+        reason = fused_head_unsupported(head)
+        if reason:
+            raise ValueError(reason)
+        from specsplit.models.kernels import head as head_kernels  # Triton: imported only when made
+        from specsplit.models.kernels import projections, verify
+
+        self.head, self.pdl, self.proj, self.attn = head, pdl, projections, verify
+        self.input = head_kernels.head_input
+        dev = head.fc.weight.device
+        self.max_rows = verify.MAX_ROWS
+        self.ws = projections.Workspace(dev)
+
+    def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B*T] and batch.hidden [B*T, 3H] (target features) or [B*T, H] (pre-norm
+        states) of a padded batch -> draft-vocab logits [B*T, Vd] float32, pre-norm states
+        [B*T, H], as Eagle3Head.forward. Each token writes its entry of batch.entries (consecutive
+        per sequence) and sees what batch.visible names, else the committed entries and the step's
+        tokens up to its own."""
+        m, cfg, k, ws = self.head, self.head.cfg, self.proj, self.ws
+        n = tokens.shape[0]
+        if not batch.is_padded or batch.entries is None or batch.entries.numel() != n or n > self.max_rows:
+            raise ValueError(f"a fused head step takes a padded batch of at most {self.max_rows} tokens, got {n}")
+        assert batch.slots is not None and batch.hidden is not None
+        b, t = batch.entries.shape
+        mid, eps = m.midlayer, cfg.rms_norm_eps
+        hidden = batch.hidden
+        if hidden.shape[-1] != cfg.hidden_size:
+            hidden = m.fc(hidden.to(m.fc.weight.dtype))  # [N, H]
+        hidden = hidden.contiguous()  # the residual of o_proj: read row by row
+        # views of packed inputs, read by the kernels as contiguous
+        positions, entries, slots = batch.positions.contiguous(), batch.entries.contiguous(), batch.slots.contiguous()
+        x = self.input(tokens, m.embed_tokens.weight, hidden, mid.input_layernorm.weight, mid.hidden_norm.weight,
+                       eps)  # [N, 2H]
+        qkv = F.linear(x, mid.self_attn.qkv_proj.weight)  # [N, (Hq + 2 Hkv) * D]
+        mask = visible = None
+        if batch.visible is not None:
+            visible = batch.visible.contiguous()
+        else:
+            mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril().expand(b, t, t).contiguous()
+        shard = mid.self_attn.shard
+        o = self.attn.tree_attention(qkv, m.rotary.cos, m.rotary.sin, positions, entries, slots,
+                                     mask, cache.k[0], cache.v[0], shard.q_count, shard.kv_count, ws.counters, ws.sms,
+                                     self.pdl, visible=visible)  # [N, Hq * D]
+        h, normed = k.mm_residual(o, mid.self_attn.o_proj.weight, hidden, self.pdl, ws,
+                                  mid.post_attention_layernorm.weight)
+        assert normed is not None
+        a = k.gate_up_silu(normed, mid.mlp.gate_up_proj.weight, eps, self.pdl, ws)  # [N, I]
+        prenorm, normed = k.mm_residual(a, mid.mlp.down_proj.weight, h, self.pdl, ws, m.norm.weight)
+        assert normed is not None
+        logits = k.norm_mm(normed, m.lm_head.weight, eps, self.pdl, torch.float32, ws)[:, : m.lm_head.vocab]
+        return logits, prenorm
