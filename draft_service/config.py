@@ -39,8 +39,9 @@ class DraftConfig:
                          "first cycle of each new shape compiles (seconds to tens of seconds)")
     fused_head: str = flag("auto", "--fused-head", "the head's steps of up to 64 tokens (extends, chain and tree "
                            "levels) and each tree level's bookkeeping as fused Triton kernels: auto (default) wherever "
-                           "they run (CUDA, tensor parallelism 1, a head they support; elsewhere the padded path), on "
-                           "(refuse to start where they do not), off (the padded path)", choices=FUSED_HEAD)
+                           "they run (CUDA, tensor parallelism 1, a head they support, without --compile; elsewhere "
+                           "the padded path), on (refuse to start where they do not), off (the padded path)",
+                           choices=FUSED_HEAD)
     step_socket: str = flag("", "--step-socket", "also serve Step on this Unix socket, for a gateway on the same host "
                             "(default: gRPC only)", env="SPECSPLIT_DRAFT_STEP_SOCKET")
     step_socket_spin_us: float = flag(-1.0, "--step-socket-spin-us", SPIN_HELP)
@@ -61,6 +62,8 @@ class DraftConfig:
             raise ValueError(f"fused_head {self.fused_head!r} not in {FUSED_HEAD}")
         if self.fused_head == "on" and not self.device.startswith("cuda"):
             raise ValueError("fused_head on needs a CUDA device")
+        if self.fused_head == "on" and self.compile:
+            raise ValueError("fused_head on and compile exclude each other: the compiled graphs run the padded path")
         check_step_socket(self.step_socket)
         check_spin_us(self.step_socket_spin_us)
         return self

@@ -94,9 +94,10 @@ class DraftEngine:
         # the padded forward
         cuda = next(head.parameters()).device.type == "cuda"
         whole = compile and cuda_graphs and cuda
+        fused_step = fused_head(head, fused) if cuda and not compile else None  # compiled: the padded path
         self.runner = ModelRunner(head, max_sequences, max_context + room, cuda_graphs=cuda_graphs,
                                   compile=compile and not whole, compile_graphs=whole, padded_tokens=longest,
-                                  row_bucket=extend_bucket, fused_head=fused_head(head, fused) if cuda else None)
+                                  row_bucket=extend_bucket, fused_head=fused_step)
         self.seqs: dict[int, DraftSequence] = {}
         self.reader: HiddenReader | None = None
         self.device = self.runner.device

@@ -110,6 +110,7 @@ def test_draft_cycle_graphs_compiled_whole_are_lossless_fp32(tiny_target: Path, 
                                        max_context=256, compile=True))
     try:
         assert engines.draft is not None and engines.draft.engine.runner.graphs.compile
+        assert engines.draft.engine.runner.fused_head is None  # --fused-head auto: the padded path, compiled
         taus = check_lossless(engines, TINY_PROMPTS[:2], 16, {511}, range(3, 4), replay_rate=0.8)
         assert sum(taus) / len(taus) > 1.5
     finally:
