@@ -120,6 +120,8 @@ def test_service_flags_keep_their_behaviours(clean_env: pytest.MonkeyPatch, tmp_
     ("target_service", ["--port", "0"], "target_service: configuration error: port 0 out of range"),
     ("draft_service", ["--max-topk", "0"], "draft_service: configuration error: max_topk must be >= 1"),
     ("draft_service", ["--fused-head", "on"], "draft_service: configuration error: fused_head on needs a CUDA"),
+    ("draft_service", ["--fused-head", "on", "--device", "cuda", "--compile"],
+     "draft_service: configuration error: fused_head on and compile exclude each other"),
 ])
 def test_a_configuration_error_exits_without_a_traceback(module: str, argv: list[str], message: str) -> None:
     r = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120)
