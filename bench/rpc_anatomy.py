@@ -47,7 +47,7 @@ class _Servicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.executor = ThreadPoolExecutor(max_workers=1) if mode in ("framework", "socket_loop") else None
-        self.codec = StepCodec(wire.target_op_from_proto, wire.target_result_to_proto, TargetResult,
+        self.codec = StepCodec(wire.target_op_from_proto, wire.write_target_result, TargetResult,
                                target_pb2.TargetStepResponse)
 
     @staticmethod

@@ -30,7 +30,7 @@ from specsplit.transport.step_socket import BlockingSocketStream, StepSocketServ
 from specsplit.transport.step_stream import StepCodec, answer_step
 from specsplit.v1 import target_pb2
 
-_CODEC = StepCodec(wire.target_op_from_proto, wire.target_result_to_proto, TargetResult, target_pb2.TargetStepResponse)
+_CODEC = StepCodec(wire.target_op_from_proto, wire.write_target_result, TargetResult, target_pb2.TargetStepResponse)
 
 
 def _serve(path: str, engine_us: float, spin_us: float) -> None:
@@ -56,7 +56,8 @@ def _busy(us: float) -> None:
 def _measure(path: str, calls: int, client_spin_us: float, gap_us: float) -> float:
     """µs per exchange, the gaps between exchanges not counted."""
     stream = BlockingSocketStream(path, "target", target_pb2.TargetStepResponse, 60.0, client_spin_us * 1e-6)
-    req = target_pb2.TargetStepRequest(ops=[wire.target_op_to_proto(Verify(1, [100, 101, 102]))])
+    req = target_pb2.TargetStepRequest()
+    wire.write_target_op(req.ops.add(), Verify(1, [100, 101, 102]))
     for i in range(50):  # warm-up
         req.step_id = i + 1
         stream.exchange_now(req)

@@ -18,7 +18,7 @@ from specsplit.transport.lease import Leases
 from specsplit.transport.step_stream import StepAfter, StepCodec, answer_step, serve_steps
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
-_CODEC = StepCodec(wire.draft_op_from_proto, wire.draft_result_to_proto, DraftResult, draft_pb2.DraftStepResponse)
+_CODEC = StepCodec(wire.draft_op_from_proto, wire.write_draft_result, DraftResult, draft_pb2.DraftStepResponse)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):

@@ -123,8 +123,9 @@ class GrpcTarget:
 
     async def step(self, ops: list[TargetOp], releases: Sequence[int], timeout: float
                    ) -> tuple[list[TargetResult], StepTiming]:
-        req = target_pb2.TargetStepRequest(step_id=next(self.ids), ops=[wire.target_op_to_proto(o) for o in ops],
-                                           release_generations=list(releases), epoch=self.epoch)
+        req = target_pb2.TargetStepRequest(step_id=next(self.ids), release_generations=list(releases), epoch=self.epoch)
+        for o in ops:
+            wire.write_target_op(req.ops.add(), o)
         reply = await self.stream.exchange(req, timeout)
         return ([wire.target_result_from_proto(r) for r in reply.results],
                 StepTiming(reply.timing.compute_ms, reply.timing.total_ms))
@@ -159,8 +160,9 @@ class GrpcDraft:
         return _transport_name(self.stream)
 
     async def step(self, ops: list[DraftOp], timeout: float) -> tuple[list[DraftResult], StepTiming]:
-        req = draft_pb2.DraftStepRequest(step_id=next(self.ids), ops=[wire.draft_op_to_proto(o) for o in ops],
-                                         epoch=self.epoch)
+        req = draft_pb2.DraftStepRequest(step_id=next(self.ids), epoch=self.epoch)
+        for o in ops:
+            wire.write_draft_op(req.ops.add(), o)
         reply = await self.stream.exchange(req, timeout)
         return ([wire.draft_result_from_proto(r) for r in reply.results],
                 StepTiming(reply.timing.compute_ms, reply.timing.total_ms))

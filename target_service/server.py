@@ -16,7 +16,7 @@ from specsplit.transport.step_stream import StepAfter, StepCodec, answer_step, s
 from specsplit.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.runtime import TargetRuntime
 
-_CODEC = StepCodec(wire.target_op_from_proto, wire.target_result_to_proto, TargetResult,
+_CODEC = StepCodec(wire.target_op_from_proto, wire.write_target_result, TargetResult,
                    target_pb2.TargetStepResponse)
 
 

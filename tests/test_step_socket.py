@@ -29,7 +29,7 @@ from specsplit.transport.step_socket import (
 from specsplit.transport.step_stream import MAX_OPS_PER_STEP, StepCodec, answer_step
 from specsplit.v1 import target_pb2
 
-_CODEC = StepCodec(wire.target_op_from_proto, wire.target_result_to_proto, TargetResult, target_pb2.TargetStepResponse)
+_CODEC = StepCodec(wire.target_op_from_proto, wire.write_target_result, TargetResult, target_pb2.TargetStepResponse)
 
 
 class EchoServicer:
@@ -61,8 +61,10 @@ def open_stream(request: pytest.FixtureRequest) -> Any:
 
 
 def request(step_id: int, drafts: list[int], ops: int = 1) -> target_pb2.TargetStepRequest:
-    return target_pb2.TargetStepRequest(step_id=step_id, ops=[wire.target_op_to_proto(Verify(i + 1, drafts))
-                                                              for i in range(ops)])
+    req = target_pb2.TargetStepRequest(step_id=step_id)
+    for i in range(ops):
+        wire.write_target_op(req.ops.add(), Verify(i + 1, drafts))
+    return req
 
 
 async def _with_server(path: Path, servicer: EchoServicer, body: Any) -> Any:

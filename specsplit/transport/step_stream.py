@@ -26,7 +26,7 @@ StepAfter = Callable[[list[Any], list[Any]], None]  # (ops, results): e.g. spans
 @dataclass
 class StepCodec:
     decode_op: Callable[[Any], Any | None]  # proto op -> engine op (None: no known op set)
-    encode_result: Callable[[Any], Any]  # engine result -> proto result
+    write_result: Callable[[Any, Any], None]  # (proto result to fill, engine result)
     invalid_result: Callable[[int, Code, str], Any]  # engine result for an undecodable op
     response: Callable[..., Any]  # the response message class
 
@@ -60,8 +60,10 @@ def answer_step(req: Any, service: str, run: StepRun, codec: StepCodec, after: S
         after(ops, results)
     results += [codec.invalid_result(s, Code.INVALID_ARGUMENT, "op has no known operation set") for s in bad]
     timing.total_ms = (time.perf_counter() - t0) * 1e3
-    return codec.response(step_id=req.step_id, results=[codec.encode_result(r) for r in results],
-                          timing=timing_to_proto(timing))
+    response = codec.response(step_id=req.step_id, timing=timing_to_proto(timing))
+    for r in results:
+        codec.write_result(response.results.add(), r)
+    return response
 
 
 async def serve_steps(request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext, service: str,

@@ -24,18 +24,8 @@ from specsplit.transport.handoff.base import Descriptor
 from specsplit.v1 import common_pb2, draft_pb2, target_pb2
 
 
-def sampling_to_proto(s: Sampling) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
-
-
 def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
     return Sampling(p.temperature, p.top_p if p.top_p > 0 else 1.0, p.top_k, p.seed)
-
-
-def ref_to_proto(r: HiddenRef | None) -> common_pb2.HiddenRef | None:
-    if r is None:
-        return None
-    return common_pb2.HiddenRef(offset=r.offset, rows=r.rows, generation=r.generation, inline_rows=r.inline)
 
 
 def ref_from_proto(p: common_pb2.HiddenRef) -> HiddenRef:
@@ -66,22 +56,43 @@ def timing_to_proto(t: StepTiming) -> common_pb2.ServerTiming:
 
 
 # -- target
-def target_op_to_proto(op: TargetOp) -> target_pb2.TargetOp:
-    if isinstance(op, Prefill):
-        return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, prefill=target_pb2.TargetPrefill(
-            prompt_ids=op.prompt_ids, sampling=sampling_to_proto(op.sampling), capture_hidden=op.capture))
+def write_sampling(m: common_pb2.SamplingParams, s: Sampling) -> None:
+    m.temperature, m.top_p, m.top_k, m.seed = s.temperature, s.top_p, s.top_k, s.seed
+
+
+def write_ref(m: common_pb2.HiddenRef, r: HiddenRef) -> None:
+    m.offset, m.rows, m.generation = r.offset, r.rows, r.generation
+    if r.inline:
+        m.inline_rows = r.inline
+
+
+def write_target_op(m: target_pb2.TargetOp, op: TargetOp) -> None:
+    """op into m, a fresh message (e.g. `request.ops.add()`): filled in place, nothing copied."""
+    m.seq_id, m.traceparent = op.seq_id, op.trace
     if isinstance(op, Verify):
-        return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, verify=target_pb2.TargetVerify(
-            draft_ids=op.draft_ids, draft_dists=dists_to_proto(op.draft_dists), capture_hidden=op.capture,
-            draft_parents=op.draft_parents, forced_accept=op.forced if op.forced >= 0 else None))
-    if isinstance(op, Recapture):
-        return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, recapture=target_pb2.TargetRecapture())
-    if isinstance(op, Suspend):
-        return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, suspend=target_pb2.TargetSuspend())
-    if isinstance(op, Resume):
-        return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace,
-                                   resume=target_pb2.TargetResume(capture_hidden=op.capture))
-    return target_pb2.TargetOp(seq_id=op.seq_id, traceparent=op.trace, release=target_pb2.TargetRelease())
+        v = m.verify
+        v.SetInParent()  # a decode (no drafts, nothing captured) sets no field of its own
+        v.draft_ids.extend(op.draft_ids)
+        if op.draft_dists:
+            v.draft_dists.extend(dists_to_proto(op.draft_dists))
+        v.capture_hidden = op.capture
+        v.draft_parents.extend(op.draft_parents)
+        if op.forced >= 0:
+            v.forced_accept = op.forced
+    elif isinstance(op, Prefill):
+        m.prefill.SetInParent()
+        m.prefill.prompt_ids.extend(op.prompt_ids)
+        write_sampling(m.prefill.sampling, op.sampling)
+        m.prefill.capture_hidden = op.capture
+    elif isinstance(op, Recapture):
+        m.recapture.SetInParent()
+    elif isinstance(op, Suspend):
+        m.suspend.SetInParent()
+    elif isinstance(op, Resume):
+        m.resume.SetInParent()
+        m.resume.capture_hidden = op.capture
+    else:
+        m.release.SetInParent()
 
 
 def target_op_from_proto(p: target_pb2.TargetOp) -> TargetOp | None:
@@ -104,9 +115,12 @@ def target_op_from_proto(p: target_pb2.TargetOp) -> TargetOp | None:
     return None
 
 
-def target_result_to_proto(r: TargetResult) -> target_pb2.TargetResult:
-    return target_pb2.TargetResult(seq_id=r.seq_id, status=common_pb2.EntryStatus(code=int(r.code), message=r.message),
-                                   tokens=r.tokens, num_accepted=r.num_accepted, hidden=ref_to_proto(r.hidden))
+def write_target_result(m: target_pb2.TargetResult, r: TargetResult) -> None:
+    m.seq_id, m.num_accepted = r.seq_id, r.num_accepted
+    m.status.code, m.status.message = int(r.code), r.message
+    m.tokens.extend(r.tokens)
+    if r.hidden is not None:
+        write_ref(m.hidden, r.hidden)
 
 
 def target_result_from_proto(p: target_pb2.TargetResult) -> TargetResult:
@@ -115,13 +129,20 @@ def target_result_from_proto(p: target_pb2.TargetResult) -> TargetResult:
 
 
 # -- draft
-def draft_op_to_proto(op: DraftOp) -> draft_pb2.DraftOp:
+def write_draft_op(m: draft_pb2.DraftOp, op: DraftOp) -> None:
+    """op into m, a fresh message (e.g. `request.ops.add()`): filled in place, nothing copied."""
+    m.seq_id, m.traceparent = op.seq_id, op.trace
     if isinstance(op, ExtendPropose):
-        return draft_pb2.DraftOp(seq_id=op.seq_id, traceparent=op.trace, extend_propose=draft_pb2.DraftExtendPropose(
-            tokens=op.tokens, hidden=ref_to_proto(op.hidden), num_steps=op.num_steps,
-            sampling=sampling_to_proto(op.sampling), position=op.position, topk=op.topk,
-            num_draft_tokens=op.num_draft_tokens, earlier=[ref_to_proto(r) for r in op.earlier]))
-    return draft_pb2.DraftOp(seq_id=op.seq_id, traceparent=op.trace, release=draft_pb2.DraftRelease())
+        e = m.extend_propose
+        e.SetInParent()
+        e.tokens.extend(op.tokens)
+        write_ref(e.hidden, op.hidden)
+        e.num_steps, e.position, e.topk, e.num_draft_tokens = op.num_steps, op.position, op.topk, op.num_draft_tokens
+        write_sampling(e.sampling, op.sampling)
+        for r in op.earlier:
+            write_ref(e.earlier.add(), r)
+    else:
+        m.release.SetInParent()
 
 
 def draft_op_from_proto(p: draft_pb2.DraftOp) -> DraftOp | None:
@@ -136,10 +157,13 @@ def draft_op_from_proto(p: draft_pb2.DraftOp) -> DraftOp | None:
     return None
 
 
-def draft_result_to_proto(r: DraftResult) -> draft_pb2.DraftResult:
-    return draft_pb2.DraftResult(seq_id=r.seq_id, status=common_pb2.EntryStatus(code=int(r.code), message=r.message),
-                                 draft_ids=r.draft_ids, draft_dists=dists_to_proto(r.draft_dists),
-                                 consumed_generation=r.consumed_generation, draft_parents=r.draft_parents)
+def write_draft_result(m: draft_pb2.DraftResult, r: DraftResult) -> None:
+    m.seq_id, m.consumed_generation = r.seq_id, r.consumed_generation
+    m.status.code, m.status.message = int(r.code), r.message
+    m.draft_ids.extend(r.draft_ids)
+    if r.draft_dists:
+        m.draft_dists.extend(dists_to_proto(r.draft_dists))
+    m.draft_parents.extend(r.draft_parents)
 
 
 def draft_result_from_proto(p: draft_pb2.DraftResult) -> DraftResult:
