@@ -84,3 +84,9 @@ def test_draft_results_round_trip(result: DraftResult) -> None:
     wire.write_draft_result(resp.results.add(), result)
     (p,) = draft_pb2.DraftStepResponse.FromString(resp.SerializeToString()).results
     assert wire.draft_result_from_proto(p) == result
+
+
+def test_an_unknown_status_code_is_refused() -> None:
+    assert wire.code_from_proto(3) is Code.RESOURCE_EXHAUSTED
+    with pytest.raises(ValueError):
+        wire.code_from_proto(99)

@@ -37,7 +37,16 @@ def dists_to_proto(dists: list[SparseDist]) -> list[common_pb2.DraftDistribution
 
 
 def dists_from_proto(ps: list[common_pb2.DraftDistribution]) -> list[SparseDist]:
-    return [(list(p.token_ids), list(p.probs)) for p in ps]
+    return [(list(p.token_ids), list(p.probs)) for p in ps] if ps else []
+
+
+_CODES = {int(c): c for c in Code}
+
+
+def code_from_proto(value: int) -> Code:
+    """An entry's status code (a dictionary lookup: Code(value) costs a microsecond); unknown
+    values raise ValueError as Code(value) does."""
+    return _CODES[value] if value in _CODES else Code(value)
 
 
 def descriptor_to_proto(d: Descriptor) -> common_pb2.HiddenStoreDescriptor:
@@ -124,7 +133,7 @@ def write_target_result(m: target_pb2.TargetResult, r: TargetResult) -> None:
 
 
 def target_result_from_proto(p: target_pb2.TargetResult) -> TargetResult:
-    return TargetResult(p.seq_id, Code(p.status.code), p.status.message, list(p.tokens), p.num_accepted,
+    return TargetResult(p.seq_id, code_from_proto(p.status.code), p.status.message, list(p.tokens), p.num_accepted,
                         ref_from_proto(p.hidden) if p.HasField("hidden") else None)
 
 
@@ -167,5 +176,5 @@ def write_draft_result(m: draft_pb2.DraftResult, r: DraftResult) -> None:
 
 
 def draft_result_from_proto(p: draft_pb2.DraftResult) -> DraftResult:
-    return DraftResult(p.seq_id, Code(p.status.code), p.status.message, list(p.draft_ids),
+    return DraftResult(p.seq_id, code_from_proto(p.status.code), p.status.message, list(p.draft_ids),
                        dists_from_proto(p.draft_dists), p.consumed_generation, draft_parents=list(p.draft_parents))
