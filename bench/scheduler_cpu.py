@@ -43,6 +43,10 @@ class InstantTarget:
     def __init__(self, suspend: bool = True, accept: bool = True) -> None:
         self.generation, self.hang, self.suspend, self.accept = 0, False, suspend, accept
 
+    @property
+    def bounded_steps(self) -> bool:  # as the gateway's real clients, unless it hangs (gateway.clients)
+        return not self.hang
+
     async def step(self, ops: list[TargetOp], releases: list[int], timeout: float = 0.0
                    ) -> tuple[list[TargetResult], StepTiming]:
         if self.suspend:
@@ -68,6 +72,10 @@ class InstantDraft:
 
     def __init__(self, suspend: bool = True) -> None:
         self.hang, self.suspend = False, suspend
+
+    @property
+    def bounded_steps(self) -> bool:
+        return not self.hang
 
     async def step(self, ops: list[DraftOp], timeout: float = 0.0) -> tuple[list[DraftResult], StepTiming]:
         if self.suspend:

@@ -20,6 +20,9 @@ from specsplit.transport.serving import channel_options
 from specsplit.transport.step_socket import BlockingSocketStream, SocketStream
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
+# A client whose steps enforce the timeout they are given (its stream does), or never suspend (in
+# process), sets `bounded_steps = True`: the loop then does not wrap its calls in asyncio.timeout.
+
 
 class TargetClient(Protocol):
     async def step(self, ops: list[TargetOp], releases: Sequence[int], timeout: float
@@ -100,6 +103,8 @@ def _transport_name(stream: StepStream) -> str:
 
 
 class GrpcTarget:
+    bounded_steps = True  # every stream enforces its step's timeout
+
     def __init__(self, addr: str, blocking: Blocking | None = None) -> None:
         """blocking: step sockets are read blocking, with this (timeout, spin) (only for a loop on
         a thread of its own, see BlockingSocketStream); None: asyncio streams."""
@@ -140,6 +145,8 @@ class GrpcTarget:
 
 
 class GrpcDraft:
+    bounded_steps = True
+
     def __init__(self, addr: str, blocking: Blocking | None = None) -> None:
         """blocking: step sockets are read blocking, with this (timeout, spin) (only for a loop on
         a thread of its own, see BlockingSocketStream); None: asyncio streams."""
@@ -179,6 +186,8 @@ class GrpcDraft:
 class LocalTarget:
     """The target runtime called directly, in this process."""
 
+    bounded_steps = True  # never suspends: a timeout could not interrupt it
+
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
 
@@ -191,6 +200,8 @@ class LocalTarget:
 
 
 class LocalDraft:
+    bounded_steps = True
+
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
 

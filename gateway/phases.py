@@ -5,6 +5,7 @@ measured step times."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -92,6 +93,12 @@ class DraftDeadline:
         self.seen.add(shape)
 
 
+def bounded(client: object, seconds: float) -> contextlib.AbstractAsyncContextManager[object]:
+    """A step call's timeout: the client's own where it has one (clients.bounded_steps), else
+    asyncio.timeout around the call (a context manager each call: microseconds a cycle)."""
+    return contextlib.nullcontext() if getattr(client, "bounded_steps", False) else asyncio.timeout(seconds)
+
+
 async def draft_phase(sched: Scheduler) -> None:
     """Releases, then extend + propose for every sequence with new tokens: one call."""
     if sched.draft is None or sched.draft_down:
@@ -132,7 +139,7 @@ async def draft_phase(sched: Scheduler) -> None:
     sched.cycle_ms["other"] = 0.0  # a call made: until it is priced below, the cycle's rest is no cost of its shape
     t0 = time.perf_counter()
     try:
-        async with asyncio.timeout(deadline):  # for clients that suspend; blocking ones time out themselves
+        async with bounded(sched.draft, deadline):
             results, timing = await sched.draft.step(ops, deadline)
     except TimeoutError:
         sched.draft_failed(f"a step took longer than its deadline of {deadline * 1e3:.0f} ms")
@@ -202,7 +209,7 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
     if not ops and not releases:
         return
     t0 = time.perf_counter()
-    async with asyncio.timeout(sched.step_timeout_s):
+    async with bounded(sched.target, sched.step_timeout_s):
         results, timing = await sched.target.step(ops, releases, sched.step_timeout_s)
     ms = (time.perf_counter() - t0) * 1e3
     verifies = [op for op in ops if isinstance(op, Verify)]
