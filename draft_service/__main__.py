@@ -45,7 +45,8 @@ async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
                              resolve_spin_s(cfg.step_socket_spin_us, torch.device(cfg.device).type == "cuda")).start()
             if cfg.step_socket else None)
     await set_serving(health, ["specsplit.v1.DraftService"], True)
-    log.info("draft head %s listening on %s:%d", runtime.head.cfg.name, cfg.host, cfg.port)
+    log.info("draft head %s listening on %s:%d; its cycles run %s", runtime.head.cfg.name, cfg.host, cfg.port,
+             runtime.engine.step_path)
     try:
         await serve_until_signal(server)
     finally:

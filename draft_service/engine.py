@@ -107,6 +107,15 @@ class DraftEngine:
         self.vocab = head.cfg.vocab_size
         self.epoch = 0  # the lease new sequences belong to (0: none)
 
+    @property
+    def step_path(self) -> str:
+        """How this engine's cycles run (logged at start)."""
+        r = self.runner
+        if not r.padded:
+            return "eager"
+        graphs = "compiled CUDA graphs" if r.graphs.compile else "CUDA graphs" if r.graphs.enabled else "eagerly"
+        return f"{'the fused head' if r.fused_head is not None else 'the padded path'}, {graphs}"
+
     def execute(self, ops: list[DraftOp]) -> list[DraftResult]:
         """Validate every entry, then extend and propose for all of them at once."""
         started = time.time_ns()

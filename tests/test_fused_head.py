@@ -130,6 +130,8 @@ def test_draft_with_and_without_the_fused_head_is_lossless_fp32(tiny_target: Pat
     try:
         assert engines.draft is not None
         assert (engines.draft.engine.runner.fused_head is not None) == (mode == "on")
+        path = "the fused head" if mode == "on" else "the padded path"
+        assert engines.draft.engine.step_path == f"{path}, CUDA graphs"
         taus = check_lossless(engines, TINY_PROMPTS[:2], 16, {511}, range(3, 4), replay_rate=0.8)
         assert sum(taus) / len(taus) > 1.5
         base = engines.generate([GenerationRequest(p, 16, Sampling(), set(), 0) for p in TINY_PROMPTS[:2]])

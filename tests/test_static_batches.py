@@ -69,6 +69,7 @@ def static_engines(tiny_target: Path, tiny_head: Path) -> LocalEngines:
 
 def test_static_engines_lossless_with_replayed_acceptance(static_engines: LocalEngines) -> None:
     """Verifies of different lengths and sequences of different num_steps share static batches."""
+    assert static_engines.draft is not None and static_engines.draft.engine.step_path == "the padded path, eagerly"
     check_lossless(static_engines, TINY_PROMPTS, 30, {511}, range(1, 7, 2), replay_rate=0.8)
     mixed = static_engines.generate([request(p, s, 30, {511}) for p, s in zip(TINY_PROMPTS, [1, 2, 4, 6],
                                                                               strict=True)])
