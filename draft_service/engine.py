@@ -112,7 +112,7 @@ class DraftEngine:
         """How this engine's cycles run (logged at start)."""
         r = self.runner
         if not r.padded:
-            return "eager"
+            return "eagerly"
         graphs = "compiled CUDA graphs" if r.graphs.compile else "CUDA graphs" if r.graphs.enabled else "eagerly"
         return f"{'the fused head' if r.fused_head is not None else 'the padded path'}, {graphs}"
 

@@ -49,7 +49,7 @@ def test_incremental_extend_equals_one_shot_extend(tiny_target: Path, tiny_head:
     """Speculative KV entries from proposals must be overwritten by the next extend."""
     rt, writer = make_runtime(tiny_target, tiny_head)
     try:
-        assert rt.engine.step_path == "eager"  # the CPU's path
+        assert rt.engine.step_path == "eagerly"  # the CPU's path
         g = torch.Generator().manual_seed(0)
         feats = torch.randn(30, writer.descriptor.width, generator=g)
         tokens = torch.randint(0, 512, (30,), generator=g).tolist()
