@@ -35,6 +35,15 @@ from specsplit.models.layers import KVCache
 from specsplit.models.llama import LlamaModel
 
 
+def fused_attention_unsupported(step: str, head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """Why kernels.verify's attention cannot serve a fused `step` of these heads, or None."""
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        return f"the {step} step needs a power-of-two head_dim in 16..256, not {head_dim}"
+    if num_heads % num_kv_heads:
+        return f"the {step} step needs num_heads divisible by num_kv_heads"
+    return None
+
+
 def fused_decode_unsupported(model: LlamaModel) -> str | None:
     """Why this model cannot use the fused decode step, or None."""
     cfg = model.cfg
@@ -42,11 +51,7 @@ def fused_decode_unsupported(model: LlamaModel) -> str | None:
         return "the fused decode step runs on one GPU (tensor parallelism 1)"
     if cfg.attention_bias or cfg.qk_norm:
         return "the fused decode step supports neither attention biases nor q/k norms"
-    if cfg.head_dim & (cfg.head_dim - 1) or not 16 <= cfg.head_dim <= 256:
-        return f"the fused decode step needs a power-of-two head_dim in 16..256, not {cfg.head_dim}"
-    if cfg.num_heads % cfg.num_kv_heads:
-        return "the fused decode step needs num_heads divisible by num_kv_heads"
-    return None
+    return fused_attention_unsupported("fused decode", cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
 
 
 def pdl_pays(hidden_size: int, rows: int, capability: tuple[int, int]) -> bool:

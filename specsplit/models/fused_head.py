@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from specsplit.models.batch import Batch
 from specsplit.models.eagle3 import Eagle3Head
+from specsplit.models.fused import fused_attention_unsupported
 from specsplit.models.layers import KVCache
 
 
@@ -32,11 +33,7 @@ def fused_head_unsupported(head: Eagle3Head) -> str | None:
         return "the fused head step runs on one GPU (tensor parallelism 1)"
     if attn.qkv_proj.bias is not None or attn.q_norm is not None:
         return "the fused head step supports neither attention biases nor q/k norms"
-    if cfg.head_dim & (cfg.head_dim - 1) or not 16 <= cfg.head_dim <= 256:
-        return f"the fused head step needs a power-of-two head_dim in 16..256, not {cfg.head_dim}"
-    if cfg.num_heads % cfg.num_kv_heads:
-        return "the fused head step needs num_heads divisible by num_kv_heads"
-    return None
+    return fused_attention_unsupported("fused head", cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
 
 
 class FusedHead:
