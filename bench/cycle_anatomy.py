@@ -3,13 +3,15 @@ the engines' time per cycle (what bench.end_to_end reports as draft_us / verify_
 GPU time of the kernels they ran (torch.profiler, CUDA graphs on; the draft on its own GPU so
 that each GPU's kernels belong to one engine), the CUDA API calls that wait, and the host's
 busiest operators. Engine time well above its kernels' time means the host, not the GPU,
-decides the step. Then the same run without the profiler, and each engine's last graph replayed
+decides the step. Before any profiling (once used, the profiler's instrumentation stays in the
+process and slows every CUDA call), the same run without it, and each engine's last graph replayed
 alone: `verify_host_us` (`draft_host_us`) is the engine's time a cycle minus that replay, its
 host work around its kernels, and that graph's kernels profiled (`verify_graph`, `draft_graph`:
 count, GPU µs and the heaviest by name, a replay), with the host time of its launch from an idle
 GPU and its time until done (`*_launch`), and the parts of each engine's step timed by wrapping
-them (`verify_parts_us`, `draft_parts_us`: the draft's reads of the target's features, its graph
-launches with their input copies, its readback of the proposals with the wait for the GPU).
+them (`verify_parts_us`, `draft_parts_us`: the target's packing of its inputs, each engine's graph
+runs (filling the graph's inputs, the launch, the wait for the readback), the whole runner step, the
+ring write; the draft's checks of the features' references and the unpacking of its proposals).
 One JSON line per mode, then a summary line.
 
   python -m bench.cycle_anatomy --model shape:smollm2-135m --device cuda:0 --draft-device cuda:1
@@ -144,33 +146,34 @@ def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int, top: int) -> dict[s
 
 
 def unprofiled(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], new: int, steps: int, topk: int,
-               tree: int, replays: int = 50, top: int = 25) -> dict[str, Any]:
-    """Engine µs per cycle without the profiler, the parts of the target's step (host time of
-    packing its inputs, of the graph launch, of the whole runner step with its wait for the GPU,
-    of the ring write), and the last verify graph's and draft graph's replay µs, timed alone
-    (`*_host_us`: the engine's time a cycle minus that)."""
+               tree: int, replays: int = 50) -> tuple[dict[str, Any], dict[str, torch.cuda.CUDAGraph]]:
+    """Engine µs per cycle without the profiler, the parts of each engine's step (see the
+    module's docstring), and the last verify graph's and draft graph's replay µs, timed alone
+    (`*_host_us`: the engine's time a cycle minus that), and those graphs (to profile later)."""
     spent: dict[str, float] = defaultdict(float)
     assert target.writer is not None
     drafted: dict[str, float] = defaultdict(float)
-    with (timed(spent, "pack", runner_module, "_pack"), timed(spent, "launch", target.engine.runner.graphs, "run"),
+    with (timed(spent, "pack", runner_module, "_pack"), timed(spent, "graph_run", target.engine.runner.graphs, "run"),
           timed(spent, "runner_step", target.engine.runner, "verify"),
           timed(spent, "ring_write", target.writer, "write_all"),
-          timed(drafted, "read", draft.engine, "_check_and_read"),
-          timed(drafted, "launch", draft.engine.runner.graphs, "run"),
-          timed(drafted, "readback", draft_engine_module, "_unpack")):
+          timed(drafted, "check_and_read", draft.engine, "_check_and_read"),
+          timed(drafted, "graph_run", draft.engine.runner.graphs, "run"),
+          timed(drafted, "unpack", draft_engine_module, "unpack_trees")):
         run = generate(target, draft if steps else None, prompt, new, steps, None, topk, tree)
     verify_us = run.verify_ms * 1e3 / run.cycles
     row = {"draft_engine_us": round(run.draft_ms * 1e3 / run.cycles, 1), "verify_engine_us": round(verify_us, 1),
            "verify_parts_us": {k: round(v * 1e6 / run.cycles, 1) for k, v in spent.items()},
            "draft_parts_us": {k: round(v * 1e6 / run.cycles, 1) for k, v in drafted.items()}}
+    graphs = {}
     for name, runtime, engine_us in (("verify", target, verify_us),
                                      ("draft", draft, run.draft_ms * 1e3 / run.cycles if steps else 0.0)):
         graph = runtime.engine.runner.graphs.last
         if graph is not None and engine_us:
             replay_us = replay_alone(graph, replays)
             row |= {f"{name}_replay_us": round(replay_us, 1), f"{name}_host_us": round(engine_us - replay_us, 1),
-                    f"{name}_launch": launch_costs(graph, replays), f"{name}_graph": graph_kernels(graph, 10, top)}
-    return row
+                    f"{name}_launch": launch_costs(graph, replays)}
+            graphs[name] = graph
+    return row, graphs
 
 
 def main() -> None:
@@ -204,11 +207,15 @@ def main() -> None:
     modes = [(s, 1, 0) for s in (int(x) for x in a.num_steps.split(",") if x)]
     modes += [(s, a.topk, a.num_draft_tokens) for s, _, _ in modes if s > 0]
     summary: dict[str, Any] = {}
+    clean: list[tuple[dict[str, Any], dict[str, torch.cuda.CUDAGraph]]] = []
     try:
-        for steps, topk, tree in modes:
+        for steps, topk, tree in modes:  # every mode unprofiled first: the profiler slows what runs after it
             generate(target, draft if steps else None, prompt, a.max_new_tokens, steps, None, topk, tree)  # warm-up
+            clean.append(unprofiled(target, draft, prompt, a.max_new_tokens, steps, topk, tree))
+        for (steps, topk, tree), (timings, graphs) in zip(modes, clean, strict=True):
             row = profile_run(target, draft, prompt, a.max_new_tokens, steps, topk, tree, a.top)
-            row["unprofiled"] = unprofiled(target, draft, prompt, a.max_new_tokens, steps, topk, tree, top=a.top)
+            row["unprofiled"] = timings | {f"{name}_graph": graph_kernels(graph, 10, a.top)
+                                          for name, graph in graphs.items()}
             name = "target_only" if not steps else f"{'tree' if tree else 'chain'}{steps}"
             summary[name] = {"draft_engine_us": row["draft_engine_us"], "verify_engine_us": row["verify_engine_us"],
                              "gpu_kernel_us": row["gpu_kernel_us"], "unprofiled": row["unprofiled"]}

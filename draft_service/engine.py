@@ -21,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from draft_service.tree import fused_top_k, grow_trees, tree_result
+from draft_service.tree import fused_top_k, grow_trees, unpack_trees
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.fused_head import FusedHead, fused_head_unsupported
 from specsplit.ops import (
@@ -64,7 +65,15 @@ class Work:
     index: int
     op: ExtendPropose
     seq: DraftSequence
-    features: torch.Tensor  # [len(op.tokens), 3H] the target's, read from the hidden-state store
+    features: torch.Tensor | None  # [len(op.tokens), 3H] the target's, read from the hidden-state store
+    rows: list[int] | None = None  # or where they sit in the ring, read in the step (None: `features`)
+
+    def read(self, ring: torch.Tensor | None) -> torch.Tensor:
+        """The features [len(op.tokens), 3H], gathered from the ring where they were not read."""
+        if self.features is None:
+            assert ring is not None and self.rows is not None
+            self.features = ring[torch.tensor(self.rows, device=ring.device)]
+        return self.features
 
     @property
     def greedy_shape(self) -> tuple[int, int, int] | None:
@@ -122,17 +131,19 @@ class DraftEngine:
         results: list[DraftResult | None] = [None] * len(ops)
         work: list[Work] = []
         busy: set[int] = set()
+        # where the ring sits on this engine's device, the step reads the features from it in place
+        ring = self.reader.ring_on(self.device) if self.reader is not None else None
         for i, op in enumerate(ops):
             try:
                 if op.seq_id in busy:
                     raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} appears twice in one step")
                 if isinstance(op, ExtendPropose):
-                    feats = self._check_and_read(op)  # read now: the rows are reclaimed after the reply
+                    feats, rows = self._check_and_read(op, ring)  # within the step: reclaimed after the reply
                     seq = self.seqs.get(op.seq_id) or self._open(op)
                     if op.position == 0:  # (re)start: whatever this draft held for it is stale
                         seq.length = 0
                     busy.add(op.seq_id)
-                    work.append(Work(i, op, seq, feats))
+                    work.append(Work(i, op, seq, feats, rows))
                 else:
                     results[i] = self._release(op)
             except OpError as e:
@@ -140,7 +151,7 @@ class DraftEngine:
                 results[i] = DraftResult(op.seq_id, e.code, str(e), consumed_generation=gen)
         if work:
             try:
-                proposals = self._extend_and_propose(work)  # its readback passes every use of the features
+                proposals = self._extend_and_propose(work, ring)  # its readback passes every use of the features
             except BaseException:
                 if self.device.type == "cuda":  # the features read may still be in use: done before the reply
                     torch.cuda.current_stream(self.device).synchronize()
@@ -162,7 +173,10 @@ class DraftEngine:
         self.seqs[op.seq_id] = seq
         return seq
 
-    def _check_and_read(self, op: ExtendPropose) -> torch.Tensor:
+    def _check_and_read(self, op: ExtendPropose, ring: torch.Tensor | None
+                        ) -> tuple[torch.Tensor | None, list[int] | None]:
+        """Check the entry; its features [rows, 3H] read, or with `ring` (and no inline rows) the
+        ring rows that hold them."""
         if self.reader is None:
             raise OpError(Code.INVALID_ARGUMENT, "no hidden-state store attached")
         if len(op.earlier) > MAX_EARLIER:
@@ -190,13 +204,17 @@ class DraftEngine:
                                                  f"the extend starts at {op.position}")
         if op.position + rows > self.max_context:
             raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} would exceed the draft context")
+        if ring is not None and not any(r.inline for r in refs):
+            if any(r.offset < 0 or r.offset + r.rows > ring.shape[0] for r in refs):
+                raise OpError(Code.INVALID_ARGUMENT, "bad hidden-state reference: outside the ring")
+            return None, [i for r in refs for i in range(r.offset, r.offset + r.rows)]
         try:
             parts = [self.reader.read(r.offset, r.rows, r.inline).to(self.device) for r in refs]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)  # [rows, 3H]
+            return (parts[0] if len(parts) == 1 else torch.cat(parts)), None  # [rows, 3H]
         except ValueError as e:
             raise OpError(Code.INVALID_ARGUMENT, f"bad hidden-state reference: {e}") from e
 
-    def _extend_and_propose(self, work: list[Work]) -> list[Proposal]:
+    def _extend_and_propose(self, work: list[Work], ring: torch.Tensor | None) -> list[Proposal]:
         out = [Proposal() for _ in work]
         shapes = {i: w.greedy_shape for i, w in enumerate(work) if w.greedy_shape is not None}
         sampled = [i for i, w in enumerate(work) if w.op.num_steps > 0 and not w.seq.sampling.greedy]
@@ -207,9 +225,9 @@ class DraftEngine:
         one_graph = (self.runner.padded and shapes and not sampled and len({s[0] for s in shapes.values()}) == 1
                      and max(len(r.tokens) for r in rows) <= self.max_steps + 1)
         if one_graph:
-            grown = self._extend_and_grow(rows, [w.features for w in work], shapes)
+            grown = self._extend_and_grow(rows, work, shapes, ring)
         else:
-            extended = self.runner.run(Step(rows, hidden=[w.features for w in work]))
+            extended = self.runner.run(Step(rows, hidden=[w.read(ring) for w in work]))
             last_logits = torch.stack([logits[-1] for logits, _ in extended])  # [n, Vd]
             hidden = torch.stack([prenorm[-1] for _, prenorm in extended if prenorm is not None])  # [n, H]
             if sampled:
@@ -222,12 +240,14 @@ class DraftEngine:
                 out[i].parents = parents
         return out
 
-    def _extend_and_grow(self, rows: list[Row], features: list[torch.Tensor],
-                         shapes: dict[int, tuple[int, int, int]]) -> dict[int, tuple[list[int], list[int]]]:
+    def _extend_and_grow(self, rows: list[Row], work: list[Work], shapes: dict[int, tuple[int, int, int]],
+                         ring: torch.Tensor | None) -> dict[int, tuple[list[int], list[int]]]:
         """Extend and grow as one function of one graph key (the extends padded to T, the
         extend_bucket of the longest: fewer graphs to capture): the batch's integers go to the
         device in one copy ([B, 2T + 3]: tokens, positions, slot, last row, committed entries
-        after the extend) and the proposals come back in one read."""
+        after the extend; with `ring` and every entry's rows in it, [B, 3T + 3]: then each token's
+        ring row, the graph gathering the features itself) and the proposals come back in one
+        read."""
         r = self.runner
         b, t = r.batch_bucket(len(rows)), extend_bucket(max(len(row.tokens) for row in rows))
         topk = next(iter(shapes.values()))[0]
@@ -236,19 +256,32 @@ class DraftEngine:
         ends = [row.start + len(row.tokens) for row in rows] + [t] * len(pad)
         ctx = r.ctx_bucket(draft_cycle_entries(max(row.start for row in rows), max(len(row.tokens) for row in rows),
                                                max(ends[: len(rows)]), steps, topk))
-        ints = torch.tensor([[*row.tokens, *[0] * (t - len(row.tokens)), *range(row.start, row.start + t), row.slot,
-                              max(len(row.tokens) - 1, 0), end] for row, end in zip([*rows, *pad], ends, strict=True)])
-        feats = padded_rows(features, b, t)
+        gather = ring is not None and all(w.rows is not None for w in work)
+        at = ([[*(w.rows or []), *[0] * (t - len(w.rows or []))] for w in work] + [[0] * t] * len(pad) if gather
+              else [[]] * b)  # each token's ring row
+        ints = np.array([[*row.tokens, *[0] * (t - len(row.tokens)), *range(row.start, row.start + t), row.slot,
+                          max(len(row.tokens) - 1, 0), end, *ring_rows]
+                         for row, end, ring_rows in zip([*rows, *pad], ends, at, strict=True)])
+        inputs: dict[str, np.ndarray | torch.Tensor] = {"ints": ints}
+        if gather:
+            assert ring is not None
+            width, source = ring.shape[-1], ("ring", ring.data_ptr())
+        else:
+            inputs["feats"] = padded_rows([w.read(ring) for w in work], b, t)
+            width, source = inputs["feats"].shape[-1], None
 
-        def fn(ints: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor]:
+        def fn(ints: torch.Tensor, feats: torch.Tensor | None = None) -> tuple[torch.Tensor]:
             positions, slots, last, lengths = ints[:, t : 2 * t], ints[:, 2 * t], ints[:, 2 * t + 1], ints[:, 2 * t + 2]
+            if feats is None:  # the step's rows of the ring (padding: row 0, which only padding reads)
+                assert ring is not None
+                feats = ring[ints[:, 2 * t + 3 :]]  # [B, T, 3H]
             logits, prenorm = r.padded_forward(ints[:, :t], positions, slots, positions, ctx, hidden=feats)
             rows_ = torch.arange(b, device=feats.device)
             return self._grow_fn(logits[rows_, last], prenorm[rows_, last], lengths, slots, topk, steps, ctx)
 
-        (packed,) = r.graphed(("extend+grow", b, t, feats.shape[-1], topk, steps, ctx), fn, ints=ints, feats=feats)
+        (packed,) = r.graphed(("extend+grow", b, t, width, topk, steps, ctx, source), fn, 0, **inputs)
         assert packed is not None
-        return _unpack(packed, shapes, topk)
+        return unpack_trees(packed, shapes, topk)
 
     def _grow(self, shapes: dict[int, tuple[int, int, int]], logits: torch.Tensor, hidden: torch.Tensor,
               ends: list[int], slots: list[int]) -> dict[int, tuple[list[int], list[int]]]:
@@ -270,10 +303,10 @@ class DraftEngine:
                    topk: int = topk, steps: int = steps, ctx: int = ctx) -> tuple[torch.Tensor]:
                 return self._grow_fn(logits, hidden, lengths, slots, topk, steps, ctx)
 
-            (packed,) = r.graphed(("grow", b, topk, steps, ctx), fn, logits=logits, hidden=hidden, lengths=lengths,
-                                  slots=slots_t)
+            (packed,) = r.graphed(("grow", b, topk, steps, ctx), fn, 0, logits=logits, hidden=hidden,
+                                  lengths=lengths, slots=slots_t)
             assert packed is not None
-            grown.update(_unpack(packed, shapes, topk))
+            grown.update(unpack_trees(packed, shapes, topk))
         return grown
 
     def _grow_fn(self, logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
@@ -357,12 +390,3 @@ def level_kernel(head: Eagle3Head) -> Callable[..., tuple[torch.Tensor, ...]]:
 
     return level
 
-
-def _unpack(packed: torch.Tensor, shapes: dict[int, tuple[int, int, int]], topk: int
-            ) -> dict[int, tuple[list[int], list[int]]]:
-    """The rows of `shapes` with this topk, from grow_trees' [B, 3N] (target ids, parents,
-    best-first order), each cut to its own steps and size."""
-    host = packed.tolist()
-    per = packed.shape[1] // 3
-    return {i: tree_result(host[i][:per], host[i][per : 2 * per], host[i][2 * per :], topk, shape[1], shape[2])
-            for i, shape in shapes.items() if shape[0] == topk}

@@ -148,3 +148,13 @@ def tree_result(tokens: list[int], parents: list[int], order: list[int], topk: i
     kept = sorted([i for i in order if i < n][:keep])
     index = {node: j for j, node in enumerate(kept)}
     return [tokens[i] for i in kept], [index[parents[i]] if parents[i] >= 0 else -1 for i in kept]
+
+
+def unpack_trees(packed: torch.Tensor, shapes: dict[int, tuple[int, int, int]], topk: int
+                 ) -> dict[int, tuple[list[int], list[int]]]:
+    """The rows of `shapes` with this topk, from grow_trees' [B, 3N] (target ids, parents,
+    best-first order), each cut to its own steps and size."""
+    host = packed.tolist()
+    per = packed.shape[1] // 3
+    return {i: tree_result(host[i][:per], host[i][per : 2 * per], host[i][2 * per :], topk, shape[1], shape[2])
+            for i, shape in shapes.items() if shape[0] == topk}

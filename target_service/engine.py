@@ -46,18 +46,21 @@ class Sequence:
 @dataclass
 class Plan:
     """One batched step as every rank executes it. Rank 0 fills `rows_allowed`:
-    False for entries whose ring allocation failed (answered RESOURCE_EXHAUSTED). With
-    `epoch` set, the engine first serves that lease (see TargetEngine.hold)."""
+    False for entries whose ring allocation failed (answered RESOURCE_EXHAUSTED), and
+    `ring_rows`: where each entry's features go in the ring (-1: none). With `epoch` set, the
+    engine first serves that lease (see TargetEngine.hold)."""
 
     ops: list[TargetOp]
     rows_allowed: list[bool] = field(default_factory=list)
     epoch: int | None = None
+    ring_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Outcome:
     result: TargetResult
     rows: torch.Tensor | None = None  # [n, 3H] features to hand to the draft
+    in_ring: bool = False  # the step wrote them into the ring already (at the plan's ring row)
 
 
 @dataclass
@@ -84,6 +87,11 @@ class TargetEngine:
         self.seqs: dict[int, Sequence] = {}
         self.device = self.runner.device
         self.epoch = 0  # the lease new sequences belong to (0: none)
+
+    def write_ring(self, ring: torch.Tensor | None) -> None:
+        """Rank 0: the hidden-state ring [capacity, 3H] on this engine's device, which verify steps
+        then write their features into themselves (at the plan's ring rows), or None."""
+        self.runner.ring = ring
 
     # -- validation shared by rank 0 (before allocating ring rows) and every rank
     def check(self, op: TargetOp) -> None:
@@ -178,7 +186,7 @@ class TargetEngine:
                     outcomes[i] = self._release(op) if isinstance(op, Release) else self._suspend(op)
                     continue
                 busy.add(op.seq_id)
-                work.append(self._plan(i, op))
+                work.append(self._plan(i, op, plan.ring_rows[i] if plan.ring_rows else -1))
             except OpError as e:
                 outcomes[i] = Outcome(TargetResult(op.seq_id, e.code, str(e)))
         if work:
@@ -189,7 +197,7 @@ class TargetEngine:
             o.result.started_ns, o.result.ended_ns = started, ended
         return outcomes  # type: ignore[return-value]
 
-    def _plan(self, i: int, op: TargetOp) -> Work:
+    def _plan(self, i: int, op: TargetOp, ring_row: int) -> Work:
         if isinstance(op, Prefill):
             gen = torch.Generator(device=self.device).manual_seed(op.sampling.seed)  # where the logits are
             seq = Sequence(self.runner.allocate(), 0, -1, op.sampling, gen, self.epoch)
@@ -199,7 +207,10 @@ class TargetEngine:
         if isinstance(op, Verify):  # the last emitted token, then the drafts (a tree under it: parents shifted)
             parents = [-1, *(p + 1 for p in op.draft_parents)] if op.draft_parents else None
             on_device = seq.sampling.greedy and op.forced < 0  # greedy acceptance in the step
-            return Work(i, op, seq, Row(seq.slot, seq.length, [seq.last_token, *op.draft_ids], parents, on_device))
+            if op.forced >= 0 and parents:  # the host orders a forced tree's features: it writes them too
+                ring_row = -1
+            return Work(i, op, seq, Row(seq.slot, seq.length, [seq.last_token, *op.draft_ids], parents, on_device,
+                                        ring_row))
         if isinstance(op, Resume):  # its committed tokens again, in a slot of its own
             seq.slot = self.runner.allocate()
             return Work(i, op, seq, Row(seq.slot, 0, seq.tokens))
@@ -236,7 +247,7 @@ class TargetEngine:
             seq.length += accepted + 1  # last token and the accepted drafts are now in the cache
             seq.last_token = emitted[-1]
             return Outcome(TargetResult(op.seq_id, tokens=emitted, num_accepted=accepted),
-                           None if rows is None else rows[: accepted + 1])
+                           None if rows is None else rows[: accepted + 1], v.in_ring and rows is not None)
         # Recapture, Resume: features of positions 0..length-1 pair with tokens 1..length (the last not cached yet)
         return Outcome(TargetResult(op.seq_id, tokens=[*seq.tokens[1:], seq.last_token]), rows)
 

@@ -79,6 +79,7 @@ class TargetRuntime:
         if tp.rank == 0:
             width = 3 * self.model.cfg.hidden_size
             self.writer = open_writer(cfg.hidden_backend, cfg.ring_rows, width, DTYPES[cfg.dtype], self.device)
+            self.engine.write_ring(self.writer.ring_on(self.device))
 
     def _on_device(self) -> contextlib.AbstractContextManager[object]:
         # the current CUDA device is per thread and steps run on the server's engine thread:
@@ -101,7 +102,7 @@ class TargetRuntime:
             alloc = self.writer.allocate(n) if n else None
             allocs.append(alloc)
             allowed.append(n == 0 or alloc is not None)
-        plan = Plan(ops, allowed)
+        plan = Plan(ops, allowed, ring_rows=[-1 if alloc is None else alloc.offset for alloc in allocs])
         if self.tp.world_size > 1:
             dist.broadcast_object_list([plan], src=0)
         outcomes = self.engine.execute(plan)
@@ -113,7 +114,9 @@ class TargetRuntime:
                 written.append((outcome, alloc, outcome.rows))
             else:
                 self.writer.release(alloc.generation)
-        self.writer.write_all([(alloc, rows) for _, alloc, rows in written])
+        rest = [(alloc, rows) for outcome, alloc, rows in written if not outcome.in_ring]  # the step wrote the others
+        if rest:
+            self.writer.write_all(rest)
         for outcome, alloc, rows in written:  # alloc.inline: what the inline backend wrote
             outcome.result.hidden = HiddenRef(alloc.offset, rows.shape[0], alloc.generation, alloc.inline)
         results = [outcome.result for outcome in outcomes]

@@ -101,12 +101,14 @@ def test_draft_ids_are_mapped_to_target_vocabulary(tiny_target: Path, tiny_head:
         writer.close()
 
 
-@pytest.mark.parametrize("bad", ["rows_mismatch", "too_many_steps", "bad_token"])
+@pytest.mark.parametrize("bad", ["rows_mismatch", "too_many_steps", "bad_token", "outside_ring"])
 def test_bad_extend_is_an_entry_error(tiny_target: Path, tiny_head: Path, bad: str) -> None:
     rt, writer = make_runtime(tiny_target, tiny_head)
     try:
         ref = put(writer, torch.randn(3, writer.descriptor.width))
         tokens, steps = [1, 2, 3], 2
+        if bad == "outside_ring":
+            ref = HiddenRef(writer.descriptor.capacity_rows - 1, 3, ref.generation)
         if bad == "rows_mismatch":
             tokens = [1, 2]
         elif bad == "too_many_steps":
@@ -143,6 +145,47 @@ def test_batched_step_equals_one_sequence_at_a_time(tiny_target: Path, tiny_head
         assert [len(a) for a in alone] == [k for _, k in cases]
     finally:
         writer.close()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_draft_gathers_its_features_from_the_ring(tiny_target: Path, tiny_head: Path, padded: bool) -> None:
+    """Where the ring sits on the draft's device the step reads each entry's features from it
+    in place (eagerly, or inside the padded cycle's function): the same proposals as reading
+    them first, for a batch of chains and trees over several cycles, an earlier reference too."""
+    g = torch.Generator().manual_seed(5)
+    runs = []
+    for gather in (True, False):
+        rt, writer = make_runtime(tiny_target, tiny_head)
+        rt.engine.runner.padded = padded
+        reader, reads = rt.engine.reader, []
+        assert reader is not None
+        if not gather:
+            reader.ring_on = lambda device: None  # type: ignore[method-assign]
+        read = reader.read
+        reader.read = lambda *a, read=read, reads=reads: reads.append(a) or read(*a)  # type: ignore[method-assign]
+        g.manual_seed(5)
+        width, out = writer.descriptor.width, []
+        try:
+            position = [0, 0, 0]
+            for cycle in range(3):
+                ops = []
+                for i, (topk, tree) in enumerate([(1, 0), (4, 8), (1, 0)]):
+                    n = 6 if cycle == 0 else 1 + i + cycle
+                    tokens = torch.randint(0, 512, (n,), generator=g).tolist()
+                    feats = torch.randn(n, width, generator=g)
+                    earlier = [put(writer, feats[:1])] if i == 2 and cycle else []
+                    ref = put(writer, feats[len(earlier):])
+                    ops.append(ExtendPropose(i, tokens, ref, 3, position=position[i], topk=topk,
+                                             num_draft_tokens=tree, earlier=earlier))
+                    position[i] += n
+                results = rt.engine.execute(ops)
+                assert all(r.code == Code.OK for r in results), [r.message for r in results]
+                out.append([(r.draft_ids, r.draft_parents) for r in results])
+            assert bool(reads) != gather  # gathering, nothing is read ahead of the step
+        finally:
+            writer.close()
+        runs.append(out)
+    assert runs[0] == runs[1]
 
 
 def test_extend_position_must_match_or_restart(tiny_target: Path, tiny_head: Path) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from specsplit.models.parallel import TensorParallel
 from specsplit.ops import Code, Prefill, Recapture, Release, Verify
 from target_service.config import TargetConfig
@@ -94,3 +96,45 @@ def test_recapture_reproduces_the_features_of_the_sequence(tiny_target: Path) ->
         assert nxt.code == Code.OK
     finally:
         rt.close()
+
+
+def test_a_verify_step_writes_its_features_into_the_ring_itself(tiny_target: Path) -> None:
+    """Padded (as on a GPU), a verify step puts each row's features, its accepted path first,
+    into the ring at the plan's rows itself; the host writes only the others (prefills). The
+    ring then holds what the host would have written: a chain and a tree whose accepted path
+    skips nodes, in one batch."""
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2]]
+    got = []
+    for in_step in (True, False):
+        rt = runtime(tiny_target, max_context=128, max_sequences=3)
+        rt.engine.runner.padded = True
+        if not in_step:
+            rt.engine.write_ring(None)
+        assert rt.writer is not None
+        writes: list[int] = []
+        write_all = rt.writer.write_all
+        rt.writer.write_all = lambda items, w=write_all, seen=writes: seen.append(len(items)) or w(items)  # type: ignore[method-assign]
+        try:
+            greedy = []
+            for i, p in enumerate(prompts):  # each prompt's greedy continuation, 3 tokens
+                (pre,), _ = rt.step([Prefill(10 + i, p, capture=False)], [])
+                tokens = list(pre.tokens)
+                for _ in range(2):
+                    (ver,), _ = rt.step([Verify(10 + i, [], capture=False)], [])
+                    tokens += ver.tokens
+                rt.step([Release(10 + i)], [])
+                greedy.append(tokens)
+            pres, _ = rt.step([Prefill(i, p) for i, p in enumerate(prompts)], [])
+            before = len(writes)
+            (c1, c2, c3), (t1, t2, t3) = greedy
+            wrong = (t2 + 1) % 256
+            tree = Verify(1, [wrong, t2, wrong, t3], draft_parents=[-1, -1, 0, 1])  # accepts nodes 2 and 4
+            vers, _ = rt.step([Verify(0, [c2, c3, wrong]), tree], [p.hidden.generation for p in pres])
+            assert [v.num_accepted for v in vers] == [2, 2]
+            assert writes[before:] == ([] if in_step else [2])
+            got.append([(v.tokens, rt.writer.ring[v.hidden.offset : v.hidden.offset + v.hidden.rows].clone())
+                        for v in vers])
+        finally:
+            rt.close()
+    for (tokens, rows), (host_tokens, host_rows) in zip(*got, strict=True):
+        assert tokens == host_tokens and torch.equal(rows, host_rows)

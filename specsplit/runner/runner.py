@@ -36,7 +36,7 @@ from specsplit.models.layers import KVCache
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import pack_for_cpu
 from specsplit.runner.acceptance import row_fields, verify_rows
-from specsplit.runner.graphs import GraphCache, Outputs, bucket_up, compile_static, pow2_buckets
+from specsplit.runner.graphs import GraphCache, HostInput, Outputs, bucket_up, compile_static, pow2_buckets
 
 Model = LlamaModel | Eagle3Head  # logits with captured features, or with pre-norm states
 
@@ -50,6 +50,7 @@ class Row:
     tokens: list[int]
     parents: list[int] | None = None  # a tree: each token's parent in `tokens` (-1: after the committed entries)
     accept: bool = False  # verify: accept the drafts after tokens[0] greedily on the device
+    ring_row: int = -1  # verify: where its features go in the runner's ring (-1: not written by the step)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Verified:
     features: torch.Tensor | None  # [T, X]: the path's rows first
     path: list[int]  # the root (0) and the accepted drafts, as indices into the row's tokens
     best: list[int]  # the target's argmax after each token: the path's first, then the others'
+    in_ring: bool = False  # the features (path first) are in the ring at the row's ring_row
 
 
 class ModelRunner:
@@ -96,6 +98,8 @@ class ModelRunner:
         self.padded_tokens = padded_tokens
         self.row_bucket = row_bucket
         self.fused, self.fused_head = fused, fused_head
+        # the hidden-state ring [capacity, X] a verify step writes its rows' features into itself (Row.ring_row)
+        self.ring: torch.Tensor | None = None
         self.compiled = compile
         self._padded_fn = compile_static(self._padded_forward) if compile else self._padded_forward
         self.batch_buckets = pow2_buckets(1, slots)
@@ -141,8 +145,12 @@ class ModelRunner:
         host = ints.tolist()
         if ints.dim() == 1:  # eager: every row's argmax, then the accepting rows' readback
             return self._eager_verified(step, outputs, host)
-        return [Verified(logits, features, *_accepted(row, len(r.tokens)))
+        return [Verified(logits, features, *_accepted(row, len(r.tokens)), self._writes(step, r))
                 for r, (logits, features), row in zip(step.rows, outputs, host, strict=False)]
+
+    def _writes(self, step: Step, row: Row) -> bool:
+        """Whether a padded or fused verify step writes this row's features into the ring."""
+        return self.ring is not None and step.capture and row.ring_row >= 0
 
     def _eager_verified(self, step: Step, outputs: list[RowOutput], host: list[int]) -> list[Verified]:
         out, at = [], 0
@@ -165,10 +173,12 @@ class ModelRunner:
                 return self._run_padded(step, verify)
             return self._run_eager(step, verify)
 
-    def graphed(self, key: tuple[object, ...], fn: Callable[..., Outputs], **inputs: torch.Tensor) -> Outputs:
-        """fn(**inputs) from a CUDA graph of this key (captured on first use); inputs may be host tensors."""
+    def graphed(self, key: tuple[object, ...], fn: Callable[..., Outputs], readback: int | None = None,
+                **inputs: HostInput) -> Outputs:
+        """fn(**inputs) from a CUDA graph of this key (captured on first use); inputs may be host
+        tensors or arrays; output `readback` comes back to the host (see GraphCache.run)."""
         with self.mode():
-            return self.graphs.run(key, fn, **inputs)
+            return self.graphs.run(key, fn, readback, **inputs)
 
     def padded_forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        entries: torch.Tensor, ctx: int, tree_mask: torch.Tensor | None = None,
@@ -187,6 +197,20 @@ class ModelRunner:
         head = self.fused_head if self.fused_head is not None and b * t <= self.fused_head.max_rows else None
         logits, extra = (head or self.model).forward(tokens.reshape(b * t), batch, self.cache)
         return logits.view(b, t, -1), None if extra is None else extra.view(b, t, -1)
+
+    def _ring_rows(self, step: Step, verify: bool) -> bool:
+        """Whether this padded or fused step writes rows' features into the ring itself."""
+        return verify and self.ring is not None and step.capture and any(r.ring_row >= 0 for r in step.rows)
+
+    def _ring_key(self, ring: bool) -> tuple[str, int] | None:
+        return ("ring", self.ring.data_ptr()) if ring and self.ring is not None else None
+
+    def _write_ring(self, f: dict[str, torch.Tensor], features: torch.Tensor | None) -> None:
+        """The rows' features (path first) into the ring, where _pack placed them."""
+        if "ring_dst" in f:
+            assert self.ring is not None and features is not None
+            rows = features.reshape(-1, features.shape[-1])  # [B*T, X]
+            self.ring[f["ring_dst"]] = rows[f["ring_src"]].to(self.ring.dtype)
 
     def _run_eager(self, step: Step, verify: bool = False) -> tuple[list[RowOutput], torch.Tensor | None]:
         dev = self.device
@@ -210,7 +234,7 @@ class ModelRunner:
         t = max(len(step.rows[i].tokens) for i in rows)
         tree = any(step.rows[i].parents for i in rows)
         packed, layout = _pack([step.rows[i] for i in rows], len(rows), t, tree, True)
-        f = layout.unpack(packed.to(dev))
+        f = layout.unpack(torch.from_numpy(packed).to(dev))
         padded = torch.stack([torch.cat([lg, lg.new_zeros(t - lg.shape[0], lg.shape[1])]) for lg, _ in
                               (out[i] for i in rows)])  # [A, t, V]
         feats = None if extra is None else padded_rows([out[i][1] for i in rows], len(rows), t)  # type: ignore[misc]
@@ -223,7 +247,7 @@ class ModelRunner:
 
     def _run_padded(self, step: Step, verify: bool = False) -> tuple[list[RowOutput], torch.Tensor | None]:
         """The rows padded to the batch bucket, each to the longest row T, their integers in one
-        host tensor (see _pack; trees: with their masks). Padding tokens write entries past
+        host array (see _pack; trees: with their masks). Padding tokens write entries past
         their row that later steps overwrite; padding rows write the spare slot."""
         rows = step.rows
         b, t = self.batch_bucket(len(rows)), max(len(r.tokens) for r in rows)
@@ -231,8 +255,9 @@ class ModelRunner:
             t = self.row_bucket(t)
         ctx = self.ctx_bucket(max(r.start for r in rows) + t)
         tree = any(r.parents for r in rows)
-        packed, layout = _pack(rows + [Row(self.pad_slot, 0, [])] * (b - len(rows)), b, t, tree, verify)
-        inputs = {"packed": packed}
+        ring = self._ring_rows(step, verify)
+        packed, layout = _pack(rows + [Row(self.pad_slot, 0, [])] * (b - len(rows)), b, t, tree, verify, ring)
+        inputs: dict[str, HostInput] = {"packed": packed}
         if step.hidden is not None:
             inputs["hidden"] = padded_rows(step.hidden, b, t)
 
@@ -244,10 +269,12 @@ class ModelRunner:
                 return logits, extra
             ints, extra = verify_rows(logits, extra, f["fields"], f.get("mask"), self.cache, f["slots"],
                                       f["entries"][:, 0], tree)
+            self._write_ring(f, extra)
             return logits, extra, ints
 
         width = None if step.hidden is None else step.hidden[0].shape[-1]
-        got = self.graphs.run(("padded", b, t, ctx, tree, step.capture, width, verify), fn, **inputs)
+        key = ("padded", b, t, ctx, tree, step.capture, width, verify, self._ring_key(ring))
+        got = self.graphs.run(key, fn, 2 if verify else None, **inputs)
         logits, extra = got[0], got[1]
         assert logits is not None
         return ([(logits[i, : len(r.tokens)], None if extra is None else extra[i, : len(r.tokens)])
@@ -255,12 +282,13 @@ class ModelRunner:
 
     def _run_fused(self, step: Step, verify: bool = False) -> tuple[list[RowOutput], torch.Tensor | None]:
         """The rows padded to (batch bucket B, longest row T) as the fused step, its integers in
-        one host tensor (see _pack, masks always)."""
+        one host array (see _pack, masks always)."""
         rows, fused = step.rows, self.fused
         assert fused is not None
         b, t = self.batch_bucket(len(rows)), max(len(r.tokens) for r in rows)
         tree = any(r.parents for r in rows)
-        packed, layout = _pack(rows + [Row(self.pad_slot, 0, [])] * (b - len(rows)), b, t, True, verify)
+        ring = self._ring_rows(step, verify)
+        packed, layout = _pack(rows + [Row(self.pad_slot, 0, [])] * (b - len(rows)), b, t, True, verify, ring)
 
         def fn(packed: torch.Tensor) -> Outputs:
             f = layout.unpack(packed)
@@ -270,9 +298,11 @@ class ModelRunner:
                 return logits, extra
             ints, extra = verify_rows(logits.view(b, t, -1), None if extra is None else extra.view(b, t, -1),
                                       f["fields"], f["mask"], self.cache, f["slots"], f["entries"][:, 0], tree)
+            self._write_ring(f, extra)
             return logits, None if extra is None else extra.view(b * t, -1), ints
 
-        got = self.graphs.run(("fused", b, t, step.capture, tree, verify), fn, packed=packed)
+        key = ("fused", b, t, step.capture, tree, verify, self._ring_key(ring))
+        got = self.graphs.run(key, fn, 2 if verify else None, packed=packed)
         logits, extra = got[0], got[1]
         assert logits is not None
         parts = [slice(i * t, i * t + len(r.tokens)) for i, r in enumerate(rows)]
@@ -295,6 +325,7 @@ class _Layout:
     t: int
     tree: bool
     verify: bool
+    ring: bool = False
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         b, t = self.b, self.t
@@ -303,6 +334,8 @@ class _Layout:
             out["mask"] = (b, t, t)
         if self.verify:
             out["fields"] = (2, b, t)  # parent, expect
+        if self.ring:
+            out["ring_dst"] = out["ring_src"] = (b * t,)
         return out
 
     def unpack(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -316,11 +349,14 @@ class _Layout:
         return out
 
 
-def _pack(rows: list[Row], b: int, t: int, tree: bool, verify: bool) -> tuple[torch.Tensor, _Layout]:
-    """b rows, each padded to t tokens, as one host tensor of fields side by side: tokens,
+def _pack(rows: list[Row], b: int, t: int, tree: bool, verify: bool, ring: bool = False
+          ) -> tuple[np.ndarray, _Layout]:
+    """b rows, each padded to t tokens, as one host array of fields side by side: tokens,
     rotary positions, entries [B, T]; slots [B]; with `tree`, masks [B, T, T] (each token's
     ancestors and itself: causal for chains and padding); with `verify`, the acceptance's
-    parent and expect [2, B, T] (see specsplit.runner.acceptance)."""
+    parent and expect [2, B, T] (see specsplit.runner.acceptance); with `ring`, for each of B·T
+    writes the ring row and the step's row of features that goes there: each real token of
+    a row with a ring_row, then repeats of the first such write (same row, same value)."""
     fields: list[list[int]] = [[], [], [], []]  # tokens, positions, entries, slots
     accept: list[list[int]] = [[], []]  # parent, expect
     masks = np.empty((b, t, t) if tree else (0,), dtype=np.int64)
@@ -345,7 +381,12 @@ def _pack(rows: list[Row], b: int, t: int, tree: bool, verify: bool) -> tuple[to
     if tree:  # the masks sit between the slots and the acceptance's fields
         cut = 3 * b * t + b
         ints = np.concatenate([ints[:cut], masks.ravel(), ints[cut:]])
-    return torch.from_numpy(ints), _Layout(b, t, tree, verify)
+    if ring:
+        writes = [(row.ring_row + j, i * t + j) for i, row in enumerate(rows) if row.ring_row >= 0
+                  for j in range(len(row.tokens))]
+        writes += [writes[0]] * (b * t - len(writes))
+        ints = np.concatenate([ints, np.array(writes, dtype=np.int64).T.ravel()])
+    return ints, _Layout(b, t, tree, verify, ring)
 
 
 @functools.cache

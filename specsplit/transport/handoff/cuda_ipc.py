@@ -120,6 +120,11 @@ class CudaIpcWriter:
             self.ring[alloc.offset : alloc.offset + rows.shape[0]].copy_(rows)
         torch.cuda.current_stream(self.device).synchronize()
 
+    def ring_on(self, device: torch.device) -> torch.Tensor | None:
+        """The ring, for a step on its own device that writes its rows itself (complete once that
+        step's stream has passed the writes, as `write_all` leaves them)."""
+        return self.ring if device == self.device else None
+
     def release(self, generation: int) -> None:
         self.allocator.release(generation)
 
@@ -165,6 +170,9 @@ class CudaIpcReader:
         # until the read is acknowledged (the writer reuses them then), so the reader's stream must pass its uses
         # before it replies (the draft's readback of its proposals does)
         return self.ring[offset : offset + rows].to(self.device)
+
+    def ring_on(self, device: torch.device) -> torch.Tensor | None:
+        return self.ring if self.ring.device == device else None
 
     def close(self) -> None:
         del self.ring  # reads live within a step, so this drops the last use: PyTorch unmaps, releases the counter

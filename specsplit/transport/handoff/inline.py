@@ -23,6 +23,9 @@ class InlineWriter:
         for alloc, rows in items:
             self.write(alloc, rows)
 
+    def ring_on(self, device: torch.device) -> torch.Tensor | None:
+        return None
+
     def release(self, generation: int) -> None:
         self.allocator.release(generation)
 
@@ -40,6 +43,9 @@ class InlineReader:
         if t.numel() != rows * self.width:
             raise ValueError(f"inline rows hold {t.numel()} values, expected {rows}x{self.width}")
         return t.view(rows, self.width)
+
+    def ring_on(self, device: torch.device) -> torch.Tensor | None:
+        return None  # the rows travel in the references
 
     def close(self) -> None:
         pass

@@ -37,6 +37,9 @@ class ShmWriter:
         for alloc, rows in items:
             self.write(alloc, rows)
 
+    def ring_on(self, device: torch.device) -> torch.Tensor | None:
+        return self.ring if device.type == "cpu" else None
+
     def release(self, generation: int) -> None:
         self.allocator.release(generation)
 
@@ -60,6 +63,9 @@ class ShmReader:
         if offset + rows > self.ring.shape[0]:
             raise ValueError(f"reference [{offset}, {offset + rows}) outside the ring")
         return self.ring[offset : offset + rows].clone()  # the slot may be reused once acknowledged
+
+    def ring_on(self, device: torch.device) -> torch.Tensor | None:
+        return self.ring if device.type == "cpu" else None
 
     def close(self) -> None:
         del self.ring
