@@ -30,9 +30,9 @@ def replayed(run: Callable[..., Any]) -> Callable[..., Any]:
     """A graph cache's or runner's run that computes each key once and then returns that result."""
     seen: dict[tuple[object, ...], Any] = {}
 
-    def fn(key: tuple[object, ...], step: Callable[..., Any], readback: int | None = None, **inputs: Any) -> Any:
+    def fn(key: tuple[object, ...], step: Callable[..., Any], **inputs: Any) -> Any:
         if key not in seen:
-            seen[key] = run(key, step, readback, **inputs)
+            seen[key] = run(key, step, **inputs)
         return seen[key]
 
     return fn

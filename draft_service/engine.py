@@ -279,7 +279,7 @@ class DraftEngine:
             rows_ = torch.arange(b, device=feats.device)
             return self._grow_fn(logits[rows_, last], prenorm[rows_, last], lengths, slots, topk, steps, ctx)
 
-        (packed,) = r.graphed(("extend+grow", b, t, width, topk, steps, ctx, source), fn, 0, **inputs)
+        (packed,) = r.graphed(("extend+grow", b, t, width, topk, steps, ctx, source), fn, **inputs)
         assert packed is not None
         return unpack_trees(packed, shapes, topk)
 
@@ -303,8 +303,8 @@ class DraftEngine:
                    topk: int = topk, steps: int = steps, ctx: int = ctx) -> tuple[torch.Tensor]:
                 return self._grow_fn(logits, hidden, lengths, slots, topk, steps, ctx)
 
-            (packed,) = r.graphed(("grow", b, topk, steps, ctx), fn, 0, logits=logits, hidden=hidden,
-                                  lengths=lengths, slots=slots_t)
+            (packed,) = r.graphed(("grow", b, topk, steps, ctx), fn, logits=logits, hidden=hidden, lengths=lengths,
+                                  slots=slots_t)
             assert packed is not None
             grown.update(unpack_trees(packed, shapes, topk))
         return grown

@@ -43,11 +43,11 @@ def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    staging: dict[str, torch.Tensor]  # pinned host buffers of the host inputs: the graph's first nodes copy them in
-    views: dict[str, np.ndarray]  # the same buffers as arrays: the host writes them in place
-    inputs: dict[str, torch.Tensor]  # device buffers of the device inputs, copied into before each replay
-    outputs: Outputs  # with `readback`, that output is a pinned host tensor the graph's last node writes
-    replayed: torch.cuda.Event  # after the last replay: its copies out of `staging` are done
+    inputs: dict[str, torch.Tensor]
+    outputs: Outputs
+    staging: dict[str, torch.Tensor]  # pinned host copies of the host inputs: their copies run asynchronously
+    views: dict[str, np.ndarray]  # the same buffers as arrays, which the host fills in place
+    staged: torch.cuda.Event  # after the last copies out of `staging`
 
 
 HostInput = torch.Tensor | np.ndarray
@@ -56,10 +56,10 @@ HostInput = torch.Tensor | np.ndarray
 class GraphCache:
     """Captured graphs by key. `run(key, fn, **inputs)` returns fn's outputs: the graph's
     static output tensors, valid until the next run of the same key. Inputs may be host
-    tensors or arrays: the graph itself copies each from a pinned buffer of its own, which the
-    host fills in place, so a replay is one launch whatever its inputs. With `readback=i`,
-    output i comes back as a host tensor, copied by the graph's last node into pinned memory,
-    and `run` returns once the replay is done: a step costs one launch and one wait."""
+    tensors or arrays: each is placed on the cache's device by one copy (into the graph's input
+    buffer when replaying), so callers need not move them first. A host input goes through a
+    pinned buffer of its graph, filled in place: a copy from pageable memory would block the
+    host until the device has it, a pinned one is queued before the replay like a kernel."""
 
     def __init__(self, device: torch.device, enabled: bool = True, max_graphs: int = 256,
                  compile: bool = False) -> None:
@@ -76,55 +76,41 @@ class GraphCache:
         self.replays = 0
         self.last: torch.cuda.CUDAGraph | None = None  # the graph replayed last (benchmarks time it alone)
 
-    def run(self, key: tuple[object, ...], fn: StaticFn, readback: int | None = None, **inputs: HostInput) -> Outputs:
+    def run(self, key: tuple[object, ...], fn: StaticFn, **inputs: HostInput) -> Outputs:
         if not self.enabled:
-            return self._eager(fn, inputs, readback)
+            return fn(**{name: _tensor(x).to(self.device) for name, x in inputs.items()})
         if self.device.index is None or torch.cuda.current_device() == self.device.index:  # (engine threads are)
-            return self._run(key, fn, inputs, readback)
+            return self._run(key, fn, inputs)
         # capture and replay on this cache's GPU, whatever the caller's current device (graphs are per device)
         with torch.cuda.device(self.device):
-            return self._run(key, fn, inputs, readback)
+            return self._run(key, fn, inputs)
 
-    def _eager(self, fn: StaticFn, inputs: dict[str, HostInput], readback: int | None) -> Outputs:
-        out = fn(**{name: _tensor(x).to(self.device) for name, x in inputs.items()})
-        if readback is None:
-            return out
-        host = out[readback]
-        assert host is not None
-        return (*out[:readback], host.cpu(), *out[readback + 1 :])
-
-    def _run(self, key: tuple[object, ...], fn: StaticFn, inputs: dict[str, HostInput],
-             readback: int | None) -> Outputs:
+    def _run(self, key: tuple[object, ...], fn: StaticFn, inputs: dict[str, HostInput]) -> Outputs:
         captured = self.graphs.get(key)
         if captured is None:
             if len(self.graphs) >= self.max_graphs:  # shapes beyond the budget run eagerly
-                return self._eager(fn, inputs, readback)
-            captured = self.graphs[key] = self._capture(key, fn, inputs, readback)
+                return fn(**{name: _tensor(x).to(self.device) for name, x in inputs.items()})
+            captured = self.graphs[key] = self._capture(key, fn, {name: _tensor(x) for name, x in inputs.items()})
         else:
-            captured.replayed.synchronize()  # the last replay has copied the staging buffers in
+            captured.staged.synchronize()  # the last replay's copies out of the staging buffers are done
             for name, x in inputs.items():
                 view = captured.views.get(name)
-                if view is not None:
-                    np.copyto(view, x.numpy() if isinstance(x, torch.Tensor) else x)
+                if view is not None:  # a host input: into its pinned buffer, then to the device without blocking
+                    np.copyto(view, x if isinstance(x, np.ndarray) else x.numpy())
+                    captured.inputs[name].copy_(captured.staging[name], non_blocking=True)
                 else:
                     captured.inputs[name].copy_(x, non_blocking=True)
+            captured.staged.record()
         captured.graph.replay()
-        captured.replayed.record()
         self.replays += 1
         self.last = captured.graph
-        if readback is not None:
-            captured.replayed.synchronize()
         return captured.outputs
 
-    def _capture(self, key: tuple[object, ...], fn: StaticFn, inputs: dict[str, HostInput],
-                 readback: int | None) -> _Captured:
+    def _capture(self, key: tuple[object, ...], fn: StaticFn, inputs: dict[str, torch.Tensor]) -> _Captured:
         if self.compile:
             log.info("compiling the graph of %s (its first use)", key)
             fn = torch.compile(fn, dynamic=False)
-        tensors = {name: _tensor(x) for name, x in inputs.items()}
-        static = {name: x.to(self.device, copy=True) for name, x in tensors.items()}
-        staging = {name: torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)
-                   for name, x in tensors.items() if x.device.type == "cpu"}
+        static = {name: x.to(self.device, copy=True) for name, x in inputs.items()}
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: lazy initialisation (cuBLAS handles, workspaces) off the graph
@@ -133,20 +119,12 @@ class GraphCache:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
-            for name, pinned in staging.items():
-                static[name].copy_(pinned, non_blocking=True)
             outputs = fn(**static)
-            if readback is not None:
-                out = outputs[readback]
-                assert out is not None
-                host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-                host.copy_(out, non_blocking=True)
-                outputs = (*outputs[:readback], host, *outputs[readback + 1 :])
-        device_inputs = {name: x for name, x in static.items() if name not in staging}
-        replayed = torch.cuda.Event()
-        replayed.record()
-        return _Captured(graph, staging, {name: x.numpy() for name, x in staging.items()}, device_inputs,
-                         outputs, replayed)
+        staging = {name: torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for name, x in inputs.items()
+                   if x.device.type == "cpu"}
+        staged = torch.cuda.Event()
+        staged.record()
+        return _Captured(graph, static, outputs, staging, {name: x.numpy() for name, x in staging.items()}, staged)
 
 
 def _tensor(x: HostInput) -> torch.Tensor:

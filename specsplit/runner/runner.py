@@ -173,12 +173,11 @@ class ModelRunner:
                 return self._run_padded(step, verify)
             return self._run_eager(step, verify)
 
-    def graphed(self, key: tuple[object, ...], fn: Callable[..., Outputs], readback: int | None = None,
-                **inputs: HostInput) -> Outputs:
+    def graphed(self, key: tuple[object, ...], fn: Callable[..., Outputs], **inputs: HostInput) -> Outputs:
         """fn(**inputs) from a CUDA graph of this key (captured on first use); inputs may be host
-        tensors or arrays; output `readback` comes back to the host (see GraphCache.run)."""
+        tensors or arrays."""
         with self.mode():
-            return self.graphs.run(key, fn, readback, **inputs)
+            return self.graphs.run(key, fn, **inputs)
 
     def padded_forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        entries: torch.Tensor, ctx: int, tree_mask: torch.Tensor | None = None,
@@ -274,7 +273,7 @@ class ModelRunner:
 
         width = None if step.hidden is None else step.hidden[0].shape[-1]
         key = ("padded", b, t, ctx, tree, step.capture, width, verify, self._ring_key(ring))
-        got = self.graphs.run(key, fn, 2 if verify else None, **inputs)
+        got = self.graphs.run(key, fn, **inputs)
         logits, extra = got[0], got[1]
         assert logits is not None
         return ([(logits[i, : len(r.tokens)], None if extra is None else extra[i, : len(r.tokens)])
@@ -302,7 +301,7 @@ class ModelRunner:
             return logits, None if extra is None else extra.view(b * t, -1), ints
 
         key = ("fused", b, t, step.capture, tree, verify, self._ring_key(ring))
-        got = self.graphs.run(key, fn, 2 if verify else None, packed=packed)
+        got = self.graphs.run(key, fn, packed=packed)
         logits, extra = got[0], got[1]
         assert logits is not None
         parts = [slice(i * t, i * t + len(r.tokens)) for i, r in enumerate(rows)]
