@@ -153,7 +153,8 @@ def unprofiled(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], ne
     spent: dict[str, float] = defaultdict(float)
     assert target.writer is not None
     drafted: dict[str, float] = defaultdict(float)
-    with (timed(spent, "pack", runner_module, "_pack"), timed(spent, "graph_run", target.engine.runner.graphs, "run"),
+    with (timed(spent, "pack", runner_module, "pack_rows"),
+          timed(spent, "graph_run", target.engine.runner.graphs, "run"),
           timed(spent, "runner_step", target.engine.runner, "verify"),
           timed(spent, "ring_write", target.writer, "write_all"),
           timed(drafted, "check_and_read", draft.engine, "_check_and_read"),
@@ -194,8 +195,9 @@ def main() -> None:
     cycle_overhead.add_fused_decode_arg(p)
     a = p.parse_args()
     t0 = time.time()
-    target = TargetRuntime(TargetConfig(model=a.model, dtype=a.dtype, device=a.device, max_context=1024,
-                                        max_sequences=2, max_draft_tokens=max(16, a.num_draft_tokens),
+    backend = "cuda_ipc" if a.device.startswith("cuda") else "shm"  # as bench.end_to_end and the services
+    target = TargetRuntime(TargetConfig(model=a.model, dtype=a.dtype, device=a.device, hidden_backend=backend,
+                                        max_context=1024, max_sequences=2, max_draft_tokens=max(16, a.num_draft_tokens),
                                         fused_decode=a.fused_decode).validate(),
                            TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,

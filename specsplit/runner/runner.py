@@ -20,37 +20,23 @@ them from `padded_forward` and capture them with `graphed`.
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from specsplit.models.batch import Batch, Segment, tree_ancestry, tree_segment
+from specsplit.models.batch import Batch, Segment, tree_segment
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.fused import FusedLlama
 from specsplit.models.fused_head import FusedHead
 from specsplit.models.layers import KVCache
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import pack_for_cpu
-from specsplit.runner.acceptance import row_fields, verify_rows
+from specsplit.runner.acceptance import verify_rows
 from specsplit.runner.graphs import GraphCache, HostInput, Outputs, bucket_up, compile_static, pow2_buckets
+from specsplit.runner.packing import Row, pack_rows
 
 Model = LlamaModel | Eagle3Head  # logits with captured features, or with pre-norm states
-
-
-@dataclass
-class Row:
-    """One sequence's new tokens: they write KV entries start, start+1, ... of `slot`."""
-
-    slot: int
-    start: int  # committed entries of the slot, all visible to the row
-    tokens: list[int]
-    parents: list[int] | None = None  # a tree: each token's parent in `tokens` (-1: after the committed entries)
-    accept: bool = False  # verify: accept the drafts after tokens[0] greedily on the device
-    ring_row: int = -1  # verify: where its features go in the runner's ring (-1: not written by the step)
 
 
 @dataclass
@@ -232,7 +218,7 @@ class ModelRunner:
             return out, best
         t = max(len(step.rows[i].tokens) for i in rows)
         tree = any(step.rows[i].parents for i in rows)
-        packed, layout = _pack([step.rows[i] for i in rows], len(rows), t, tree, True)
+        packed, layout = pack_rows([step.rows[i] for i in rows], len(rows), t, tree, True)
         f = layout.unpack(torch.from_numpy(packed).to(dev))
         padded = torch.stack([torch.cat([lg, lg.new_zeros(t - lg.shape[0], lg.shape[1])]) for lg, _ in
                               (out[i] for i in rows)])  # [A, t, V]
@@ -246,7 +232,7 @@ class ModelRunner:
 
     def _run_padded(self, step: Step, verify: bool = False) -> tuple[list[RowOutput], torch.Tensor | None]:
         """The rows padded to the batch bucket, each to the longest row T, their integers in one
-        host array (see _pack; trees: with their masks). Padding tokens write entries past
+        host array (see pack_rows; trees: with their masks). Padding tokens write entries past
         their row that later steps overwrite; padding rows write the spare slot."""
         rows = step.rows
         b, t = self.batch_bucket(len(rows)), max(len(r.tokens) for r in rows)
@@ -255,7 +241,7 @@ class ModelRunner:
         ctx = self.ctx_bucket(max(r.start for r in rows) + t)
         tree = any(r.parents for r in rows)
         ring = self._ring_rows(step, verify)
-        packed, layout = _pack(rows + [Row(self.pad_slot, 0, [])] * (b - len(rows)), b, t, tree, verify, ring)
+        packed, layout = pack_rows(rows + [Row(self.pad_slot, 0, [])] * (b - len(rows)), b, t, tree, verify, ring)
         inputs: dict[str, HostInput] = {"packed": packed}
         if step.hidden is not None:
             inputs["hidden"] = padded_rows(step.hidden, b, t)
@@ -281,13 +267,13 @@ class ModelRunner:
 
     def _run_fused(self, step: Step, verify: bool = False) -> tuple[list[RowOutput], torch.Tensor | None]:
         """The rows padded to (batch bucket B, longest row T) as the fused step, its integers in
-        one host array (see _pack, masks always)."""
+        one host array (see pack_rows, masks always)."""
         rows, fused = step.rows, self.fused
         assert fused is not None
         b, t = self.batch_bucket(len(rows)), max(len(r.tokens) for r in rows)
         tree = any(r.parents for r in rows)
         ring = self._ring_rows(step, verify)
-        packed, layout = _pack(rows + [Row(self.pad_slot, 0, [])] * (b - len(rows)), b, t, True, verify, ring)
+        packed, layout = pack_rows(rows + [Row(self.pad_slot, 0, [])] * (b - len(rows)), b, t, True, verify, ring)
 
         def fn(packed: torch.Tensor) -> Outputs:
             f = layout.unpack(packed)
@@ -314,83 +300,6 @@ def _accepted(row: list[int], n: int) -> tuple[list[int], list[int]]:
     t = (len(row) - 1) // 2
     path, best = row[1 : 1 + t], row[1 + t :]
     return path[: row[0]], [best[j] for j in range(t) if path[j] < n]
-
-
-@dataclass
-class _Layout:
-    """Where each field of a packed step sits: field-major, so that every field is a view."""
-
-    b: int
-    t: int
-    tree: bool
-    verify: bool
-    ring: bool = False
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        b, t = self.b, self.t
-        out: dict[str, tuple[int, ...]] = {"tokens": (b, t), "positions": (b, t), "entries": (b, t), "slots": (b,)}
-        if self.tree:
-            out["mask"] = (b, t, t)
-        if self.verify:
-            out["fields"] = (2, b, t)  # parent, expect
-        if self.ring:
-            out["ring_dst"] = out["ring_src"] = (b * t,)
-        return out
-
-    def unpack(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The fields as views of `packed`; "fields" as [B, 2, T]."""
-        out, at = {}, 0
-        for name, shape in self.shapes().items():
-            n = math.prod(shape)
-            out[name], at = packed[at : at + n].view(shape), at + n
-        if self.verify:
-            out["fields"] = out["fields"].transpose(0, 1)
-        return out
-
-
-def _pack(rows: list[Row], b: int, t: int, tree: bool, verify: bool, ring: bool = False
-          ) -> tuple[np.ndarray, _Layout]:
-    """b rows, each padded to t tokens, as one host array of fields side by side: tokens,
-    rotary positions, entries [B, T]; slots [B]; with `tree`, masks [B, T, T] (each token's
-    ancestors and itself: causal for chains and padding); with `verify`, the acceptance's
-    parent and expect [2, B, T] (see specsplit.runner.acceptance); with `ring`, for each of B·T
-    writes the ring row and the step's row of features that goes there: each real token of
-    a row with a ring_row, then repeats of the first such write (same row, same value)."""
-    fields: list[list[int]] = [[], [], [], []]  # tokens, positions, entries, slots
-    accept: list[list[int]] = [[], []]  # parent, expect
-    masks = np.empty((b, t, t) if tree else (0,), dtype=np.int64)
-    for i, row in enumerate(rows):
-        n, entries = len(row.tokens), list(range(row.start, row.start + t))
-        positions = entries
-        if tree:
-            masks[i] = _causal(t)
-            if row.parents:
-                mask, depth = tree_ancestry(tuple(row.parents), t)
-                masks[i, :n] = mask
-                positions = [row.start + d for d in depth] + entries[n:]
-        fields[0] += [*row.tokens, *[0] * (t - n)]
-        fields[1] += positions
-        fields[2] += entries
-        fields[3].append(row.slot)
-        if verify:
-            parent, expect = row_fields(row.tokens, row.parents, row.accept, t)
-            accept[0] += parent
-            accept[1] += expect
-    ints = np.array([x for field in (*fields, *accept) for x in field], dtype=np.int64)
-    if tree:  # the masks sit between the slots and the acceptance's fields
-        cut = 3 * b * t + b
-        ints = np.concatenate([ints[:cut], masks.ravel(), ints[cut:]])
-    if ring:
-        writes = [(row.ring_row + j, i * t + j) for i, row in enumerate(rows) if row.ring_row >= 0
-                  for j in range(len(row.tokens))]
-        writes += [writes[0]] * (b * t - len(writes))
-        ints = np.concatenate([ints, np.array(writes, dtype=np.int64).T.ravel()])
-    return ints, _Layout(b, t, tree, verify, ring)
-
-
-@functools.cache
-def _causal(t: int) -> np.ndarray:
-    return np.tril(np.ones((t, t), dtype=np.int64))
 
 
 def padded_rows(rows: list[torch.Tensor], b: int, t: int) -> torch.Tensor:

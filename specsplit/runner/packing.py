@@ -1,0 +1,105 @@
+"""A padded step's integers as one host array (the runner's padded and fused paths): each row's
+tokens, rotary positions and KV entries, the slots, tree masks, the acceptance's fields and the
+ring rows side by side, field-major, so that on the device every field is a view of one copy."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specsplit.models.batch import tree_ancestry
+from specsplit.runner.acceptance import row_fields
+
+
+@dataclass
+class Row:
+    """One sequence's new tokens: they write KV entries start, start+1, ... of `slot`."""
+
+    slot: int
+    start: int  # committed entries of the slot, all visible to the row
+    tokens: list[int]
+    parents: list[int] | None = None  # a tree: each token's parent in `tokens` (-1: after the committed entries)
+    accept: bool = False  # verify: accept the drafts after tokens[0] greedily on the device
+    ring_row: int = -1  # verify: where its features go in the runner's ring (-1: not written by the step)
+
+
+
+@dataclass
+class StepLayout:
+    """Where each field of a packed step sits: field-major, so that every field is a view."""
+
+    b: int
+    t: int
+    tree: bool
+    verify: bool
+    ring: bool = False
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        b, t = self.b, self.t
+        out: dict[str, tuple[int, ...]] = {"tokens": (b, t), "positions": (b, t), "entries": (b, t), "slots": (b,)}
+        if self.tree:
+            out["mask"] = (b, t, t)
+        if self.verify:
+            out["fields"] = (2, b, t)  # parent, expect
+        if self.ring:
+            out["ring_dst"] = out["ring_src"] = (b * t,)
+        return out
+
+    def unpack(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The fields as views of `packed`; "fields" as [B, 2, T]."""
+        out, at = {}, 0
+        for name, shape in self.shapes().items():
+            n = math.prod(shape)
+            out[name], at = packed[at : at + n].view(shape), at + n
+        if self.verify:
+            out["fields"] = out["fields"].transpose(0, 1)
+        return out
+
+
+def pack_rows(rows: list[Row], b: int, t: int, tree: bool, verify: bool, ring: bool = False
+          ) -> tuple[np.ndarray, StepLayout]:
+    """b rows, each padded to t tokens, as one host array of fields side by side: tokens,
+    rotary positions, entries [B, T]; slots [B]; with `tree`, masks [B, T, T] (each token's
+    ancestors and itself: causal for chains and padding); with `verify`, the acceptance's
+    parent and expect [2, B, T] (see specsplit.runner.acceptance); with `ring`, for each of B·T
+    writes the ring row and the step's row of features that goes there: each real token of
+    a row with a ring_row, then repeats of the first such write (same row, same value)."""
+    fields: list[list[int]] = [[], [], [], []]  # tokens, positions, entries, slots
+    accept: list[list[int]] = [[], []]  # parent, expect
+    masks = np.empty((b, t, t) if tree else (0,), dtype=np.int64)
+    for i, row in enumerate(rows):
+        n, entries = len(row.tokens), list(range(row.start, row.start + t))
+        positions = entries
+        if tree:
+            masks[i] = _causal(t)
+            if row.parents:
+                mask, depth = tree_ancestry(tuple(row.parents), t)
+                masks[i, :n] = mask
+                positions = [row.start + d for d in depth] + entries[n:]
+        fields[0] += [*row.tokens, *[0] * (t - n)]
+        fields[1] += positions
+        fields[2] += entries
+        fields[3].append(row.slot)
+        if verify:
+            parent, expect = row_fields(row.tokens, row.parents, row.accept, t)
+            accept[0] += parent
+            accept[1] += expect
+    ints = np.array([x for field in (*fields, *accept) for x in field], dtype=np.int64)
+    if tree:  # the masks sit between the slots and the acceptance's fields
+        cut = 3 * b * t + b
+        ints = np.concatenate([ints[:cut], masks.ravel(), ints[cut:]])
+    if ring:
+        writes = [(row.ring_row + j, i * t + j) for i, row in enumerate(rows) if row.ring_row >= 0
+                  for j in range(len(row.tokens))]
+        writes += [writes[0]] * (b * t - len(writes))
+        ints = np.concatenate([ints, np.array(writes, dtype=np.int64).T.ravel()])
+    return ints, StepLayout(b, t, tree, verify, ring)
+
+
+@functools.cache
+def _causal(t: int) -> np.ndarray:
+    return np.tril(np.ones((t, t), dtype=np.int64))
