@@ -88,15 +88,20 @@ def pack_rows(rows: list[Row], b: int, t: int, tree: bool, verify: bool, ring: b
             parent, expect = row_fields(row.tokens, row.parents, row.accept, t)
             accept[0] += parent
             accept[1] += expect
-    ints = np.array([x for field in (*fields, *accept) for x in field], dtype=np.int64)
+    writes: list[int] = []  # the ring's rows, then the features' rows
+    if ring:
+        dst: list[int] = []
+        src: list[int] = []
+        for i, row in enumerate(rows):
+            if row.ring_row >= 0:
+                dst += range(row.ring_row, row.ring_row + len(row.tokens))
+                src += range(i * t, i * t + len(row.tokens))
+        fill = b * t - len(dst)
+        writes = [*dst, *[dst[0]] * fill, *src, *[src[0]] * fill]
+    ints = np.array([x for field in (*fields, *accept) for x in field] + writes, dtype=np.int64)
     if tree:  # the masks sit between the slots and the acceptance's fields
         cut = 3 * b * t + b
         ints = np.concatenate([ints[:cut], masks.ravel(), ints[cut:]])
-    if ring:
-        writes = [(row.ring_row + j, i * t + j) for i, row in enumerate(rows) if row.ring_row >= 0
-                  for j in range(len(row.tokens))]
-        writes += [writes[0]] * (b * t - len(writes))
-        ints = np.concatenate([ints, np.array(writes, dtype=np.int64).T.ravel()])
     return ints, StepLayout(b, t, tree, verify, ring)
 
 
