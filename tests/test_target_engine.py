@@ -138,3 +138,25 @@ def test_a_verify_step_writes_its_features_into_the_ring_itself(tiny_target: Pat
             rt.close()
     for (tokens, rows), (host_tokens, host_rows) in zip(*got, strict=True):
         assert tokens == host_tokens and torch.equal(rows, host_rows)
+
+
+def test_a_forced_tree_leaves_its_ring_write_to_the_host(tiny_target: Path) -> None:
+    """Benchmark-only forced acceptance orders a tree's features on the host: a padded step
+    does not write them itself, and the ring holds the forced path's rows, as with no
+    in-step writes at all."""
+    got = []
+    for in_step in (True, False):
+        rt = runtime(tiny_target, max_context=128, forced_acceptance=True)
+        rt.engine.runner.padded = True
+        if not in_step:
+            rt.engine.write_ring(None)
+        assert rt.writer is not None
+        try:
+            (pre,), _ = rt.step([Prefill(1, [3, 1, 4, 1, 5])], [])
+            tree = Verify(1, [7, 8, 9, 10], draft_parents=[-1, -1, 0, 2], forced=3)  # the path 1, 3, 4
+            (ver,), _ = rt.step([tree], [pre.hidden.generation])
+            assert ver.code == Code.OK and ver.num_accepted == 3
+            got.append(rt.writer.ring[ver.hidden.offset : ver.hidden.offset + ver.hidden.rows].clone())
+        finally:
+            rt.close()
+    assert torch.equal(got[0], got[1])
