@@ -97,7 +97,7 @@ async def _loop_socket_server(path: str, servicer: _Servicer) -> asyncio.Abstrac
             while True:
                 (n,) = struct.unpack("<I", await reader.readexactly(4))
                 req = target_pb2.TargetStepRequest.FromString(await reader.readexactly(n))
-                reply = (await loop.run_in_executor(servicer.executor, servicer.answer, req)).SerializeToString()
+                reply = (await loop.run_in_executor(servicer.executor, servicer.answer, req))[0].SerializeToString()
                 writer.write(struct.pack("<BI", 0, len(reply)) + reply)
                 await writer.drain()
         writer.close()
@@ -115,10 +115,10 @@ async def _client(port: int, calls: int, drafts: int, socket: bool, blocking: bo
         assert target.use_step_transport(_socket_path(port)).startswith("unix:")
     ops = [Verify(1, list(range(100, 100 + drafts)))]
     for _ in range(50):  # warm-up: the stream opens, the first calls settle
-        await target.step(ops, [])
+        await target.step(ops, [], 10.0)
     t0 = time.perf_counter()
     for _ in range(calls):
-        await target.step(ops, [])
+        await target.step(ops, [], 10.0)
     us = (time.perf_counter() - t0) * 1e6 / calls
     await target.close()
     return us

@@ -15,7 +15,7 @@ from specsplit.ops import DraftOp, DraftResult, ExtendPropose, StepTiming
 from specsplit.transport import wire
 from specsplit.transport.handoff.base import Descriptor
 from specsplit.transport.lease import Leases
-from specsplit.transport.step_stream import StepAfter, StepCodec, answer_step, serve_steps
+from specsplit.transport.step_stream import Answered, StepAfter, StepCodec, answer_step, serve_steps
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 _CODEC = StepCodec(wire.draft_op_from_proto, wire.write_draft_result, DraftResult, draft_pb2.DraftStepResponse)
@@ -56,8 +56,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                        self._after):
             yield reply
 
-    def answer(self, request: draft_pb2.DraftStepRequest) -> draft_pb2.DraftStepResponse:
-        """One step for the step socket, on its connection thread."""
+    def answer(self, request: draft_pb2.DraftStepRequest) -> Answered:
+        """One step for the step socket, on its connection thread (its spans once the reply is out)."""
         return answer_step(request, "draft", self._run, _CODEC, self._after)
 
     def _run(self, ops: list[DraftOp], request: draft_pb2.DraftStepRequest) -> tuple[list[DraftResult], StepTiming]:

@@ -12,7 +12,7 @@ from specsplit.observability.telemetry import Telemetry, record_entry_span
 from specsplit.ops import Prefill, StepTiming, TargetOp, TargetResult, Verify
 from specsplit.transport import wire
 from specsplit.transport.lease import Leases
-from specsplit.transport.step_stream import StepAfter, StepCodec, answer_step, serve_steps
+from specsplit.transport.step_stream import Answered, StepAfter, StepCodec, answer_step, serve_steps
 from specsplit.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.runtime import TargetRuntime
 
@@ -46,8 +46,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                        self._after):
             yield reply
 
-    def answer(self, request: target_pb2.TargetStepRequest) -> target_pb2.TargetStepResponse:
-        """One step for the step socket, on its connection thread."""
+    def answer(self, request: target_pb2.TargetStepRequest) -> Answered:
+        """One step for the step socket, on its connection thread (its spans once the reply is out)."""
         return answer_step(request, "target", self._run, _CODEC, self._after)
 
     def _run(self, ops: list[TargetOp], request: target_pb2.TargetStepRequest) -> tuple[list[TargetResult], StepTiming]:

@@ -95,6 +95,30 @@ def test_exchange_carries_the_same_messages(open_stream: Any, tmp_path: Path) ->
     assert servicer.threads == {"target-step-stream"}  # the connection's own thread ran the steps
 
 
+def test_a_steps_spans_are_recorded_once_its_reply_is_out(open_stream: Any, tmp_path: Path) -> None:
+    """The servicer's after-step work (its spans) runs once the reply is sent: a gateway never
+    waits for it. Here it waits for the gateway to have the reply, and records what it saw."""
+    path = tmp_path / "t.sock"
+    replied, recorded = threading.Event(), []
+
+    class Tracing(EchoServicer):
+        def answer(self, req: Any) -> Any:
+            return answer_step(req, "target", self._run, _CODEC,
+                               lambda ops, results: recorded.append((replied.wait(10.0), len(ops), len(results))))
+
+    async def body() -> None:
+        stream = open_stream(str(path))
+        for i in range(1, 3):
+            replied.clear()
+            reply = await stream.exchange(request(i, [10, 11], ops=2))
+            assert reply.step_id == i
+            replied.set()
+        stream.reset()
+
+    asyncio.run(_with_server(path, Tracing(), body))
+    assert recorded[:1] == [(True, 2, 2)] and len(recorded) in (1, 2)  # the last may be cut off by the close
+
+
 def test_close_ends_open_streams(open_stream: Any, tmp_path: Path) -> None:
     path = tmp_path / "t.sock"
     server = StepSocketServer(path, "target", target_pb2.TargetStepRequest, EchoServicer().answer).start()

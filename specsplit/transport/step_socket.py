@@ -35,7 +35,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from specsplit.transport.serving import MAX_MESSAGE_BYTES
-from specsplit.transport.step_stream import StepAbort
+from specsplit.transport.step_stream import Answered, StepAbort, finish
 
 MAGIC = b"specsplit-step/1\n"
 _LEN = struct.Struct("<I")
@@ -115,7 +115,7 @@ def _hello(service: str) -> bytes:
     return MAGIC + service.encode() + b"\n"
 
 
-StepAnswer = Callable[[Any], Any]  # request -> reply on the calling thread; raises StepAbort
+StepAnswer = Callable[[Any], Answered]  # request -> (reply, after it is sent) on the calling thread; raises StepAbort
 
 
 class StepSocketServer:
@@ -229,8 +229,10 @@ class StepSocketServer:
                 request = self.request_type.FromString(data)
             except DecodeError:
                 raise StepAbort(grpc.StatusCode.INVALID_ARGUMENT, "malformed step request") from None
-            reply = self.answer(request).SerializeToString()
+            response, done = self.answer(request)
+            reply = response.SerializeToString()
             conn.sendall(_HEAD.pack(_REPLY, len(reply)) + reply)
+            finish(done, self.service)  # while the gateway goes on with the reply
 
 
 def _send_error(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:

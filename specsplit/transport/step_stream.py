@@ -5,6 +5,7 @@ in order."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -20,7 +21,8 @@ from specsplit.transport.wire import timing_to_proto
 MAX_OPS_PER_STEP = 4096
 
 StepRun = Callable[[list[Any], Any], tuple[list[Any], StepTiming]]  # (engine ops, request) -> results, timing
-StepAfter = Callable[[list[Any], list[Any]], None]  # (ops, results): e.g. spans
+StepAfter = Callable[[list[Any], list[Any]], None]  # (ops, results): e.g. spans, recorded once the reply is out
+Answered = tuple[Any, Callable[[], None] | None]  # the response, and what to do once it is sent
 
 
 @dataclass
@@ -39,9 +41,11 @@ class StepAbort(Exception):
         self.code, self.message = code, message
 
 
-def answer_step(req: Any, service: str, run: StepRun, codec: StepCodec, after: StepAfter | None = None) -> Any:
-    """One request to its response, on the calling thread (the engine's). Raises StepAbort;
-    an engine failure is INTERNAL with its message, never a traceback."""
+def answer_step(req: Any, service: str, run: StepRun, codec: StepCodec, after: StepAfter | None = None
+                ) -> Answered:
+    """One request to its response, on the calling thread (the engine's), and `after` for the
+    caller to run once the response is sent (`finish`): work the gateway need not wait for.
+    Raises StepAbort; an engine failure is INTERNAL with its message, never a traceback."""
     t0 = time.perf_counter()
     if len(req.ops) > MAX_OPS_PER_STEP:
         raise StepAbort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_OPS_PER_STEP} ops in a step")
@@ -56,14 +60,23 @@ def answer_step(req: Any, service: str, run: StepRun, codec: StepCodec, after: S
     except Exception as e:
         log.exception("%s step failed", service)
         raise StepAbort(grpc.StatusCode.INTERNAL, f"{service} step failed: {type(e).__name__}: {e}") from None
-    if after is not None:
-        after(ops, results)
+    done = None if after is None else functools.partial(after, ops, list(results))
     results += [codec.invalid_result(s, Code.INVALID_ARGUMENT, "op has no known operation set") for s in bad]
     timing.total_ms = (time.perf_counter() - t0) * 1e3
     response = codec.response(step_id=req.step_id, timing=timing_to_proto(timing))
     for r in results:
         codec.write_result(response.results.add(), r)
-    return response
+    return response, done
+
+
+def finish(done: Callable[[], None] | None, service: str) -> None:
+    """Run a sent step's deferred work; its failure is logged, the stream goes on."""
+    if done is None:
+        return
+    try:
+        done()
+    except Exception:  # noqa: BLE001 - spans are not worth a stream
+        log.exception("%s: recording a step's spans failed", service)
 
 
 async def serve_steps(request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext, service: str,
@@ -76,9 +89,10 @@ async def serve_steps(request_iterator: AsyncIterator[Any], context: grpc.aio.Se
     async for req in request_iterator:
         try:
             if executor is None:
-                reply = answer_step(req, service, run, codec, after)
+                reply, done = answer_step(req, service, run, codec, after)
             else:
-                reply = await loop.run_in_executor(executor, answer_step, req, service, run, codec, after)
+                reply, done = await loop.run_in_executor(executor, answer_step, req, service, run, codec, after)
         except StepAbort as e:
             await context.abort(e.code, e.message)
         yield reply
+        finish(done, service)
