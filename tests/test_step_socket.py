@@ -97,26 +97,28 @@ def test_exchange_carries_the_same_messages(open_stream: Any, tmp_path: Path) ->
 
 def test_a_steps_spans_are_recorded_once_its_reply_is_out(open_stream: Any, tmp_path: Path) -> None:
     """The servicer's after-step work (its spans) runs once the reply is sent: a gateway never
-    waits for it. Here it waits for the gateway to have the reply, and records what it saw."""
+    waits for it. Here step i's waits until the gateway has reply i, and records what it saw."""
     path = tmp_path / "t.sock"
-    replied, recorded = threading.Event(), []
+    replied = {i: threading.Event() for i in (1, 2)}
+    recorded: list[tuple[int, bool, int, int]] = []
 
     class Tracing(EchoServicer):
         def answer(self, req: Any) -> Any:
-            return answer_step(req, "target", self._run, _CODEC,
-                               lambda ops, results: recorded.append((replied.wait(10.0), len(ops), len(results))))
+            def after(ops: list[Any], results: list[Any], i: int = req.step_id) -> None:
+                recorded.append((i, replied[i].wait(10.0), len(ops), len(results)))
+
+            return answer_step(req, "target", self._run, _CODEC, after)
 
     async def body() -> None:
         stream = open_stream(str(path))
-        for i in range(1, 3):
-            replied.clear()
+        for i in (1, 2):
             reply = await stream.exchange(request(i, [10, 11], ops=2))
             assert reply.step_id == i
-            replied.set()
+            replied[i].set()
         stream.reset()
 
     asyncio.run(_with_server(path, Tracing(), body))
-    assert recorded[:1] == [(True, 2, 2)] and len(recorded) in (1, 2)  # the last may be cut off by the close
+    assert recorded[:1] == [(1, True, 2, 2)] and recorded[1:] in ([], [(2, True, 2, 2)])  # the close may cut the last
 
 
 def test_close_ends_open_streams(open_stream: Any, tmp_path: Path) -> None:
