@@ -257,10 +257,10 @@ class DraftEngine:
         ctx = r.ctx_bucket(draft_cycle_entries(max(row.start for row in rows), max(len(row.tokens) for row in rows),
                                                max(ends[: len(rows)]), steps, topk))
         gather = ring is not None and all(w.rows is not None for w in work)
-        at = ([[*(w.rows or []), *[0] * (t - len(w.rows or []))] for w in work] + [[0] * t] * len(pad) if gather
-              else [[]] * b)  # each token's ring row
+        at = [w.rows or [] for w in work] + [[]] * len(pad) if gather else [None] * b  # each token's ring row
         ints = np.array([[*row.tokens, *[0] * (t - len(row.tokens)), *range(row.start, row.start + t), row.slot,
-                          max(len(row.tokens) - 1, 0), end, *ring_rows]
+                          max(len(row.tokens) - 1, 0), end, *([] if ring_rows is None else
+                                                             [*ring_rows, *[0] * (t - len(ring_rows))])]
                          for row, end, ring_rows in zip([*rows, *pad], ends, at, strict=True)])
         inputs: dict[str, np.ndarray | torch.Tensor] = {"ints": ints}
         if gather:

@@ -27,7 +27,6 @@ class Row:
     ring_row: int = -1  # verify: where its features go in the runner's ring (-1: not written by the step)
 
 
-
 @dataclass
 class StepLayout:
     """Where each field of a packed step sits: field-major, so that every field is a view."""
@@ -61,7 +60,7 @@ class StepLayout:
 
 
 def pack_rows(rows: list[Row], b: int, t: int, tree: bool, verify: bool, ring: bool = False
-          ) -> tuple[np.ndarray, StepLayout]:
+              ) -> tuple[np.ndarray, StepLayout]:
     """b rows, each padded to t tokens, as one host array of fields side by side: tokens,
     rotary positions, entries [B, T]; slots [B]; with `tree`, masks [B, T, T] (each token's
     ancestors and itself: causal for chains and padding); with `verify`, the acceptance's

@@ -131,12 +131,9 @@ class ModelRunner:
         host = ints.tolist()
         if ints.dim() == 1:  # eager: every row's argmax, then the accepting rows' readback
             return self._eager_verified(step, outputs, host)
-        return [Verified(logits, features, *_accepted(row, len(r.tokens)), self._writes(step, r))
+        ring = self._ring_rows(step, True)  # the step wrote its rows' features into the ring
+        return [Verified(logits, features, *_accepted(row, len(r.tokens)), ring and r.ring_row >= 0)
                 for r, (logits, features), row in zip(step.rows, outputs, host, strict=False)]
-
-    def _writes(self, step: Step, row: Row) -> bool:
-        """Whether a padded or fused verify step writes this row's features into the ring."""
-        return self.ring is not None and step.capture and row.ring_row >= 0
 
     def _eager_verified(self, step: Step, outputs: list[RowOutput], host: list[int]) -> list[Verified]:
         out, at = [], 0
@@ -191,7 +188,7 @@ class ModelRunner:
         return ("ring", self.ring.data_ptr()) if ring and self.ring is not None else None
 
     def _write_ring(self, f: dict[str, torch.Tensor], features: torch.Tensor | None) -> None:
-        """The rows' features (path first) into the ring, where _pack placed them."""
+        """The rows' features (path first) into the ring, where pack_rows placed them."""
         if "ring_dst" in f:
             assert self.ring is not None and features is not None
             rows = features.reshape(-1, features.shape[-1])  # [B*T, X]
