@@ -1,0 +1,61 @@
+"""Target and draft services co-hosted in one process (specsplit.cli.cohost): two services on
+their own ports and step sockets, the gateway in front as with two processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
+from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+PROMPT = "Write a Python function that returns the sum of a list."
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> ServiceStack:
+    cfg = StackConfig.of(model="smollm2", max_context=512, max_sequences=2, num_steps=3, cohost=True,
+                         log_dir=tmp_path_factory.mktemp("logs"))
+    with ServiceStack(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack: ServiceStack) -> GatewayClient:
+    c = GatewayClient(stack.addr("gateway"))
+    yield c
+    c.close()
+
+
+def test_one_process_serves_both_services(stack: ServiceStack) -> None:
+    assert set(stack.procs) == {"target", "gateway"}
+    with grpc.insecure_channel(stack.addr("target")) as t, grpc.insecure_channel(stack.addr("draft")) as d:
+        target = target_pb2_grpc.TargetServiceStub(t).Stats(target_pb2.TargetStatsRequest(), timeout=10)
+        draft = draft_pb2_grpc.DraftServiceStub(d).Stats(draft_pb2.DraftStatsRequest(), timeout=10)
+    assert target.free_kv_slots > 0 and draft.free_kv_slots > 0
+    assert "cohost" in stack.commands["target"][0]
+
+
+@pytest.mark.parametrize("shape", [{"num_steps": 3}, {"num_steps": 3, "topk": 4, "num_draft_tokens": 16}])
+def test_cohosted_speculation_equals_target_only(client: GatewayClient, shape: dict[str, int]) -> None:
+    base = client.generate(make_request(PROMPT, max_new_tokens=32, speculation=False))
+    spec = client.generate(make_request(PROMPT, max_new_tokens=32, **shape))
+    assert spec.token_ids == base.token_ids and spec.text == base.text
+    s = spec.final.speculation
+    assert s.enabled and s.cycles < len(spec.token_ids)  # the shipped head's drafts were accepted
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "5000"], "the draft's flags follow `--`"),
+    (["--tp-size", "2", "--"], "a co-hosted target runs at --tp-size 1, not 2"),
+    (["--", "--max-topk", "0"], "max_topk must be >= 1"),
+])
+def test_a_cohost_configuration_error_exits_without_a_traceback(argv: list[str], message: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "specsplit.cli.cohost", *argv], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "cohost: configuration error" in r.stderr
