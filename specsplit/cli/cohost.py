@@ -2,12 +2,12 @@
 draft service in one process, each on its own port and step socket.
 
 A draft that shares the target's GPU from a process of its own is a second CUDA context on that
-GPU: the GPU switches between the two contexts at every draft and verify step, and on the H200
-each engine's steps take longer through the services than in one process (docs/benchmarks.md,
-`bench.end_to_end`). Co-hosted, both engines share the process's context and the draft reads the
-target's ring in place, with no IPC mapping. They stay two services: the gateway steps each over
-its own socket, and each keeps its own config, health, leases and spans. Only a target at
-tensor parallelism 1: this starts no other ranks.
+GPU, which time-shares it with the target's; through the services each engine's steps take
+longer than in one process (docs/benchmarks.md, `bench.end_to_end`). Co-hosted, both engines
+share the process's context and the draft reads the target's ring in place, with no IPC
+mapping. They stay two services: the gateway steps each over its own socket, and each keeps its
+own config, health, leases and spans. Only a target at tensor parallelism 1: this starts no
+other ranks.
 """
 
 from __future__ import annotations
