@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from specsplit.cli.client import GatewayClient, make_request
-from specsplit.cli.launcher import ServiceStack, StackConfig
+from specsplit.cli.launcher import ServiceStack, StackConfig, free_port
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 PROMPT = "Write a Python function that returns the sum of a list."
@@ -59,3 +59,20 @@ def test_a_cohost_configuration_error_exits_without_a_traceback(argv: list[str],
                        timeout=120)
     assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "cohost: configuration error" in r.stderr
+
+
+def test_the_demo_runs_cohosted(tmp_path) -> None:  # noqa: ANN001
+    ports = [str(free_port()) for _ in range(3)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "specsplit.cli", "demo", "What is 2 + 2?", "--max-new-tokens", "12", "--cohost",
+         "--gateway-port", ports[0], "--target-port", ports[1], "--draft-port", ports[2], "--log-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "outputs identical" in proc.stdout
+    assert (tmp_path / "target.log").exists() and not (tmp_path / "draft.log").exists()  # one process for both
+
+
+def test_cohost_needs_a_draft_at_tp1() -> None:
+    r = subprocess.run([sys.executable, "-m", "specsplit.cli", "up", "--cohost", "--no-draft"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and "--cohost needs a draft service and --tp-size 1" in r.stderr, r.stderr
