@@ -26,6 +26,7 @@ from specsplit.ops import (
     Recapture,
     Release,
     Resume,
+    StepTiming,
     Suspend,
     TargetOp,
     TargetResult,
@@ -172,9 +173,11 @@ async def draft_phase(sched: Scheduler) -> None:
         s.synced, s.draft_failures = True, 0
         s.drafts, s.dists, s.parents = r.draft_ids, r.draft_dists, r.draft_parents
         if s.cycle_span.is_recording():
-            s.cycle_span.set_attributes({"spec.draft_call_ms": ms, "spec.draft_batch_ms": timing.compute_ms})
+            s.cycle_span.set_attributes({"spec.draft_call_ms": ms, "spec.draft_batch_ms": timing.compute_ms,
+                                         "spec.draft_service_ms": timing.total_ms})
         s.stats.draft_ms += ms
         s.stats.draft_compute_ms += timing.compute_ms
+        s.stats.draft_service_ms += timing.total_ms
 
 
 async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
@@ -219,11 +222,11 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
     by_id = {r.seq_id: r for r in results}
     kinds = {op.seq_id: op for op in ops if not isinstance(op, Release | Suspend)}
     for s in work:
-        apply_result(sched, s, by_id.get(s.seq_id), kinds[s.seq_id], ms, timing.compute_ms)
+        apply_result(sched, s, by_id.get(s.seq_id), kinds[s.seq_id], ms, timing)
 
 
 def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: TargetOp, ms: float,
-                 compute_ms: float) -> None:
+                 timing: StepTiming) -> None:
     """A target result moves its sequence on: tokens emitted, features pending for the draft."""
     if r is None:
         sched.fail(s, grpc.StatusCode.INTERNAL, "target returned no result for the sequence")
@@ -259,7 +262,7 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         else:
             sched.free_generations.append(r.hidden.generation)
     if isinstance(op, Verify):  # a verify cycle (the prefill's first token is not a cycle)
-        s.stats.record_verify(len(r.tokens), ms, compute_ms, s.sent_drafts, r.num_accepted,
+        s.stats.record_verify(len(r.tokens), ms, timing, s.sent_drafts, r.num_accepted,
                               s.shape if s.sent_drafts else NO_DRAFT)
         if s.sent_drafts:
             sched.chooser.observe(s, s.shape, r.num_accepted)
@@ -268,7 +271,8 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         if s.cycle_span.is_recording():
             s.cycle_span.set_attributes({"spec.draft_tokens": s.sent_drafts, "spec.accepted_length": len(r.tokens),
                                          "spec.num_accepted": r.num_accepted, "spec.bonus_token": r.tokens[-1],
-                                         "spec.verify_call_ms": ms, "spec.verify_batch_ms": compute_ms})
+                                         "spec.verify_call_ms": ms, "spec.verify_batch_ms": timing.compute_ms,
+                                         "spec.verify_service_ms": timing.total_ms})
     else:
         s.prefilled = True
         s.stats.first_token_at = time.perf_counter()

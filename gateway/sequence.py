@@ -13,7 +13,7 @@ import grpc
 from opentelemetry import trace
 
 from gateway.costs import DepthAcceptance, Shape
-from specsplit.ops import HiddenRef, Sampling, SparseDist
+from specsplit.ops import HiddenRef, Sampling, SparseDist, StepTiming
 
 
 @dataclass
@@ -54,6 +54,8 @@ class SeqStats:
     verify_ms: float = 0.0
     draft_compute_ms: float = 0.0
     verify_compute_ms: float = 0.0
+    draft_service_ms: float = 0.0  # the services' whole handling of the calls (StepTiming.total_ms)
+    verify_service_ms: float = 0.0
     first_token_at: float = 0.0
     draft_tokens: int = 0  # draft tokens sent to verify
     accepted_drafts: int = 0  # of those, accepted
@@ -71,13 +73,14 @@ class SeqStats:
     def mean_accepted_length(self) -> float:
         return sum(k * v for k, v in self.histogram.items()) / self.cycles if self.cycles else 0.0
 
-    def record_verify(self, emitted: int, ms: float, compute_ms: float, drafts: int, accepted: int,
+    def record_verify(self, emitted: int, ms: float, timing: StepTiming, drafts: int, accepted: int,
                       shape: Shape) -> None:
         self.cycles += 1
         self.shapes[shape] += 1
         self.histogram[emitted] += 1
         self.verify_ms += ms
-        self.verify_compute_ms += compute_ms
+        self.verify_compute_ms += timing.compute_ms
+        self.verify_service_ms += timing.total_ms
         self.draft_tokens += drafts
         self.accepted_drafts += accepted
 

@@ -57,6 +57,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             enabled=seq.req.num_steps > 0, num_steps=shape.steps, cycles=st.cycles,
             mean_accepted_length=st.mean_accepted_length, accepted_length_histogram=hist, draft_ms=st.draft_ms,
             verify_ms=st.verify_ms, draft_compute_ms=st.draft_compute_ms, verify_compute_ms=st.verify_compute_ms,
+            draft_service_ms=st.draft_service_ms, verify_service_ms=st.verify_service_ms,
             topk=shape.topk if shape.steps else 0, num_draft_tokens=shape.tokens, adaptive=seq.req.adaptive,
             num_steps_histogram=st.steps_histogram)
         final = gateway_pb2.Final(

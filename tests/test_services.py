@@ -72,6 +72,12 @@ def test_speculative_equals_target_only_over_grpc(client: GatewayClient, steps: 
     assert not base.final.speculation.enabled and spec.final.speculation.num_steps == steps
 
 
+def test_the_summary_splits_each_call_into_engine_service_and_transport(client: GatewayClient) -> None:
+    s = client.generate(make_request(PROMPT, max_new_tokens=24, num_steps=3)).final.speculation
+    assert 0 < s.draft_compute_ms <= s.draft_service_ms <= s.draft_ms
+    assert 0 < s.verify_compute_ms <= s.verify_service_ms <= s.verify_ms
+
+
 @pytest.mark.parametrize("topk,num_draft_tokens", [(2, 6), (4, 16)])
 def test_trees_equal_target_only_over_grpc(client: GatewayClient, topk: int, num_draft_tokens: int) -> None:
     base = client.generate(make_request(PROMPT, max_new_tokens=24, speculation=False))

@@ -35,7 +35,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from specsplit.transport.serving import MAX_MESSAGE_BYTES
-from specsplit.transport.step_stream import Answered, StepAbort, finish
+from specsplit.transport.step_stream import Answered, StepAbort, finish, stamp_total
 
 MAGIC = b"specsplit-step/1\n"
 _LEN = struct.Struct("<I")
@@ -225,11 +225,13 @@ class StepSocketServer:
             data = stream.read(n)
             if len(data) < n:
                 return
+            received = time.perf_counter()
             try:
                 request = self.request_type.FromString(data)
             except DecodeError:
                 raise StepAbort(grpc.StatusCode.INVALID_ARGUMENT, "malformed step request") from None
             response, done = self.answer(request)
+            stamp_total(response, received)
             reply = response.SerializeToString()
             conn.sendall(_HEAD.pack(_REPLY, len(reply)) + reply)
             finish(done, self.service)  # while the gateway goes on with the reply

@@ -69,6 +69,13 @@ def answer_step(req: Any, service: str, run: StepRun, codec: StepCodec, after: S
     return response, done
 
 
+def stamp_total(response: Any, received: float) -> None:
+    """Set a response's timing.total_ms to the service's whole handling of its step: from the
+    request's bytes read (perf_counter `received`) to the reply ready to send."""
+    if response.HasField("timing"):
+        response.timing.total_ms = (time.perf_counter() - received) * 1e3
+
+
 def finish(done: Callable[[], None] | None, service: str) -> None:
     """Run a sent step's deferred work; its failure is logged, the stream goes on."""
     if done is None:
@@ -87,6 +94,7 @@ async def serve_steps(request_iterator: AsyncIterator[Any], context: grpc.aio.Se
     no GIL contention; health checks wait for the step)."""
     loop = asyncio.get_running_loop()
     async for req in request_iterator:
+        received = time.perf_counter()
         try:
             if executor is None:
                 reply, done = answer_step(req, service, run, codec, after)
@@ -94,5 +102,6 @@ async def serve_steps(request_iterator: AsyncIterator[Any], context: grpc.aio.Se
                 reply, done = await loop.run_in_executor(executor, answer_step, req, service, run, codec, after)
         except StepAbort as e:
             await context.abort(e.code, e.message)
+        stamp_total(reply, received)
         yield reply
         finish(done, service)

@@ -68,7 +68,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("enabled", "num_steps", "cycles", "mean_accepted_length", "accepted_length_histogram", "draft_ms", "verify_ms", "draft_compute_ms", "verify_compute_ms", "topk", "num_draft_tokens", "adaptive", "num_steps_histogram")
+    __slots__ = ("enabled", "num_steps", "cycles", "mean_accepted_length", "accepted_length_histogram", "draft_ms", "verify_ms", "draft_compute_ms", "verify_compute_ms", "topk", "num_draft_tokens", "adaptive", "num_steps_histogram", "draft_service_ms", "verify_service_ms")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     CYCLES_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class SpeculationStats(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     num_steps: int
     cycles: int
@@ -95,7 +97,9 @@ class SpeculationStats(_message.Message):
     num_draft_tokens: int
     adaptive: bool
     num_steps_histogram: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, enabled: _Optional[bool] = ..., num_steps: _Optional[int] = ..., cycles: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., num_steps_histogram: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_service_ms: float
+    verify_service_ms: float
+    def __init__(self, enabled: _Optional[bool] = ..., num_steps: _Optional[int] = ..., cycles: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., num_steps_histogram: _Optional[_Iterable[int]] = ..., draft_service_ms: _Optional[float] = ..., verify_service_ms: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "usage", "speculation", "elapsed_ms", "first_token_ms", "matched_stop_token")
