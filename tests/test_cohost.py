@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig, free_port
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.test_gpu_services import run_stack
 
 PROMPT = "Write a Python function that returns the sum of a list."
 
@@ -76,3 +79,21 @@ def test_cohost_needs_a_draft_at_tp1() -> None:
     r = subprocess.run([sys.executable, "-m", "specsplit.cli", "up", "--cohost", "--no-draft"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 1 and "--cohost needs a draft service and --tp-size 1" in r.stderr, r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cohosted_on_cuda_gives_the_tokens_of_two_processes(tiny_target: Path, tiny_head: Path,
+                                                            tmp_path: Path) -> None:
+    """fp32 on one GPU: the draft reading the ring in place (co-hosted) or through CUDA IPC (its
+    own process) drafts the same, and greedy speculation equals target-only either way."""
+    specs = [([1, 2, 3], {"num_steps": 3}), ([5] * 12, {"speculation": False}),
+             (list(range(30, 70)), {"num_steps": 5}), ([9, 8, 7], {"num_steps": 3, "topk": 2, "num_draft_tokens": 6})]
+    reqs = [make_request(token_ids=p, max_new_tokens=24, **shape) for p, shape in specs]
+    base = {"model": str(tiny_target), "head": str(tiny_head), "max_context": 256, "device": "cuda:0",
+            "hidden_backend": "cuda_ipc"}
+    apart = run_stack(StackConfig.of(**base, log_dir=tmp_path / "apart"), reqs)
+    together = run_stack(StackConfig.of(**base, cohost=True, log_dir=tmp_path / "cohost"), reqs)
+    target_only = run_stack(StackConfig.of(**base, cohost=True, log_dir=tmp_path / "target-only"),
+                            [make_request(token_ids=p, max_new_tokens=24, speculation=False) for p, _ in specs])
+    assert together == apart == target_only
