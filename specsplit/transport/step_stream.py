@@ -45,8 +45,8 @@ def answer_step(req: Any, service: str, run: StepRun, codec: StepCodec, after: S
                 ) -> Answered:
     """One request to its response, on the calling thread (the engine's), and `after` for the
     caller to run once the response is sent (`finish`): work the gateway need not wait for.
-    Raises StepAbort; an engine failure is INTERNAL with its message, never a traceback."""
-    t0 = time.perf_counter()
+    Raises StepAbort; an engine failure is INTERNAL with its message, never a traceback. The
+    response's timing.total_ms is the transport's to set (stamp_total)."""
     if len(req.ops) > MAX_OPS_PER_STEP:
         raise StepAbort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_OPS_PER_STEP} ops in a step")
     ops, bad = [], []
@@ -62,7 +62,6 @@ def answer_step(req: Any, service: str, run: StepRun, codec: StepCodec, after: S
         raise StepAbort(grpc.StatusCode.INTERNAL, f"{service} step failed: {type(e).__name__}: {e}") from None
     done = None if after is None else functools.partial(after, ops, list(results))
     results += [codec.invalid_result(s, Code.INVALID_ARGUMENT, "op has no known operation set") for s in bad]
-    timing.total_ms = (time.perf_counter() - t0) * 1e3
     response = codec.response(step_id=req.step_id, timing=timing_to_proto(timing))
     for r in results:
         codec.write_result(response.results.add(), r)
