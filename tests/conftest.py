@@ -10,6 +10,8 @@ from gateway.local import LocalEngines
 from specsplit.checkpoints.eagle_head import random_head, save_head
 from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
 from specsplit.checkpoints.tiny import tiny_config, write_tiny_target
+from specsplit.cli.client import GatewayClient
+from specsplit.cli.launcher import ServiceStack
 from target_service.config import TargetConfig
 
 torch.set_num_threads(2)
@@ -22,6 +24,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def client(stack: ServiceStack) -> GatewayClient:
+    """The gateway client of the module's `stack` fixture."""
+    c = GatewayClient(stack.addr("gateway"))
+    yield c
+    c.close()
 
 
 @pytest.fixture(scope="session")

@@ -27,13 +27,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> ServiceStack:
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(stack: ServiceStack) -> GatewayClient:
-    c = GatewayClient(stack.addr("gateway"))
-    yield c
-    c.close()
-
-
 def test_one_process_serves_both_services(stack: ServiceStack) -> None:
     assert set(stack.procs) == {"target", "gateway"}
     with grpc.insecure_channel(stack.addr("target")) as t, grpc.insecure_channel(stack.addr("draft")) as d:

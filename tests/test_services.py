@@ -29,13 +29,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> ServiceStack:
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(stack: ServiceStack) -> GatewayClient:
-    c = GatewayClient(stack.addr("gateway"))
-    yield c
-    c.close()
-
-
 def service_stats(stack: ServiceStack) -> tuple[target_pb2.TargetStats, draft_pb2.DraftStats]:
     with grpc.insecure_channel(stack.addr("target")) as t, grpc.insecure_channel(stack.addr("draft")) as d:
         return (target_pb2_grpc.TargetServiceStub(t).Stats(target_pb2.TargetStatsRequest(), timeout=10),
