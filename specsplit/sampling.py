@@ -1,4 +1,4 @@
-"""Token selection: greedy, filtered sampling, sampled chain verification (lossless), forced acceptance."""
+"""Token selection: greedy, filtered sampling, sampled chain verification (lossless)."""
 
 from __future__ import annotations
 
@@ -60,26 +60,3 @@ def verify_chain(logits: torch.Tensor, draft_ids: list[int], draft_dists: list[S
         total = float(residual.sum())
         return i, [*draft_ids[:i], sample(residual / total if total > 0 else p[i], gen)]
     return k, [*draft_ids, sample(p[k], gen)]
-
-
-def forced_chain(best: list[int], draft_ids: list[int], forced: int) -> tuple[int, list[int]]:
-    """Benchmark only: `forced` drafts accepted (at most all), then the target's argmax after
-    them. best[i]: the target's argmax after verified token i of [last, d1..dn]."""
-    a = min(forced, len(draft_ids))
-    return a, [*draft_ids[:a], best[a]]
-
-
-def forced_tree(best: list[int], draft_ids: list[int], parents: list[int], forced: int
-                ) -> tuple[list[int], list[int]]:
-    """Benchmark only: the path down each node's first child, `forced` deep (or to a leaf),
-    then the target's argmax after it; best as for forced_chain -> (path: indices into the n+1
-    verified tokens, 0 = last, one per accepted draft; emitted tokens: the accepted drafts + the
-    target's own next token)."""
-    path, node = [0], 0
-    while len(path) <= forced:
-        child = next((i + 1 for i, p in enumerate(parents) if p + 1 == node), None)
-        if child is None:
-            break
-        path.append(child)
-        node = child
-    return path, [draft_ids[i - 1] for i in path[1:]] + [best[node]]

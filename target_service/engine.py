@@ -28,7 +28,7 @@ from specsplit.ops import (
     Verify,
 )
 from specsplit.runner.runner import ModelRunner, Row, Step, Verified
-from specsplit.sampling import forced_chain, forced_tree, select_token, verify_chain
+from specsplit.sampling import select_token, verify_chain
 from target_service.config import TargetConfig
 
 
@@ -206,11 +206,8 @@ class TargetEngine:
         seq = self.seqs[op.seq_id]
         if isinstance(op, Verify):  # the last emitted token, then the drafts (a tree under it: parents shifted)
             parents = [-1, *(p + 1 for p in op.draft_parents)] if op.draft_parents else None
-            on_device = seq.sampling.greedy and op.forced < 0  # greedy acceptance in the step
-            if op.forced >= 0 and parents:  # the host orders a forced tree's features: it writes them too
-                ring_row = -1
-            return Work(i, op, seq, Row(seq.slot, seq.length, [seq.last_token, *op.draft_ids], parents, on_device,
-                                        ring_row))
+            return Work(i, op, seq, Row(seq.slot, seq.length, [seq.last_token, *op.draft_ids], parents,
+                                        seq.sampling.greedy, ring_row, op.forced))  # greedy: accepted in the step
         if isinstance(op, Resume):  # its committed tokens again, in a slot of its own
             seq.slot = self.runner.allocate()
             return Work(i, op, seq, Row(seq.slot, 0, seq.tokens))
@@ -237,11 +234,9 @@ class TargetEngine:
             if w.row.accept:  # accepted in the step: the path's KV entries and features are in place
                 path = v.path
                 emitted = [*(op.draft_ids[i - 1] for i in path[1:]), v.best[len(path) - 1]]
-            elif not seq.sampling.greedy:
+            else:
                 accepted, emitted = verify_chain(v.logits, op.draft_ids, op.draft_dists, seq.sampling, seq.generator)
                 path = list(range(accepted + 1))
-            else:
-                path, emitted, rows = self._forced(w, op, v.best, rows)
             accepted = len(path) - 1
             seq.tokens += [seq.last_token, *emitted[:accepted]]
             seq.length += accepted + 1  # last token and the accepted drafts are now in the cache
@@ -250,20 +245,6 @@ class TargetEngine:
                            None if rows is None else rows[: accepted + 1], v.in_ring and rows is not None)
         # Recapture, Resume: features of positions 0..length-1 pair with tokens 1..length (the last not cached yet)
         return Outcome(TargetResult(op.seq_id, tokens=[*seq.tokens[1:], seq.last_token]), rows)
-
-    def _forced(self, w: Work, op: Verify, best: list[int], rows: torch.Tensor | None
-                ) -> tuple[list[int], list[int], torch.Tensor | None]:
-        """Benchmark only: the forced path, its KV entries (written at start + node index) moved to
-        start + depth on the host, and its features' rows."""
-        if not op.draft_parents:
-            accepted, emitted = forced_chain(best, op.draft_ids, op.forced)
-            return list(range(accepted + 1)), emitted, rows
-        path, emitted = forced_tree(best, op.draft_ids, op.draft_parents, op.forced)
-        at = torch.tensor(path, device=self.device)
-        if path != list(range(len(path))):
-            start = w.row.start
-            self.runner.cache.move(w.seq.slot, at + start, torch.arange(len(path), device=self.device) + start)
-        return path, emitted, None if rows is None else rows[at.to(rows.device)]
 
     def warm_up(self) -> None:
         """Compile the fused step's kernels before the first request: on a machine without

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from gateway.forced import SHIPPED_PROFILE, ForcedAcceptance
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
-from specsplit.sampling import forced_chain, forced_tree
+from specsplit.runner.acceptance import ALWAYS, accept, row_fields
 
 
 def test_profiles_parse_and_bad_ones_are_refused() -> None:
@@ -36,15 +37,30 @@ def test_draws_follow_the_profile() -> None:
     assert p == pytest.approx([0.9, 0.45, 0.225], abs=0.015)
 
 
-def test_forced_chain_and_tree_commit_the_drawn_drafts() -> None:
-    best = [7] * 4  # the target's own choice is always 7
-    assert forced_chain(best, [1, 2, 3], 2) == (2, [1, 2, 7])
-    assert forced_chain(best, [1, 2, 3], 9) == (3, [1, 2, 3, 7])
+def forced_path(parents: list[int] | None, forced: int, t: int = 8) -> list[int]:
+    """The nodes the device accepts for a forced row of [last, 1, 2, 3, 4] (parents: the drafts'
+    as the gateway sends them) when the target's argmax matches no draft."""
+    nodes = None if parents is None else [-1, *(p + 1 for p in parents)]
+    parent, expect = row_fields([0, 1, 2, 3, 4], nodes, True, t, forced)
+    ancestors = torch.zeros(1, t, t, dtype=torch.bool)
+    for j in range(t):
+        k = j
+        while k >= 0:
+            ancestors[0, j, k] = True
+            k = parent[k]
+    path, count = accept(torch.full((1, t), 7), torch.tensor([expect]), torch.tensor([parent]), ancestors)
+    return path[0, : int(count[0])].tolist()
+
+
+def test_forced_rows_accept_the_drawn_drafts_down_the_first_children() -> None:
+    assert forced_path(None, 2) == [0, 1, 2]  # a chain: the first two drafts
+    assert forced_path(None, 9) == [0, 1, 2, 3, 4]  # at most all of them
     # a tree: 1 and 2 under the last token, 3 under 1, 4 under 3
-    best = [7] * 5
-    assert forced_tree(best, [1, 2, 3, 4], [-1, -1, 0, 2], 2) == ([0, 1, 3], [1, 3, 7])
-    assert forced_tree(best, [1, 2, 3, 4], [-1, -1, 0, 2], 5) == ([0, 1, 3, 4], [1, 3, 4, 7])
-    assert forced_tree(best, [1, 2, 3, 4], [-1, -1, 0, 2], 0) == ([0], [7])
+    assert forced_path([-1, -1, 0, 2], 2) == [0, 1, 3]
+    assert forced_path([-1, -1, 0, 2], 5) == [0, 1, 3, 4]  # to a leaf
+    assert forced_path([-1, -1, 0, 2], 0) == [0]
+    _, expect = row_fields([0, 1, 2], None, True, 4, forced=1)
+    assert expect == [-1, ALWAYS, -1, -1]  # the rest, and padding, never
 
 
 def forced_stack(tiny_target: Path, tiny_head: Path, tmp_path: Path, target_allows: bool) -> ServiceStack:

@@ -140,10 +140,9 @@ def test_a_verify_step_writes_its_features_into_the_ring_itself(tiny_target: Pat
         assert tokens == host_tokens and torch.equal(rows, host_rows)
 
 
-def test_a_forced_tree_leaves_its_ring_write_to_the_host(tiny_target: Path) -> None:
-    """Benchmark-only forced acceptance orders a tree's features on the host: a padded step
-    does not write them itself, and the ring holds the forced path's rows, as with no
-    in-step writes at all."""
+def test_a_forced_tree_commits_its_path_in_the_step(tiny_target: Path) -> None:
+    """Benchmark-only forced acceptance is accepted on the device like greedy acceptance: the
+    ring holds the forced path's rows, written by the step as the host would write them."""
     got = []
     for in_step in (True, False):
         rt = runtime(tiny_target, max_context=128, forced_acceptance=True)

@@ -104,11 +104,6 @@ class KVCache:
         self.v[layer].index_put_((rows, batch.entries), v)
         return self.k[layer, batch.slots, : batch.ctx], self.v[layer, batch.slots, : batch.ctx]
 
-    def move(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy the entries `src` of a slot to `dst` in every layer (a tree's accepted path)."""
-        for kv in (self.k, self.v):  # [layers, slots, entries, kv_heads, head_dim]
-            kv[:, slot, dst] = kv[:, slot, src]
-
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                      visible: torch.Tensor | None = None) -> torch.Tensor:

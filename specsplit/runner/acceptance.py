@@ -5,8 +5,10 @@ a tree. The host knows the drafts and the device the target's argmax, so the hos
 node j:
 - parent[j]: the node before it (-1 for the root);
 - expect[j]: the token the target's argmax after parent[j] must be for j to be accepted;
-  -1 (never) for padding, for rows not accepted on the device (sampled, forced), and for a
-  node repeating an earlier sibling's token (walking down, the first such sibling is taken);
+  -1 (never) for padding, for rows not accepted on the device (sampled), and for a node
+  repeating an earlier sibling's token (walking down, the first such sibling is taken);
+  ALWAYS for the nodes that forced acceptance (a benchmark mode, gateway.forced) takes
+  whatever the target's argmax: the path down each node's first child, `forced` deep;
 and the step's mask says each node's ancestors. A node is accepted when it and each of its
 ancestors but the root match: the accepted nodes are one path down from the root. The device
 orders each row's nodes as that path first, then the rest in index order, moves the path's
@@ -20,14 +22,25 @@ import torch
 
 from specsplit.models.layers import KVCache
 
+ALWAYS = -2  # expect: accepted whatever the target's argmax (forced acceptance)
 
-def row_fields(tokens: list[int], parents: list[int] | None, accept: bool, t: int) -> tuple[list[int], list[int]]:
+
+def row_fields(tokens: list[int], parents: list[int] | None, accept: bool, t: int, forced: int = -1
+               ) -> tuple[list[int], list[int]]:
     """A row of len(tokens) <= t nodes (parents: node indices, -1 for the root; None: a chain)
-    -> parent, expect [t] (see the module's docstring); padding continues the chain."""
+    -> parent, expect [t] (see the module's docstring); padding continues the chain. forced
+    >= 0: that many nodes down the first children are accepted, whatever the argmax."""
     n = len(tokens)
     parent = [*(parents if parents else range(-1, n - 1)), *range(n - 1, t - 1)]
     expect = [-1] * t
-    if accept:
+    if accept and forced >= 0:
+        node = 0
+        for _ in range(forced):
+            node = next((j for j in range(node + 1, n) if parent[j] == node), 0)
+            if not node:  # a leaf
+                break
+            expect[node] = ALWAYS
+    elif accept:
         seen: set[tuple[int, int]] = set()
         for j in range(1, n):
             key = (parent[j], tokens[j])
@@ -46,7 +59,7 @@ def accept(best: torch.Tensor, expect: torch.Tensor, parent: torch.Tensor, ances
     idx = torch.arange(t, device=best.device)
     if ancestors is None:
         ancestors = idx[None, :] <= idx[:, None]  # [T, T] causal
-    match = (best.gather(1, parent.clamp(min=0)) == expect) | (parent < 0)  # [B, T]; the root always
+    match = (best.gather(1, parent.clamp(min=0)) == expect) | (parent < 0) | (expect == ALWAYS)  # [B, T]
     accepted = (~ancestors.bool() | match[:, None, :]).all(-1)  # [B, T]: itself and every ancestor match
     path = torch.where(accepted, idx, idx + t).argsort(-1)  # [B, T]
     return path, accepted.sum(-1)

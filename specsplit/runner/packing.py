@@ -25,6 +25,7 @@ class Row:
     parents: list[int] | None = None  # a tree: each token's parent in `tokens` (-1: after the committed entries)
     accept: bool = False  # verify: accept the drafts after tokens[0] greedily on the device
     ring_row: int = -1  # verify: where its features go in the runner's ring (-1: not written by the step)
+    forced: int = -1  # with accept: accept this many down the first children (a benchmark mode)
 
 
 @dataclass
@@ -84,7 +85,7 @@ def pack_rows(rows: list[Row], b: int, t: int, tree: bool, verify: bool, ring: b
         fields[2] += entries
         fields[3].append(row.slot)
         if verify:
-            parent, expect = row_fields(row.tokens, row.parents, row.accept, t)
+            parent, expect = row_fields(row.tokens, row.parents, row.accept, t, row.forced)
             accept[0] += parent
             accept[1] += expect
     writes: list[int] = []  # the ring's rows, then the features' rows
