@@ -68,8 +68,9 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
     try:
-        for steps in [0, *steps_list]:  # warm-up: capture the graphs of every bucket the runs will use
-            generate(target, draft, prompts[0], a.max_new_tokens, steps, None, tree_topk(a), tree_size(a))
+        for steps in [0, *steps_list]:  # warm-up: capture the graphs of every bucket the runs will use (forced
+            # acceptance's extends of several tokens among them)
+            generate(target, draft, prompts[0], a.max_new_tokens, steps, None, tree_topk(a), tree_size(a), forced(a))
         base = [generate(target, None, p, a.max_new_tokens, 0) for p in prompts]
         refs = [p + r.tokens for p, r in zip(prompts, base, strict=True)]
         rows = {0: summarize("in_process", 0, base)}

@@ -38,10 +38,12 @@ def test_draws_follow_the_profile() -> None:
 
 
 def forced_path(parents: list[int] | None, forced: int, t: int = 8) -> list[int]:
-    """The nodes the device accepts for a forced row of [last, 1, 2, 3, 4] (parents: the drafts'
-    as the gateway sends them) when the target's argmax matches no draft."""
+    """The nodes the device accepts for a forced row of the last token and drafts 1, 2, ...
+    (parents: the drafts' as the gateway sends them; None: four drafts in a chain) when the
+    target's argmax matches no draft."""
     nodes = None if parents is None else [-1, *(p + 1 for p in parents)]
-    parent, expect = row_fields([0, 1, 2, 3, 4], nodes, True, t, forced)
+    tokens = list(range(5 if parents is None else len(parents) + 1))
+    parent, expect = row_fields(tokens, nodes, True, t, forced)
     ancestors = torch.zeros(1, t, t, dtype=torch.bool)
     for j in range(t):
         k = j
@@ -52,13 +54,14 @@ def forced_path(parents: list[int] | None, forced: int, t: int = 8) -> list[int]
     return path[0, : int(count[0])].tolist()
 
 
-def test_forced_rows_accept_the_drawn_drafts_down_the_first_children() -> None:
+def test_forced_rows_accept_the_drawn_drafts_down_the_deepest_path() -> None:
     assert forced_path(None, 2) == [0, 1, 2]  # a chain: the first two drafts
     assert forced_path(None, 9) == [0, 1, 2, 3, 4]  # at most all of them
     # a tree: 1 and 2 under the last token, 3 under 1, 4 under 3
     assert forced_path([-1, -1, 0, 2], 2) == [0, 1, 3]
     assert forced_path([-1, -1, 0, 2], 5) == [0, 1, 3, 4]  # to a leaf
     assert forced_path([-1, -1, 0, 2], 0) == [0]
+    assert forced_path([-1, -1, 1], 2) == [0, 2, 3]  # 1 is a leaf: the path under 2 goes deeper
     _, expect = row_fields([0, 1, 2], None, True, 4, forced=1)
     assert expect == [-1, ALWAYS, -1, -1]  # the rest, and padding, never
 
@@ -84,7 +87,7 @@ def test_every_verify_accepts_what_the_profile_says(tiny_target: Path, tiny_head
     assert "forced acceptance 1" in info.draft_name
     assert list(chain.accepted_length_histogram) == [0, 0, 0, 0, chain.cycles]  # 3 drafts + 1, every cycle
     assert chain.mean_accepted_length == 4.0
-    assert tree.mean_accepted_length > 3.0  # down the first children, to a leaf at most
+    assert tree.mean_accepted_length > 3.0  # down the deepest path, to a leaf at most
 
 
 def test_a_target_without_the_flag_refuses_it(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ node j:
   -1 (never) for padding, for rows not accepted on the device (sampled), and for a node
   repeating an earlier sibling's token (walking down, the first such sibling is taken);
   ALWAYS for the nodes that forced acceptance (a benchmark mode, gateway.forced) takes
-  whatever the target's argmax: the path down each node's first child, `forced` deep;
+  whatever the target's argmax: `forced` deep (or to a leaf) down the path that goes deepest,
+  the first such child at each node;
 and the step's mask says each node's ancestors. A node is accepted when it and each of its
 ancestors but the root match: the accepted nodes are one path down from the root. The device
 orders each row's nodes as that path first, then the rest in index order, moves the path's
@@ -29,16 +30,17 @@ def row_fields(tokens: list[int], parents: list[int] | None, accept: bool, t: in
                ) -> tuple[list[int], list[int]]:
     """A row of len(tokens) <= t nodes (parents: node indices, -1 for the root; None: a chain)
     -> parent, expect [t] (see the module's docstring); padding continues the chain. forced
-    >= 0: that many nodes down the first children are accepted, whatever the argmax."""
+    >= 0: that many nodes down the deepest path are accepted, whatever the argmax."""
     n = len(tokens)
     parent = [*(parents if parents else range(-1, n - 1)), *range(n - 1, t - 1)]
     expect = [-1] * t
     if accept and forced >= 0:
+        height = [0] * n  # of each node's subtree (nodes come after their parents)
+        for j in range(n - 1, 0, -1):
+            height[parent[j]] = max(height[parent[j]], height[j] + 1)
         node = 0
-        for _ in range(forced):
-            node = next((j for j in range(node + 1, n) if parent[j] == node), 0)
-            if not node:  # a leaf
-                break
+        for _ in range(min(forced, height[0])):
+            node = max((j for j in range(node + 1, n) if parent[j] == node), key=lambda j: (height[j], -j))
             expect[node] = ALWAYS
     elif accept:
         seen: set[tuple[int, int]] = set()

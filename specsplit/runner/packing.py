@@ -25,7 +25,7 @@ class Row:
     parents: list[int] | None = None  # a tree: each token's parent in `tokens` (-1: after the committed entries)
     accept: bool = False  # verify: accept the drafts after tokens[0] greedily on the device
     ring_row: int = -1  # verify: where its features go in the runner's ring (-1: not written by the step)
-    forced: int = -1  # with accept: accept this many down the first children (a benchmark mode)
+    forced: int = -1  # with accept: accept this many down the deepest path (a benchmark mode)
 
 
 @dataclass
