@@ -116,7 +116,7 @@ def shape(a: argparse.Namespace, steps: int) -> dict[str, int]:
     return {"topk": tree_topk(a), "num_draft_tokens": tree_size(a)} if steps and tree_topk(a) > 1 else {}
 
 
-VARIANTS = ("thread", "one-loop", "spin", "cohost")  # the stack's control path: see --variants
+VARIANTS = ("thread", "one-loop", "spin")  # the stack's control path: see --variants
 
 
 def client_side(gens: list[Generation]) -> dict[str, Any]:
@@ -138,10 +138,10 @@ def variant_args(variant: str, spin_us: float) -> tuple[list[str], list[str]]:
     speculation loop on its own thread with blocking step sockets and no spinning, `one-loop`
     the gateway on one event loop (--no-loop-thread), `spin` `thread` with every step socket
     polled for spin_us before a blocking read (gateway and both services; on GPU stacks the
-    default, 20000 µs), `cohost` `spin` with target and draft in one process (specsplit.cli.cohost)."""
+    default, 20000 µs)."""
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
-    spin = spin_us if variant in ("spin", "cohost") else 0.0
+    spin = spin_us if variant == "spin" else 0.0
     gateway = ["--no-loop-thread"] if variant == "one-loop" else ["--step-spin-us", str(spin)]
     return gateway, ["--step-socket-spin-us", str(spin)]
 
@@ -179,7 +179,7 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                                            *service_extra, "--max-topk", str(max(8, tree_topk(a)))],
                          extra_gateway_args=[*replay, *trees, *gateway_extra],
                          gateway_module="bench.replay_gateway" if replay else "gateway",
-                         step_sockets=not a.grpc_steps, cohost=variant == "cohost")
+                         step_sockets=not a.grpc_steps)
     rows = {}
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
@@ -225,7 +225,7 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
 def add_variant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default="spin", help="comma list of (ii)'s control path: spin (every step socket "
                    "polled --spin-us before blocking: the GPU default), thread (no spinning), one-loop (also the "
-                   "gateway's --no-loop-thread), cohost (spin, target and draft in one process)")
+                   "gateway's --no-loop-thread)")
     p.add_argument("--spin-us", type=float, default=20_000.0)
 
 
@@ -273,7 +273,7 @@ def main() -> None:
                 "control_path_ratio": round((ii["draft_us"] + ii["verify_us"] + i["overhead_us"]) / ii["cycle_us"], 4),
                 "in_process": i, "services": ii, "target_device": a.device, "draft_device": a.draft_device,
                 "inline_steps": a.inline_steps, "step_transport": "grpc stream" if a.grpc_steps else "unix socket",
-                "stack_variant": variant, "spin_us": a.spin_us if variant in ("spin", "cohost") else 0,
+                "stack_variant": variant, "spin_us": a.spin_us if variant == "spin" else 0,
                 "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             }), flush=True)
     print(json.dumps({"bench": "cycle_overhead", "label": LABEL, "commit": git_commit(),

@@ -33,8 +33,7 @@ def parse_args(argv: list[str] | None = None) -> DraftConfig:
     return from_args(DraftConfig, build_parser().parse_args(argv)).validate()
 
 
-async def serve(cfg: DraftConfig, runtime: DraftRuntime, stop: asyncio.Event | None = None) -> None:
-    """Serve until SIGINT or SIGTERM, or until `stop` is set (specsplit.cli.cohost)."""
+async def serve(cfg: DraftConfig, runtime: DraftRuntime) -> None:
     server, health = new_server()
     telemetry = setup_telemetry("specsplit-draft")
     servicer = DraftServicer(runtime, telemetry)
@@ -49,7 +48,7 @@ async def serve(cfg: DraftConfig, runtime: DraftRuntime, stop: asyncio.Event | N
     log.info("draft head %s listening on %s:%d; its cycles run %s", runtime.head.cfg.name, cfg.host, cfg.port,
              runtime.engine.step_path)
     try:
-        await serve_until_signal(server, stop=stop)
+        await serve_until_signal(server)
     finally:
         if sock is not None:
             sock.close()

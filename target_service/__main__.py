@@ -46,8 +46,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def serve(cfg: TargetConfig, runtime: TargetRuntime, stop: asyncio.Event | None = None) -> None:
-    """Serve until SIGINT or SIGTERM, or until `stop` is set (specsplit.cli.cohost)."""
+async def serve(cfg: TargetConfig, runtime: TargetRuntime) -> None:
     server, health = new_server()
     telemetry = setup_telemetry("specsplit-target")
     servicer = TargetServicer(runtime, telemetry)
@@ -61,7 +60,7 @@ async def serve(cfg: TargetConfig, runtime: TargetRuntime, stop: asyncio.Event |
     await set_serving(health, ["specsplit.v1.TargetService"], True)
     log.info("target %s tp=%d listening on %s:%d", runtime.model.cfg.name, cfg.tp_size, cfg.host, cfg.port)
     try:
-        await serve_until_signal(server, stop=stop)
+        await serve_until_signal(server)
     finally:
         if sock is not None:
             sock.close()

@@ -75,7 +75,6 @@ class StackConfig:
     env: dict[str, str] = field(default_factory=dict)  # added to every service's environment
     step_sockets: bool = True  # target and draft also serve Steps on Unix sockets (in a private temp dir)
     gateway_module: str = "gateway"  # benchmarks: bench.replay_gateway
-    cohost: bool = False  # target and draft in one process (specsplit.cli.cohost), the draft's procs entry absent
 
     @classmethod
     def of(cls, *, model: str | None = None, num_steps: int | None = None, draft_device: str | None = None,
@@ -114,7 +113,7 @@ def _effective(cfg: C, extra: list[str]) -> C:
 
 
 class ServiceStack:
-    """target + draft + gateway, each its own process (with `cohost`, target and draft one), on 127.0.0.1."""
+    """target + draft + gateway, each its own process, on 127.0.0.1."""
 
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
@@ -167,18 +166,13 @@ class ServiceStack:
     def start(self, timeout: float = 300.0) -> ServiceStack:
         c = self.cfg
         target, draft, gateway = self._configs()
-        if c.cohost and draft is not None:
-            self._spawn("target", "specsplit.cli.cohost", [*to_argv(target), *c.extra_target_args, "--",
-                                                           *to_argv(draft), *c.extra_draft_args])
-        else:
-            self._spawn("target", "target_service", [*to_argv(target), *c.extra_target_args])
-            if draft is not None:
-                self._spawn("draft", "draft_service", [*to_argv(draft), *c.extra_draft_args])
+        self._spawn("target", "target_service", [*to_argv(target), *c.extra_target_args])
+        if draft is not None:
+            self._spawn("draft", "draft_service", [*to_argv(draft), *c.extra_draft_args])
         try:
             wait_serving(self.addr("target"), self.procs["target"], timeout, "target_service")
             if draft is not None:
-                wait_serving(self.addr("draft"), self.procs.get("draft") or self.procs["target"], timeout,
-                             "draft_service")
+                wait_serving(self.addr("draft"), self.procs["draft"], timeout, "draft_service")
             secret = {"SPECSPLIT_AUTH_TOKEN": gateway.auth_token} if gateway.auth_token else None
             self._spawn("gateway", c.gateway_module, [*to_argv(gateway), *c.extra_gateway_args], secret)
             tls_cert = _effective(gateway, c.extra_gateway_args).tls_cert

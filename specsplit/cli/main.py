@@ -35,8 +35,6 @@ def _stack_args(p: argparse.ArgumentParser) -> None:
         add_flags(p, cls, only=("port",), names={"port": f"--{name}-port"}, prefix=f"{name}_", label=name,
                   environment=False)
     p.add_argument("--no-draft", action="store_true", help="start no draft service")
-    p.add_argument("--cohost", action="store_true", help="target and draft in one process (tensor parallelism 1; "
-                   "specsplit.cli.cohost)")
     p.add_argument("--log-dir", default=None, help="write service logs here instead of the terminal")
 
 
@@ -59,9 +57,7 @@ def _gen_args(p: argparse.ArgumentParser, per_request_steps: bool = True) -> Non
 def _stack(a: argparse.Namespace):  # noqa: ANN202
     from specsplit.cli.launcher import ServiceStack, StackConfig
 
-    if a.cohost and (a.no_draft or a.tp_size != 1):
-        raise SystemExit("specsplit: --cohost needs a draft service and --tp-size 1")
-    cfg = StackConfig.of(model=a.model, head=a.head, tp_size=a.tp_size, num_steps=a.default_num_steps, cohost=a.cohost,
+    cfg = StackConfig.of(model=a.model, head=a.head, tp_size=a.tp_size, num_steps=a.default_num_steps,
                          max_context=a.max_context, max_sequences=a.max_sequences, with_draft=not a.no_draft,
                          log_dir=Path(a.log_dir) if a.log_dir else None, step_timeout_s=a.step_timeout_s,
                          draft_timeout_s=a.draft_timeout_s, liveness_timeout_s=a.liveness_timeout_s,

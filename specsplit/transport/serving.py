@@ -42,19 +42,11 @@ async def set_serving(health_servicer: health.aio.HealthServicer, services: list
         await health_servicer.set(name, status)
 
 
-def stop_on_signals() -> asyncio.Event:
-    """An event set by SIGINT or SIGTERM (one per process: a later handler replaces an earlier)."""
+async def serve_until_signal(server: grpc.aio.Server, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    return stop
-
-
-async def serve_until_signal(server: grpc.aio.Server, on_stop: Callable[[], Awaitable[None]] | None = None,
-                             stop: asyncio.Event | None = None) -> None:
-    """Serve until SIGINT or SIGTERM, or until `stop` is set (services sharing a process share one)."""
-    stop = stop or stop_on_signals()
     await stop.wait()
     log.info("shutting down")
     if on_stop is not None:
