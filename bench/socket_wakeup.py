@@ -6,8 +6,11 @@ gateway's other service's step, during which this service waits for its next req
 With no compute the two threads trade messages while both still hold their CPUs; with
 steps of a few milliseconds each side sits idle in a blocking read meanwhile, and the
 message has to wake it. Reported: µs per call beyond the engine's time, with and without
-spinning (polling before the blocking read) on either side. One JSON line per (engine
-time, server spin, client spin).
+spinning (polling before the blocking read) on either side, and the medians of its three
+legs, timed on the clock both processes share (CLOCK_MONOTONIC): the request from the
+client's send to the engine's start (`to_server_us`), the reply from the engine's end to
+the client's read of its head returning (`to_client_us`), and the client reading the rest
+and decoding it (`decode_us`). One JSON line per (engine time, server spin, client spin).
 
   python -m bench.socket_wakeup --engine-us 0,2000 --calls 1000
 """
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,8 +39,11 @@ _CODEC = StepCodec(wire.target_op_from_proto, wire.write_target_result, TargetRe
 
 def _serve(path: str, engine_us: float, spin_us: float) -> None:
     def run(ops: list[Any], _req: Any) -> tuple[list[TargetResult], StepTiming]:
+        started = time.perf_counter()
         _busy(engine_us)  # a thread waiting on its GPU spins (CUDA's default)
-        return [TargetResult(op.seq_id, tokens=[7], num_accepted=len(op.draft_ids)) for op in ops], StepTiming()
+        stamps = f"{started!r} {time.perf_counter()!r}"  # the engine's window, for the client's split
+        return [TargetResult(op.seq_id, message=stamps, tokens=[7], num_accepted=len(op.draft_ids))
+                for op in ops], StepTiming()
 
     server = StepSocketServer(path, "target", target_pb2.TargetStepRequest,
                               lambda req: answer_step(req, "target", run, _CODEC), spin_s=spin_us * 1e-6).start()
@@ -53,24 +60,39 @@ def _busy(us: float) -> None:
         pass
 
 
-def _measure(path: str, calls: int, client_spin_us: float, gap_us: float) -> float:
-    """µs per exchange, the gaps between exchanges not counted."""
+def _measure(path: str, calls: int, client_spin_us: float, gap_us: float) -> tuple[float, dict[str, float]]:
+    """µs per exchange, the gaps between exchanges not counted, and the medians of its legs."""
     stream = BlockingSocketStream(path, "target", target_pb2.TargetStepResponse, 60.0, client_spin_us * 1e-6)
     req = target_pb2.TargetStepRequest()
     wire.write_target_op(req.ops.add(), Verify(1, [100, 101, 102]))
     for i in range(50):  # warm-up
         req.step_id = i + 1
         stream.exchange_now(req)
+    seen: list[float] = []  # when each read of the reply returned: the first is its head, seen
+    read = stream._read_into
+
+    def timed_read(buf: bytearray) -> bytes:
+        out = read(buf)
+        seen.append(time.perf_counter())
+        return out
+
+    stream._read_into = timed_read  # type: ignore[method-assign]
     spent = 0.0
+    legs: list[tuple[float, float, float]] = []
     for i in range(calls):
         req.step_id = 100 + i
         _busy(gap_us)
+        seen.clear()
         t0 = time.perf_counter()
-        stream.exchange_now(req)
-        spent += time.perf_counter() - t0
-    us = spent * 1e6 / calls
+        reply = stream.exchange_now(req)
+        t1 = time.perf_counter()
+        spent += t1 - t0
+        started, ended = (float(x) for x in reply.results[0].status.message.split())
+        legs.append((started - t0, seen[0] - ended, t1 - seen[0]))
     stream.reset()
-    return us
+    split = {name: round(statistics.median(leg[j] for leg in legs) * 1e6, 1)
+             for j, name in enumerate(("to_server_us", "to_client_us", "decode_us"))}
+    return spent * 1e6 / calls, split
 
 
 def main() -> None:
@@ -95,13 +117,13 @@ def main() -> None:
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             try:
                 assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-                us = _measure(path, a.calls, client_spin, engine_us)
+                us, split = _measure(path, a.calls, client_spin, engine_us)
             finally:
                 proc.kill()
                 proc.wait()
             print(json.dumps({"bench": "socket_wakeup", "engine_us": engine_us, "server_spin_us": server_spin,
                               "client_spin_us": client_spin, "us_per_call": round(us, 1),
-                              "beyond_engine_us": round(us - engine_us, 1), "calls": a.calls,
+                              "beyond_engine_us": round(us - engine_us, 1), **split, "calls": a.calls,
                               "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count()}),
                   flush=True)
 
