@@ -15,6 +15,7 @@ import torch
 from gateway.forced import SHIPPED_PROFILE, ForcedAcceptance
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
+from specsplit.models.batch import tree_ancestry
 from specsplit.runner.acceptance import ALWAYS, accept, row_fields
 
 
@@ -44,12 +45,7 @@ def forced_path(parents: list[int] | None, forced: int, t: int = 8) -> list[int]
     nodes = None if parents is None else [-1, *(p + 1 for p in parents)]
     tokens = list(range(5 if parents is None else len(parents) + 1))
     parent, expect = row_fields(tokens, nodes, True, t, forced)
-    ancestors = torch.zeros(1, t, t, dtype=torch.bool)
-    for j in range(t):
-        k = j
-        while k >= 0:
-            ancestors[0, j, k] = True
-            k = parent[k]
+    ancestors = torch.from_numpy(tree_ancestry(tuple(parent), t)[0]).bool()[None]  # [1, t, t]
     path, count = accept(torch.full((1, t), 7), torch.tensor([expect]), torch.tensor([parent]), ancestors)
     return path[0, : int(count[0])].tolist()
 
