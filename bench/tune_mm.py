@@ -7,6 +7,7 @@ One JSON line per matrix and bucket: the fastest plan, and what the pinned table
 
   python -m bench.tune_mm                          # SmolLM2-135M's matrices, 16 rows
   python -m bench.tune_mm --rows 16,32,64 --write  # and pin the fastest for this GPU model
+  python -m bench.tune_mm --block-k 512,1024 --write  # the whole-K steps against the pinned plans
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def launcher(kernel: str, n: int, k: int, rows: int, dtype: torch.dtype, pdl: bo
 def main() -> None:
     p = tuner_args(__doc__, "smollm2-135m", 32, 10)
     p.add_argument("--rows", default="16", help="comma list of row counts (each its bucket: 16, 32, 64)")
+    p.add_argument("--block-k", default="", help="comma list: time only the candidates of these K steps (with the "
+                   "pinned plan and the rule); default: every candidate")
     a = p.parse_args()
     dtype, gpu, pdl = gpu_and_pdl(a)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -83,7 +86,9 @@ def main() -> None:
                 make = launcher(kernel, n, k, rows, dtype, pdl)
                 pinned, rule = blocks.mm_lookup(kernel, n, k, bm, gpu, sms), blocks.mm_rule(n, k, sms)
                 times: dict[Plan, float] = {}
-                for plan in dict.fromkeys([*blocks.mm_candidates(k), pinned, rule]):
+                steps = {int(x) for x in a.block_k.split(",") if x}
+                candidates = [q for q in blocks.mm_candidates(k) if not steps or q.block_k in steps]
+                for plan in dict.fromkeys([*candidates, pinned, rule]):
                     try:
                         times[plan] = time_launch(make(plan), a.launches, a.replays)
                     except Exception as e:  # noqa: BLE001 - a tile too large for this GPU's shared memory

@@ -62,11 +62,18 @@ class Plan:
         return [self.block_n, self.block_k, self.chunk, self.warps]
 
 
+WHOLE_K = 1024  # the widest K step: a program's whole weight slice of a narrow projection
+
+
 def mm_candidates(k: int) -> list[Plan]:
     """What bench.tune_mm times for a projection of K columns: tiles of 16 to 64 columns, K steps of
-    64 to 256, chunks of 1, 2 or 4 steps or all of K, 4 warps."""
+    64 to 256, chunks of 1, 2 or 4 steps or all of K, 4 warps; and K steps of 512 and 1024 (up to
+    K's next power of two) at 4 and 8 warps, whose first step, loaded before the wait for the
+    previous kernel, is a program's whole chunk of the weights (as the decode's GEMVs)."""
     plans = [Plan.of(k, bn, bk, steps * bk if steps else k)
              for bn in (16, 32, 64) for bk in (64, 128, 256) for steps in (1, 2, 4, 0)]
+    wide = [bk for bk in (512, WHOLE_K) if bk < 2 * k]
+    plans += [Plan.of(k, bn, bk, bk, warps) for bn in (16, 32) for bk in wide for warps in (4, 8)]
     return list(dict.fromkeys(plans))
 
 
