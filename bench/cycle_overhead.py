@@ -32,6 +32,7 @@ from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_
 from specsplit.cli.client import GatewayClient, Generation, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.models.parallel import TensorParallel
+from specsplit.observability.trace_report import load_jsonl
 from target_service.config import FUSED_DECODE, TargetConfig
 from target_service.runtime import TargetRuntime
 
@@ -116,7 +117,7 @@ def shape(a: argparse.Namespace, steps: int) -> dict[str, int]:
     return {"topk": tree_topk(a), "num_draft_tokens": tree_size(a)} if steps and tree_topk(a) > 1 else {}
 
 
-VARIANTS = ("thread", "one-loop", "spin")  # the stack's control path: see --variants
+VARIANTS = ("thread", "one-loop", "spin", "traced")  # the stack's control path: see --variants
 
 
 def client_side(gens: list[Generation]) -> dict[str, Any]:
@@ -138,12 +139,17 @@ def variant_args(variant: str, spin_us: float) -> tuple[list[str], list[str]]:
     speculation loop on its own thread with blocking step sockets and no spinning, `one-loop`
     the gateway on one event loop (--no-loop-thread), `spin` `thread` with every step socket
     polled for spin_us before a blocking read (gateway and both services; on GPU stacks the
-    default, 20000 µs)."""
+    default, 20000 µs), `traced` `spin` with every request traced (traced_env)."""
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
-    spin = spin_us if variant == "spin" else 0.0
+    spin = spin_us if variant in ("spin", "traced") else 0.0
     gateway = ["--no-loop-thread"] if variant == "one-loop" else ["--step-spin-us", str(spin)]
     return gateway, ["--step-socket-spin-us", str(spin)]
+
+
+def traced_env(folder: Path) -> dict[str, str]:
+    """Every request sampled and every cycle traced, spans to jsonl files in `folder`."""
+    return {"OTEL_TRACES_EXPORTER": "jsonl", "SPECSPLIT_TRACE_DIR": str(folder), "OTEL_TRACES_SAMPLER": "always_on"}
 
 
 def add_fused_decode_arg(p: argparse.ArgumentParser) -> None:
@@ -179,7 +185,8 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                                            *service_extra, "--max-topk", str(max(8, tree_topk(a)))],
                          extra_gateway_args=[*replay, *trees, *gateway_extra],
                          gateway_module="bench.replay_gateway" if replay else "gateway",
-                         step_sockets=not a.grpc_steps)
+                         step_sockets=not a.grpc_steps,
+                         env=traced_env(log_dir / "traces") if variant == "traced" else {})
     rows = {}
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
@@ -219,13 +226,17 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                 rows[steps]["verify_service_us"] = round(sum(x.verify_service_ms for x in s) * 1e3 / cycles, 1)
         finally:
             client.close()
+    if variant == "traced":  # the stack has stopped: every span is written
+        spans = load_jsonl([log_dir / "traces"])
+        for row in rows.values():
+            row["spans_written"], row["cycle_spans"] = len(spans), sum(x["name"] == "cycle" for x in spans)
     return rows
 
 
 def add_variant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default="spin", help="comma list of (ii)'s control path: spin (every step socket "
                    "polled --spin-us before blocking: the GPU default), thread (no spinning), one-loop (also the "
-                   "gateway's --no-loop-thread)")
+                   "gateway's --no-loop-thread), traced (spin, every request traced to jsonl files)")
     p.add_argument("--spin-us", type=float, default=20_000.0)
 
 

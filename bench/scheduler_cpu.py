@@ -1,9 +1,12 @@
 """The gateway's scheduler on its own: CPU per cycle with stub engines that answer at once
 (no sockets, no gRPC, no processes), so what is measured is the loop's Python — admission,
 spans, op building, applying results, emitting tokens. Every draft is accepted (τ =
-num_steps + 1). One JSON line per batch size.
+num_steps + 1). With `--tracing`, every request sampled and every cycle traced: the SDK's
+spans exported in this process (`sdk`) against the gateway's span records exported by their
+child process (`records`), jsonl files in a temporary folder. One JSON line per batch size and
+setting.
 
-  python -m bench.scheduler_cpu --cycles 20000 --batch 1,8
+  python -m bench.scheduler_cpu --cycles 20000 --batch 1,8 --tracing off,sdk,records
 """
 
 from __future__ import annotations
@@ -13,10 +16,19 @@ import asyncio
 import json
 import os
 import platform
+import tempfile
 import time
+from pathlib import Path
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from bench.spec_vs_baseline import git_commit
-from gateway.scheduler import Finished, GenerationRequest, Limits, Scheduler
+from gateway.observe import NOOP_TRACER, CycleSpans
+from gateway.scheduler import Finished, GenerationRequest, Limits, Scheduler, Sequence
+from specsplit.observability.spans import ShippingProcessor, SpanLog, traceparent
+from specsplit.observability.telemetry import span_exporter
 from specsplit.ops import (
     DraftOp,
     DraftResult,
@@ -86,26 +98,73 @@ class InstantDraft:
                 for op in ops if isinstance(op, ExtendPropose)], StepTiming()
 
 
-async def measure(batch: int, cycles: int, num_steps: int, noop_spans: bool = False, adaptive: bool = False,
+class SdkCycleSpans(CycleSpans):
+    """The cycles' spans as the OpenTelemetry SDK's own, built and exported in this process (the
+    baseline the span records of gateway.observe are measured against)."""
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        super().__init__(None)
+        self.tracer = tracer
+
+    def open(self, running: list[Sequence], newcomers: list[Sequence]) -> list[Sequence]:
+        for s in running:
+            s.cycle_span = self.tracer.start_span(
+                "prefill" if s in newcomers else "cycle", context=trace.set_span_in_context(s.span),
+                attributes={"spec.cycle": 0 if s in newcomers else s.stats.cycles + 1, "spec.batch_size": len(running),
+                            "spec.num_steps": s.req.num_steps if s.spec else 0, "spec.seq_id": s.seq_id,
+                            "spec.topk": s.req.topk})
+            ctx = s.cycle_span.get_span_context()
+            s.trace = traceparent(ctx.trace_id, ctx.span_id)
+        return list(running)
+
+
+def tracer_for(mode: str, folder: str) -> tuple[trace.Tracer, SpanLog | None, TracerProvider | None]:
+    """off: no tracing; sdk: the SDK's spans, exported (jsonl into `folder`) by its batch processor
+    in this process; records: the gateway's span records, exported by their child process."""
+    if mode == "off":
+        return NOOP_TRACER, None, None
+    os.environ.update({"OTEL_TRACES_EXPORTER": "jsonl", "SPECSPLIT_TRACE_DIR": folder})
+    provider = TracerProvider()
+    if mode == "sdk":
+        provider.add_span_processor(BatchSpanProcessor(span_exporter("specsplit-gateway", os.getpid())))
+        return provider.get_tracer("specsplit"), None, provider
+    spans = SpanLog("specsplit-gateway")
+    provider.add_span_processor(ShippingProcessor(spans))
+    return provider.get_tracer("specsplit"), spans, provider
+
+
+async def measure(batch: int, cycles: int, num_steps: int, tracing: str = "off", adaptive: bool = False,
                   accept: bool = True) -> dict:
-    s = Scheduler(InstantTarget(accept=accept), InstantDraft(), max_sequences=batch,
-                  limits=Limits(max_queue=batch, stream_buffer=1 << 30))  # events are read, never `taken`
-    s.spans.enabled = noop_spans  # True: build every cycle's span and trace context with the no-op tracer
-    s.draft_restored()
-    s.start()
-    tokens = cycles * (num_steps + 1 if accept else 1)
-    req = GenerationRequest([1, 2, 3], tokens, Sampling(), set(), num_steps, adaptive=adaptive)
-    seqs = [s.submit(req) for _ in range(batch)]
-    cpu0, wall0, cycles0 = time.thread_time(), time.perf_counter(), s.cycles
-    for seq in seqs:
-        while not isinstance(await seq.events.get(), Finished):
-            pass
-    cpu, wall, n = time.thread_time() - cpu0, time.perf_counter() - wall0, s.cycles - cycles0
-    await s.stop()
+    with tempfile.TemporaryDirectory(prefix="scheduler-cpu-") as folder:
+        tracer, spans, provider = tracer_for(tracing, folder)
+        s = Scheduler(InstantTarget(accept=accept), InstantDraft(), max_sequences=batch,
+                      limits=Limits(max_queue=batch, stream_buffer=1 << 30), spans=spans)  # events read, never `taken`
+        if tracing == "sdk":
+            s.spans = SdkCycleSpans(tracer)
+        s.draft_restored()
+        s.start()
+        tokens = cycles * (num_steps + 1 if accept else 1)
+        req = GenerationRequest([1, 2, 3], tokens, Sampling(), set(), num_steps, adaptive=adaptive)
+        requests = [tracer.start_span("generate") for _ in range(batch)]
+        seqs = [s.submit(req, span) for span in requests]
+        cpu0, proc0, wall0, cycles0 = time.thread_time(), time.process_time(), time.perf_counter(), s.cycles
+        for seq in seqs:
+            while not isinstance(await seq.events.get(), Finished):
+                pass
+        cpu, wall, n = time.thread_time() - cpu0, time.perf_counter() - wall0, s.cycles - cycles0
+        proc = time.process_time() - proc0  # with the threads that export (sdk) or send (records)
+        await s.stop()
+        for span in requests:
+            span.end()
+        if provider is not None:
+            provider.shutdown()  # records: waits for the child to export them all
+        written = sum(1 for f in Path(folder).glob("*.spans.jsonl") for _ in f.open())
     return {"bench": "scheduler_cpu", "batch": batch, "num_steps": "adaptive" if adaptive else num_steps,
-            "accept": "all" if accept else "none", "noop_spans": noop_spans, "cycles": n,
+            "accept": "all" if accept else "none", "tracing": tracing, "cycles": n,
             "cpu_us_per_cycle": round(cpu / n * 1e6, 1), "wall_us_per_cycle": round(wall / n * 1e6, 1),
-            "cpu_us_per_sequence_cycle": round(cpu / n / batch * 1e6, 1)}
+            "process_cpu_us_per_cycle": round(proc / n * 1e6, 1),
+            "cpu_us_per_sequence_cycle": round(cpu / n / batch * 1e6, 1), "spans_written": written,
+            "spans_dropped": spans.dropped if spans is not None else 0}
 
 
 def main() -> None:
@@ -114,17 +173,17 @@ def main() -> None:
     p.add_argument("--batch", default="1,8", help="concurrent sequences, comma-separated")
     p.add_argument("--num-steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="each batch size this many times; the best is reported")
-    p.add_argument("--noop-spans", default="off", help="off,on: also (on) build cycle spans with the no-op tracer, "
-                   "as the loop did before it skipped them without an exporter")
+    p.add_argument("--tracing", default="off", help="comma list of off, sdk (the OpenTelemetry SDK's spans, "
+                   "exported in this process), records (the gateway's span records, exported by a child process)")
     p.add_argument("--adaptive", default="off", help="off,on: also (on) with the shape chosen per cycle "
                    "(gateway.adaptive)")
     p.add_argument("--accept", default="all", choices=["all", "none"], help="the stub target accepts every draft, "
                    "or none (then adaptive cycles draft nothing but probes)")
     a = p.parse_args()
     install_uvloop()
-    for b, spans, adaptive in ((int(x), s == "on", m == "on") for x in a.batch.split(",")
-                               for s in a.noop_spans.split(",") for m in a.adaptive.split(",")):
-        rows = [asyncio.run(measure(b, a.cycles, a.num_steps, spans, adaptive, a.accept == "all"))
+    for b, tracing, adaptive in ((int(x), t, m == "on") for x in a.batch.split(",")
+                                 for t in a.tracing.split(",") for m in a.adaptive.split(",")):
+        rows = [asyncio.run(measure(b, a.cycles, a.num_steps, tracing, adaptive, a.accept == "all"))
                 for _ in range(a.rounds)]
         best = min(rows, key=lambda r: r["cpu_us_per_cycle"])
         best.update({"rounds": a.rounds, "all_cpu_us_per_cycle": [r["cpu_us_per_cycle"] for r in rows],

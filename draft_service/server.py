@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from draft_service.runtime import DraftRuntime
-from specsplit.observability.telemetry import Telemetry, record_entry_span
+from specsplit.observability.spans import record_entry
+from specsplit.observability.telemetry import Telemetry
 from specsplit.ops import DraftOp, DraftResult, ExtendPropose, StepTiming
 from specsplit.transport import wire
 from specsplit.transport.handoff.base import Descriptor
@@ -74,6 +75,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return self._spans if self.telemetry.tracing else None
 
     def _spans(self, ops: list[DraftOp], results: list[DraftResult]) -> None:
+        spans = self.telemetry.spans
+        assert spans is not None  # set as the step's `after` only when tracing
         for op, r in zip(ops, results, strict=True):
             if not op.trace:
                 continue
@@ -84,7 +87,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 attrs.update({"spec.num_steps": op.num_steps, "spec.extend_tokens": len(op.tokens),
                               "handoff.offset": op.hidden.offset, "handoff.rows": op.hidden.rows,
                               "handoff.generation": op.hidden.generation})
-            record_entry_span(self.telemetry.tracer, name, op.trace, r.started_ns, r.ended_ns, attrs)
+            record_entry(spans, name, op.trace, r.started_ns, r.ended_ns, attrs)
 
     async def Stats(self, request: draft_pb2.DraftStatsRequest, context: grpc.aio.ServicerContext
                     ) -> draft_pb2.DraftStats:

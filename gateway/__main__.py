@@ -97,7 +97,7 @@ async def connect(cfg: GatewayConfig, telemetry: Telemetry, on_target_state: Cal
         log.warning("benchmark mode: the draft's proposals are %s", draft_wrap.label)
     limits = Limits(cfg.max_queue, cfg.max_queued_per_client, cfg.step_timeout_s, cfg.draft_timeout_s,
                     cfg.stream_buffer, cfg.unread_timeout_s)
-    scheduler = Scheduler(target, loop_draft, info.max_sequences, limits, telemetry.tracer,
+    scheduler = Scheduler(target, loop_draft, info.max_sequences, limits, telemetry.spans,
                           GatewayMetrics.create(telemetry.meter), cfg.max_num_steps)
     scheduler.on_target_state.append(on_target_state)
     recovery = Recovery(scheduler, target, draft, info.hidden_store, list(info.aux_layer_ids), cfg.max_num_steps,
@@ -150,10 +150,11 @@ async def serve(cfg: GatewayConfig, draft_wrap: DraftWrap | None = None) -> None
         log.warning("benchmark mode: %s (the output is not the model's)", scheduler.forced.label)
         draft_name = f"{draft_name} ({scheduler.forced.label})"
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(cfg, scheduler, codec, limits, cfg.served_name(), draft_name), server)
+        GatewayServicer(cfg, scheduler, codec, limits, cfg.served_name(), draft_name, telemetry.tracer), server)
     sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(  # for smg, on the same port
         SglangSchedulerServicer(cfg, scheduler, codec, limits,
-                                WorkerModel.load(cfg.served_name(), cfg.model, model_dir, codec)), server)
+                                WorkerModel.load(cfg.served_name(), cfg.model, model_dir, codec),
+                                telemetry.tracer), server)
     addr = f"{cfg.host}:{cfg.port}"
     if cfg.tls_cert:
         server.add_secure_port(addr, server_credentials(cfg.tls_cert, cfg.tls_key))

@@ -3,12 +3,14 @@ and the loop's metrics."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import metrics, trace
 
 from gateway.sequence import Sequence
-from specsplit.observability.telemetry import inject
+from specsplit.observability.spans import INTERNAL, SAMPLED, SpanLog, new_span_id, traceparent
 
 
 @dataclass
@@ -38,25 +40,52 @@ NOOP_TRACER = trace.NoOpTracerProvider().get_tracer("specsplit")
 NOOP_METRICS = GatewayMetrics.create(metrics.NoOpMeterProvider().get_meter("specsplit"))
 
 
+class CycleSpan:
+    """One sequence's span of one cycle, a record until it ends (specsplit.observability.spans):
+    what the loop sets on it goes into a dict."""
+
+    __slots__ = ("attributes", "log", "name", "parent_id", "span_id", "start_ns", "trace_id")
+
+    def __init__(self, log: SpanLog, name: str, trace_id: int, parent_id: int, attributes: dict[str, Any]) -> None:
+        self.log, self.name, self.trace_id, self.parent_id = log, name, trace_id, parent_id
+        self.span_id, self.start_ns, self.attributes = new_span_id(), time.time_ns(), attributes
+
+    def is_recording(self) -> bool:
+        return True
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attributes[key] = value
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        self.attributes.update(attributes)
+
+    def end(self) -> None:
+        self.log.record((self.name, INTERNAL, self.trace_id, self.span_id, self.parent_id, SAMPLED, self.start_ns,
+                         time.time_ns(), self.attributes, None, None))
+
+
 class CycleSpans:
     """One span per sequence and cycle, a child of its request span, whose trace context every
-    op of the cycle carries. None with a no-op tracer: spans and trace context cost ~10% of the
-    loop's CPU even then."""
+    op of the cycle carries; none for a request whose span is not sampled, or without tracing."""
 
-    def __init__(self, tracer: trace.Tracer) -> None:
-        self.tracer, self.enabled = tracer, not isinstance(tracer, trace.NoOpTracer)
+    def __init__(self, log: SpanLog | None) -> None:
+        self.log = log
 
     def open(self, running: list[Sequence], newcomers: list[Sequence]) -> list[Sequence]:
-        if not self.enabled:
+        if self.log is None:
             return []
+        traced = []
         for s in running:
-            s.cycle_span = self.tracer.start_span(
-                "prefill" if s in newcomers else "cycle", context=trace.set_span_in_context(s.span),
-                attributes={"spec.cycle": 0 if s in newcomers else s.stats.cycles + 1,
-                            "spec.batch_size": len(running), "spec.num_steps": s.req.num_steps if s.spec else 0,
-                            "spec.seq_id": s.seq_id, "spec.topk": s.req.topk})
-            s.trace = inject(s.cycle_span)
-        return list(running)
+            ctx = s.span.get_span_context()
+            if not ctx.trace_flags.sampled or not ctx.is_valid:
+                continue
+            span = s.cycle_span = CycleSpan(
+                self.log, "prefill" if s in newcomers else "cycle", ctx.trace_id, ctx.span_id,
+                {"spec.cycle": 0 if s in newcomers else s.stats.cycles + 1, "spec.batch_size": len(running),
+                 "spec.num_steps": s.req.num_steps if s.spec else 0, "spec.seq_id": s.seq_id, "spec.topk": s.req.topk})
+            s.trace = traceparent(ctx.trace_id, span.span_id)
+            traced.append(s)
+        return traced
 
     def close(self, traced: list[Sequence]) -> None:
         for s in traced:

@@ -34,7 +34,7 @@ from opentelemetry import trace
 from gateway.adaptive import StepChooser
 from gateway.clients import DraftClient, TargetClient
 from gateway.forced import ForcedAcceptance
-from gateway.observe import NOOP_METRICS, NOOP_TRACER, CycleSpans, GatewayMetrics
+from gateway.observe import NOOP_METRICS, CycleSpans, GatewayMetrics
 from gateway.phases import DraftDeadline, draft_phase, target_phase
 from gateway.sequence import (
     Failed,
@@ -49,6 +49,7 @@ from gateway.sequence import (
     first_sequence_id,
 )
 from gateway.waiting import WaitingQueue
+from specsplit.observability.spans import SpanLog
 
 log = logging.getLogger("specsplit.gateway")
 __all__ = ["Failed", "Finished", "GenerationRequest", "Limits", "QueueFull", "Scheduler", "SeqStats", "Sequence",
@@ -59,10 +60,10 @@ READER_CHECK_S = 0.5
 
 class Scheduler:
     def __init__(self, target: TargetClient, draft: DraftClient | None, max_sequences: int,
-                 limits: Limits | None = None, tracer: trace.Tracer = NOOP_TRACER,
-                 metrics: GatewayMetrics = NOOP_METRICS, max_steps: int = 8) -> None:
+                 limits: Limits | None = None, spans: SpanLog | None = None,
+                 metrics: GatewayMetrics = NOOP_METRICS, max_steps: int = 8) -> None:  # spans: None untraced
         self.target, self.draft = target, draft
-        self.tracer, self.metrics = tracer, metrics
+        self.metrics = metrics
         self.limits = limits = limits or Limits()
         self.max_sequences, self.step_timeout_s = max_sequences, limits.step_timeout_s
         self.waiting = WaitingQueue(limits.max_queue, limits.max_queued_per_client)
@@ -77,7 +78,7 @@ class Scheduler:
         self.task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop (and thread) the cycles run on
         self.thread_id = 0
-        self.spans = CycleSpans(tracer)
+        self.spans = CycleSpans(spans)
         self.chooser = StepChooser(max_steps)  # adaptive requests' shape per cycle, from measured costs
         self.cycle_ms: dict[str, float] = {}  # this cycle's draft and verify-only call times
         self.forced: ForcedAcceptance | None = None  # a benchmark mode (gateway.forced)

@@ -8,12 +8,16 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import trace
 
 from gateway.costs import DepthAcceptance, Shape
 from specsplit.ops import HiddenRef, Sampling, SparseDist, StepTiming
+
+if TYPE_CHECKING:
+    from gateway.observe import CycleSpan
 
 
 @dataclass
@@ -106,7 +110,7 @@ class Sequence:
     def __init__(self, seq_id: int, req: GenerationRequest, span: trace.Span | None = None) -> None:
         self.seq_id, self.req = seq_id, req
         self.span = span or trace.INVALID_SPAN  # the request span; cycles are its children
-        self.cycle_span: trace.Span = trace.INVALID_SPAN
+        self.cycle_span: trace.Span | CycleSpan = trace.INVALID_SPAN
         self.trace = ""  # traceparent of the current cycle span, sent with every op
         self.sent_drafts = 0
         self.events: asyncio.Queue[list[int] | Finished | Failed] = asyncio.Queue()

@@ -11,6 +11,7 @@ from opentelemetry import trace
 from gateway.config import GatewayConfig
 from gateway.costs import Shape
 from gateway.detok import IncrementalDetokenizer
+from gateway.observe import NOOP_TRACER
 from gateway.requests import ModelLimits, parse
 from gateway.scheduler import Finished, Scheduler, Sequence
 from gateway.stream import Admission
@@ -22,7 +23,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, cfg: GatewayConfig, scheduler: Scheduler, codec: TextCodec | None, limits: ModelLimits,
                  model_name: str, draft_name: str, tracer: trace.Tracer | None = None) -> None:
         self.cfg, self.scheduler, self.codec, self.limits = cfg, scheduler, codec, limits
-        self.admission = Admission(scheduler, tracer or scheduler.tracer, cfg.max_streams, cfg.max_streams_per_client)
+        self.admission = Admission(scheduler, tracer or NOOP_TRACER, cfg.max_streams, cfg.max_streams_per_client)
         self.model_name, self.draft_name = model_name, draft_name
 
     async def GetModelInfo(self, request: gateway_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext

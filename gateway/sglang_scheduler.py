@@ -26,6 +26,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as sgl
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sgl_grpc
 
 from gateway.config import GatewayConfig
+from gateway.observe import NOOP_TRACER
 from gateway.scheduler import Finished, Scheduler, Sequence
 from gateway.sglang_requests import MAX_REQUEST_ID_CHARS, parse_sglang
 from gateway.stream import Admission
@@ -85,7 +86,7 @@ class SglangSchedulerServicer(sgl_grpc.SglangSchedulerServicer):
     def __init__(self, cfg: GatewayConfig, scheduler: Scheduler, codec: TextCodec | None, limits: ModelLimits,
                  model: WorkerModel, tracer: trace.Tracer | None = None) -> None:
         self.cfg, self.scheduler, self.codec, self.limits, self.model = cfg, scheduler, codec, limits, model
-        self.admission = Admission(scheduler, tracer or scheduler.tracer, cfg.max_streams, cfg.max_streams_per_client)
+        self.admission = Admission(scheduler, tracer or NOOP_TRACER, cfg.max_streams, cfg.max_streams_per_client)
         self.active: dict[str, Sequence] = {}  # request_id -> its sequence, for Abort
         self.started = time.time()
         self.last_loads = (time.monotonic(), 0)  # (when, output tokens) at the previous GetLoads

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from specsplit.observability.telemetry import Telemetry, record_entry_span
+from specsplit.observability.spans import record_entry
+from specsplit.observability.telemetry import Telemetry
 from specsplit.ops import Prefill, StepTiming, TargetOp, TargetResult, Verify
 from specsplit.transport import wire
 from specsplit.transport.lease import Leases
@@ -60,6 +61,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return self._spans if self.telemetry.tracing else None
 
     def _spans(self, ops: list[TargetOp], results: list[TargetResult]) -> None:
+        spans = self.telemetry.spans
+        assert spans is not None  # set as the step's `after` only when tracing
         for op, r in zip(ops, results, strict=True):
             if not op.trace:
                 continue
@@ -72,7 +75,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 attrs.update({"handoff.offset": r.hidden.offset, "handoff.rows": r.hidden.rows,
                               "handoff.generation": r.hidden.generation})
             name = "target." + type(op).__name__.lower()
-            record_entry_span(self.telemetry.tracer, name, op.trace, r.started_ns, r.ended_ns, attrs)
+            record_entry(spans, name, op.trace, r.started_ns, r.ended_ns, attrs)
 
     async def Stats(self, request: target_pb2.TargetStatsRequest, context: grpc.aio.ServicerContext
                     ) -> target_pb2.TargetStats:

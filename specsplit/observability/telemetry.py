@@ -9,6 +9,9 @@ OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES. Both exporters default to `none`.
 SPECSPLIT_TRACE_DIR (default ./traces): `<service>-<pid>.spans.jsonl`; it needs no
 backend, and `specsplit trace report` reads it.
 
+Spans leave each process through a child process that runs the exporter
+(specsplit.observability.spans).
+
 Trace context travels inside every batched op as a W3C `traceparent` string, because
 one long-lived stream message carries many requests' work (a per-RPC interceptor would
 give one span per stream, not per request).
@@ -28,8 +31,10 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricsData, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from specsplit.observability.spans import ShippingProcessor, SpanLog
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 EXPORTERS = ("none", "otlp", "console", "jsonl")
@@ -48,10 +53,11 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
     }
 
 
-def _jsonl_file(service: str, kind: str) -> IO[str]:
+def _jsonl_file(service: str, kind: str, pid: int = 0) -> IO[str]:
+    """The file of `service`'s process `pid` (default: this one)."""
     folder = Path(os.environ.get("SPECSPLIT_TRACE_DIR", "traces"))
     folder.mkdir(parents=True, exist_ok=True)
-    return open(folder / f"{service}-{os.getpid()}.{kind}.jsonl", "a", buffering=1)  # noqa: SIM115
+    return open(folder / f"{service}-{pid or os.getpid()}.{kind}.jsonl", "a", buffering=1)  # noqa: SIM115
 
 
 def _exporter_name(var: str) -> str:
@@ -65,36 +71,47 @@ def _exporter_name(var: str) -> str:
 class Telemetry:
     tracer: trace.Tracer
     meter: metrics.Meter
-    tracing: bool
+    spans: SpanLog | None = None  # tracing on: the span records of the serving path go here
     tracer_provider: TracerProvider | None = None
     meter_provider: MeterProvider | None = None
 
+    @property
+    def tracing(self) -> bool:
+        return self.spans is not None
+
     def shutdown(self) -> None:
+        """Flush and stop the exporters (the span exporter's process ends once it has flushed)."""
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()
         if self.meter_provider is not None:
             self.meter_provider.shutdown()
 
 
+def span_exporter(service: str, pid: int) -> Any:
+    """The exporter OTEL_TRACES_EXPORTER names, for the spans of process `pid` of `service`."""
+    name = _exporter_name("OTEL_TRACES_EXPORTER")
+    if name == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    if name == "jsonl":
+        return ConsoleSpanExporter(out=_jsonl_file(service, "spans", pid),
+                                   formatter=lambda s: json.dumps(span_record(s)) + "\n")
+    return ConsoleSpanExporter()
+
+
 def setup_telemetry(service: str) -> Telemetry:
-    """Configure tracing and metrics for one service process from the environment."""
+    """Configure tracing and metrics for one service process from the environment. Spans are
+    exported by a child process (specsplit.observability.spans)."""
     disabled = os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true"
     traces = "none" if disabled else _exporter_name("OTEL_TRACES_EXPORTER")
     metric = "none" if disabled else _exporter_name("OTEL_METRICS_EXPORTER")
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service)})
-    tracer_provider = meter_provider = None
+    tracer_provider = meter_provider = spans = None
     if traces != "none":
-        if traces == "otlp":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-            span_exporter: Any = OTLPSpanExporter()
-        elif traces == "jsonl":
-            span_exporter = ConsoleSpanExporter(out=_jsonl_file(service, "spans"),
-                                                formatter=lambda s: json.dumps(span_record(s)) + "\n")
-        else:
-            span_exporter = ConsoleSpanExporter()
+        spans = SpanLog(service)
         tracer_provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER
-        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+        tracer_provider.add_span_processor(ShippingProcessor(spans))
     if metric != "none":
         if metric == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
@@ -109,36 +126,14 @@ def setup_telemetry(service: str) -> Telemetry:
             metric_exporter)])
     tracer = (tracer_provider or trace.NoOpTracerProvider()).get_tracer("specsplit")
     meter = (meter_provider or metrics.NoOpMeterProvider()).get_meter("specsplit")
-    return Telemetry(tracer, meter, tracer_provider is not None, tracer_provider, meter_provider)
+    return Telemetry(tracer, meter, spans, tracer_provider, meter_provider)
 
 
 def _metrics_line(data: MetricsData) -> str:
     return data.to_json(indent=None) + "\n"
 
 
-def inject(span: trace.Span) -> str:
-    """The W3C traceparent of `span` ('' when it is not recording)."""
-    if not span.get_span_context().is_valid:
-        return ""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-    return carrier.get("traceparent", "")
-
-
 def extract(traceparent: str) -> otel_context.Context | None:
     if not traceparent:
         return None
     return _PROPAGATOR.extract({"traceparent": traceparent})
-
-
-
-def record_entry_span(tracer: trace.Tracer, name: str, traceparent: str, start_ns: int, end_ns: int,
-                      attributes: dict[str, Any]) -> None:
-    """A server-side span for one batched entry, timed by the engine, child of the
-    gateway's cycle span named by `traceparent`."""
-    parent = extract(traceparent)
-    if parent is None or not start_ns:
-        return
-    span = tracer.start_span(name, context=parent, kind=trace.SpanKind.SERVER, start_time=start_ns,
-                             attributes=attributes)
-    span.end(end_time=end_ns)
