@@ -10,7 +10,7 @@ from typing import Any
 from opentelemetry import metrics, trace
 
 from gateway.sequence import Sequence
-from specsplit.observability.spans import INTERNAL, SAMPLED, SpanLog, new_span_id, traceparent
+from specsplit.observability.spans import INTERNAL, SAMPLED, SpanLog, new_span_id
 
 
 @dataclass
@@ -76,14 +76,14 @@ class CycleSpans:
             return []
         traced = []
         for s in running:
-            ctx = s.span.get_span_context()
-            if not ctx.trace_flags.sampled or not ctx.is_valid:
+            if s.trace_ids is None:  # not sampled
                 continue
+            trace_id, parent_id, head = s.trace_ids
             span = s.cycle_span = CycleSpan(
-                self.log, "prefill" if s in newcomers else "cycle", ctx.trace_id, ctx.span_id,
+                self.log, "prefill" if s in newcomers else "cycle", trace_id, parent_id,
                 {"spec.cycle": 0 if s in newcomers else s.stats.cycles + 1, "spec.batch_size": len(running),
                  "spec.num_steps": s.req.num_steps if s.spec else 0, "spec.seq_id": s.seq_id, "spec.topk": s.req.topk})
-            s.trace = traceparent(ctx.trace_id, span.span_id)
+            s.trace = f"{head}{span.span_id:016x}-01"  # the W3C traceparent, sampled
             traced.append(s)
         return traced
 

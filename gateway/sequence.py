@@ -112,6 +112,8 @@ class Sequence:
         self.span = span or trace.INVALID_SPAN  # the request span; cycles are its children
         self.cycle_span: trace.Span | CycleSpan = trace.INVALID_SPAN
         self.trace = ""  # traceparent of the current cycle span, sent with every op
+        ctx = self.span.get_span_context()  # a sampled request's trace id, span id and traceparent's head
+        self.trace_ids = (ctx.trace_id, ctx.span_id, f"00-{ctx.trace_id:032x}-") if ctx.trace_flags.sampled else None
         self.sent_drafts = 0
         self.events: asyncio.Queue[list[int] | Finished | Failed] = asyncio.Queue()
         self.generated: list[int] = []
