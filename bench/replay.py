@@ -9,7 +9,7 @@ import json
 import random
 from pathlib import Path
 
-from gateway.clients import DraftClient
+from gateway.clients import DraftClient, Meanwhile
 from specsplit.ops import DraftOp, DraftResult, ExtendPropose, StepTiming
 
 LABEL = "replayed acceptance"
@@ -77,8 +77,9 @@ class ReplayDraft:
     def __init__(self, inner: DraftClient, replayer: Replayer) -> None:
         self.inner, self.replayer = inner, replayer
 
-    async def step(self, ops: list[DraftOp], timeout: float = 0.0) -> tuple[list[DraftResult], StepTiming]:
-        results, timing = await self.inner.step(ops, timeout)
+    async def step(self, ops: list[DraftOp], timeout: float = 0.0, meanwhile: Meanwhile = None
+                   ) -> tuple[list[DraftResult], StepTiming]:
+        results, timing = await self.inner.step(ops, timeout, meanwhile)
         by_op = {op.seq_id: op for op in ops if isinstance(op, ExtendPropose)}
         for r in results:
             op = by_op.get(r.seq_id)

@@ -3,10 +3,13 @@
 spans, op building, applying results, emitting tokens. Every draft is accepted (τ =
 num_steps + 1). With `--tracing`, every request sampled and every cycle traced: the SDK's
 spans exported in this process (`sdk`) against the gateway's span records exported by their
-child process (`records`), jsonl files in a temporary folder. One JSON line per batch size and
-setting.
+child process (`records`), jsonl files in a temporary folder. With `--engine-us`, each call
+computes that long, and the loop's work between sending a request and reading its reply (the
+readers' events, gateway.outbox) overlaps it, or not (`--overlap off`): what a cycle spends
+beyond its calls' compute. One JSON line per batch size and setting.
 
   python -m bench.scheduler_cpu --cycles 20000 --batch 1,8 --tracing off,sdk,records
+  python -m bench.scheduler_cpu --cycles 5000 --batch 1,8 --engine-us 500 --overlap off,on
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from bench.spec_vs_baseline import git_commit
+from gateway.clients import Meanwhile
 from gateway.observe import NOOP_TRACER, CycleSpans
 from gateway.scheduler import Finished, GenerationRequest, Limits, Scheduler, Sequence
 from specsplit.observability.spans import ShippingProcessor, SpanLog, traceparent
@@ -46,24 +50,42 @@ from specsplit.ops import (
 )
 from specsplit.transport.serving import install_uvloop
 
+OVERLAP = True  # False (--overlap off): the services' compute starts after the gateway's `meanwhile` work
+
+
+def engine(us: float, meanwhile: Meanwhile) -> None:
+    """A service's compute of `us` µs (busy-waited, as a thread waiting on its GPU), which the
+    gateway's `meanwhile` work overlaps (unless OVERLAP is off)."""
+    until = time.perf_counter() + us * 1e-6
+    if meanwhile is not None:
+        meanwhile()
+    if not OVERLAP:
+        until = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < until:
+        pass
+
 
 class InstantTarget:
     """Accepts every draft (none with `accept=False`) and adds token 9. `suspend`: yield to the event
-    loop once, as a client doing I/O does (the in-process clients do not); `hang`: never answer (for
-    timeout tests)."""
+    loop once, as a client doing I/O does (the in-process clients do not); `hang`: never answer,
+    from the next call on (for timeout tests)."""
 
-    def __init__(self, suspend: bool = True, accept: bool = True) -> None:
+    def __init__(self, suspend: bool = True, accept: bool = True, engine_us: float = 0.0) -> None:
         self.generation, self.hang, self.suspend, self.accept = 0, False, suspend, accept
+        self.engine_us, self.calls = engine_us, 0
 
     @property
     def bounded_steps(self) -> bool:  # as the gateway's real clients, unless it hangs (gateway.clients)
         return not self.hang
 
-    async def step(self, ops: list[TargetOp], releases: list[int], timeout: float = 0.0
-                   ) -> tuple[list[TargetResult], StepTiming]:
+    async def step(self, ops: list[TargetOp], releases: list[int], timeout: float = 0.0,
+                   meanwhile: Meanwhile = None) -> tuple[list[TargetResult], StepTiming]:
+        hang = self.hang  # as bounded_steps said before this call
+        engine(self.engine_us, meanwhile)
+        self.calls += 1
         if self.suspend:
             await asyncio.sleep(0)  # a real client suspends for its I/O (the in-process ones do not)
-        if self.hang:
+        if hang:
             await asyncio.Event().wait()
         out = []
         for op in ops:
@@ -82,17 +104,21 @@ class InstantTarget:
 class InstantDraft:
     """Proposes 1, 2, ... num_steps; hangs when `hang` is set."""
 
-    def __init__(self, suspend: bool = True) -> None:
-        self.hang, self.suspend = False, suspend
+    def __init__(self, suspend: bool = True, engine_us: float = 0.0) -> None:
+        self.hang, self.suspend, self.engine_us, self.calls = False, suspend, engine_us, 0
 
     @property
     def bounded_steps(self) -> bool:
         return not self.hang
 
-    async def step(self, ops: list[DraftOp], timeout: float = 0.0) -> tuple[list[DraftResult], StepTiming]:
+    async def step(self, ops: list[DraftOp], timeout: float = 0.0, meanwhile: Meanwhile = None
+                   ) -> tuple[list[DraftResult], StepTiming]:
+        hang = self.hang
+        engine(self.engine_us, meanwhile)
+        self.calls += 1
         if self.suspend:
             await asyncio.sleep(0)
-        if self.hang:
+        if hang:
             await asyncio.Event().wait()
         return [DraftResult(op.seq_id, draft_ids=list(range(1, op.num_steps + 1)))
                 for op in ops if isinstance(op, ExtendPropose)], StepTiming()
@@ -134,10 +160,11 @@ def tracer_for(mode: str, folder: str) -> tuple[trace.Tracer, SpanLog | None, Tr
 
 
 async def measure(batch: int, cycles: int, num_steps: int, tracing: str = "off", adaptive: bool = False,
-                  accept: bool = True) -> dict:
+                  accept: bool = True, engine_us: float = 0.0) -> dict:
     with tempfile.TemporaryDirectory(prefix="scheduler-cpu-") as folder:
         tracer, spans, provider = tracer_for(tracing, folder)
-        s = Scheduler(InstantTarget(accept=accept), InstantDraft(), max_sequences=batch,
+        target, draft = InstantTarget(accept=accept, engine_us=engine_us), InstantDraft(engine_us=engine_us)
+        s = Scheduler(target, draft, max_sequences=batch,
                       limits=Limits(max_queue=batch, stream_buffer=1 << 30), spans=spans)  # events read, never `taken`
         if tracing == "sdk":
             s.spans = SdkCycleSpans(tracer)
@@ -148,10 +175,12 @@ async def measure(batch: int, cycles: int, num_steps: int, tracing: str = "off",
         requests = [tracer.start_span("generate") for _ in range(batch)]
         seqs = [s.submit(req, span) for span in requests]
         cpu0, proc0, wall0, cycles0 = time.thread_time(), time.process_time(), time.perf_counter(), s.cycles
+        calls0 = target.calls + draft.calls
         for seq in seqs:
             while not isinstance(await seq.events.get(), Finished):
                 pass
         cpu, wall, n = time.thread_time() - cpu0, time.perf_counter() - wall0, s.cycles - cycles0
+        computing = (target.calls + draft.calls - calls0) * engine_us * 1e-6
         proc = time.process_time() - proc0  # with the threads that export (sdk) or send (records)
         await s.stop()
         for span in requests:
@@ -164,7 +193,8 @@ async def measure(batch: int, cycles: int, num_steps: int, tracing: str = "off",
             "cpu_us_per_cycle": round(cpu / n * 1e6, 1), "wall_us_per_cycle": round(wall / n * 1e6, 1),
             "process_cpu_us_per_cycle": round(proc / n * 1e6, 1),
             "cpu_us_per_sequence_cycle": round(cpu / n / batch * 1e6, 1), "spans_written": written,
-            "spans_dropped": spans.dropped if spans is not None else 0}
+            "spans_dropped": spans.dropped if spans is not None else 0, "engine_us": engine_us, "overlap": OVERLAP,
+            "beyond_engines_us_per_cycle": round((wall - computing) / n * 1e6, 1)}
 
 
 def main() -> None:
@@ -175,17 +205,24 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="each batch size this many times; the best is reported")
     p.add_argument("--tracing", default="off", help="comma list of off, sdk (the OpenTelemetry SDK's spans, "
                    "exported in this process), records (the gateway's span records, exported by a child process)")
+    p.add_argument("--engine-us", type=float, default=0.0, help="each service call computes this long (busy-waited), "
+                   "overlapped by the gateway's work between sending and reading (the report's "
+                   "beyond_engines_us_per_cycle is the cycle's wall time less its calls' compute)")
+    p.add_argument("--overlap", default="on", help="on,off: off starts each call's compute after that work instead")
     p.add_argument("--adaptive", default="off", help="off,on: also (on) with the shape chosen per cycle "
                    "(gateway.adaptive)")
     p.add_argument("--accept", default="all", choices=["all", "none"], help="the stub target accepts every draft, "
                    "or none (then adaptive cycles draft nothing but probes)")
     a = p.parse_args()
     install_uvloop()
-    for b, tracing, adaptive in ((int(x), t, m == "on") for x in a.batch.split(",")
-                                 for t in a.tracing.split(",") for m in a.adaptive.split(",")):
-        rows = [asyncio.run(measure(b, a.cycles, a.num_steps, tracing, adaptive, a.accept == "all"))
+    global OVERLAP
+    for b, tracing, adaptive, overlap in ((int(x), t, m == "on", o == "on") for x in a.batch.split(",")
+                                          for t in a.tracing.split(",") for m in a.adaptive.split(",")
+                                          for o in a.overlap.split(",")):
+        OVERLAP = overlap
+        rows = [asyncio.run(measure(b, a.cycles, a.num_steps, tracing, adaptive, a.accept == "all", a.engine_us))
                 for _ in range(a.rounds)]
-        best = min(rows, key=lambda r: r["cpu_us_per_cycle"])
+        best = min(rows, key=lambda r: r["beyond_engines_us_per_cycle" if a.engine_us else "cpu_us_per_cycle"])
         best.update({"rounds": a.rounds, "all_cpu_us_per_cycle": [r["cpu_us_per_cycle"] for r in rows],
                      "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),
                      "python": platform.python_version()})

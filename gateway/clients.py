@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,17 +24,21 @@ from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 # process), sets `bounded_steps = True`: the loop then does not wrap its calls in asyncio.timeout.
 
 
+Meanwhile = Callable[[], None] | None  # run once the request is sent, before the reply is read
+
+
 class TargetClient(Protocol):
-    async def step(self, ops: list[TargetOp], releases: Sequence[int], timeout: float
+    async def step(self, ops: list[TargetOp], releases: Sequence[int], timeout: float, meanwhile: Meanwhile = None
                    ) -> tuple[list[TargetResult], StepTiming]: ...
 
 
 class DraftClient(Protocol):
-    async def step(self, ops: list[DraftOp], timeout: float) -> tuple[list[DraftResult], StepTiming]: ...
+    async def step(self, ops: list[DraftOp], timeout: float, meanwhile: Meanwhile = None
+                   ) -> tuple[list[DraftResult], StepTiming]: ...
 
 
 class StepStream(Protocol):
-    async def exchange(self, request: Any, timeout: float | None = None) -> Any: ...
+    async def exchange(self, request: Any, timeout: float | None = None, meanwhile: Meanwhile = None) -> Any: ...
 
     def reset(self) -> None: ...
 
@@ -49,12 +53,14 @@ class _BidiStream:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.interrupted = False
 
-    async def exchange(self, request: Any, timeout: float | None = None) -> Any:
+    async def exchange(self, request: Any, timeout: float | None = None, meanwhile: Meanwhile = None) -> Any:
         if self.call is None:
             self.call, self.loop, self.interrupted = self.open_call(), asyncio.get_running_loop(), False
         try:
             async with asyncio.timeout(timeout):  # not wait_for: no task per call, never swallows a cancel
                 await self.call.write(request)
+                if meanwhile is not None:
+                    meanwhile()
                 reply = await self.call.read()
         except asyncio.CancelledError:
             self.reset()
@@ -126,12 +132,12 @@ class GrpcTarget:
                               self.blocking)
         return _transport_name(self.stream)
 
-    async def step(self, ops: list[TargetOp], releases: Sequence[int], timeout: float
+    async def step(self, ops: list[TargetOp], releases: Sequence[int], timeout: float, meanwhile: Meanwhile = None
                    ) -> tuple[list[TargetResult], StepTiming]:
         req = target_pb2.TargetStepRequest(step_id=next(self.ids), release_generations=list(releases), epoch=self.epoch)
         for o in ops:
             wire.write_target_op(req.ops.add(), o)
-        reply = await self.stream.exchange(req, timeout)
+        reply = await self.stream.exchange(req, timeout, meanwhile)
         return ([wire.target_result_from_proto(r) for r in reply.results],
                 StepTiming(reply.timing.compute_ms, reply.timing.total_ms))
 
@@ -166,11 +172,12 @@ class GrpcDraft:
                               self.blocking)
         return _transport_name(self.stream)
 
-    async def step(self, ops: list[DraftOp], timeout: float) -> tuple[list[DraftResult], StepTiming]:
+    async def step(self, ops: list[DraftOp], timeout: float, meanwhile: Meanwhile = None
+                   ) -> tuple[list[DraftResult], StepTiming]:
         req = draft_pb2.DraftStepRequest(step_id=next(self.ids), epoch=self.epoch)
         for o in ops:
             wire.write_draft_op(req.ops.add(), o)
-        reply = await self.stream.exchange(req, timeout)
+        reply = await self.stream.exchange(req, timeout, meanwhile)
         return ([wire.draft_result_from_proto(r) for r in reply.results],
                 StepTiming(reply.timing.compute_ms, reply.timing.total_ms))
 
@@ -191,8 +198,10 @@ class LocalTarget:
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
 
-    async def step(self, ops: list[TargetOp], releases: Sequence[int], timeout: float = 0.0
-                   ) -> tuple[list[TargetResult], StepTiming]:
+    async def step(self, ops: list[TargetOp], releases: Sequence[int], timeout: float = 0.0,
+                   meanwhile: Meanwhile = None) -> tuple[list[TargetResult], StepTiming]:
+        if meanwhile is not None:  # nothing overlaps an in-process step: before it
+            meanwhile()
         t0 = time.perf_counter()
         results, timing = self.runtime.step(ops, list(releases))
         timing.total_ms = (time.perf_counter() - t0) * 1e3
@@ -205,5 +214,8 @@ class LocalDraft:
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
 
-    async def step(self, ops: list[DraftOp], timeout: float = 0.0) -> tuple[list[DraftResult], StepTiming]:
+    async def step(self, ops: list[DraftOp], timeout: float = 0.0, meanwhile: Meanwhile = None
+                   ) -> tuple[list[DraftResult], StepTiming]:
+        if meanwhile is not None:
+            meanwhile()
         return self.runtime.step(ops)

@@ -141,7 +141,7 @@ async def draft_phase(sched: Scheduler) -> None:
     t0 = time.perf_counter()
     try:
         async with bounded(sched.draft, deadline):
-            results, timing = await sched.draft.step(ops, deadline)
+            results, timing = await sched.draft.step(ops, deadline, meanwhile=sched.outbox.deliver)
     except TimeoutError:
         sched.draft_failed(f"a step took longer than its deadline of {deadline * 1e3:.0f} ms")
         return
@@ -213,7 +213,8 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
         return
     t0 = time.perf_counter()
     async with bounded(sched.target, sched.step_timeout_s):
-        results, timing = await sched.target.step(ops, releases, sched.step_timeout_s)
+        results, timing = await sched.target.step(ops, releases, sched.step_timeout_s,
+                                                  meanwhile=sched.outbox.deliver)
     ms = (time.perf_counter() - t0) * 1e3
     verifies = [op for op in ops if isinstance(op, Verify)]
     if verifies and len(verifies) == len(work):  # verifies only (no prefill): what the chooser prices

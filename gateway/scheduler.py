@@ -35,6 +35,7 @@ from gateway.adaptive import StepChooser
 from gateway.clients import DraftClient, TargetClient
 from gateway.forced import ForcedAcceptance
 from gateway.observe import NOOP_METRICS, CycleSpans, GatewayMetrics
+from gateway.outbox import Outbox
 from gateway.phases import DraftDeadline, draft_phase, target_phase
 from gateway.sequence import (
     Failed,
@@ -74,6 +75,7 @@ class Scheduler:
         self.target_suspends: list[int] = []
         self.draft_releases: list[int] = []
         self.free_generations: list[int] = []  # ring allocations to reclaim on the next target call
+        self.outbox = Outbox()  # the readers' events, sent during the next step call (gateway.outbox)
         self.draft_deadline = DraftDeadline(limits.draft_timeout_s)
         self.task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop (and thread) the cycles run on
@@ -107,17 +109,9 @@ class Scheduler:
             with contextlib.suppress(RuntimeError):  # that loop has closed: the gateway is stopping
                 self.loop.call_soon_threadsafe(fn, *args)
 
-    @staticmethod
-    def _post(seq: Sequence, event: list[int] | Finished | Failed) -> None:
-        """Hand an event to the sequence's reader, on the reader's loop."""
-        loop = seq.loop
-        if isinstance(event, list):
-            seq.posted += len(event)
-        if loop is None or loop is asyncio._get_running_loop():
-            seq.events.put_nowait(event)
-        else:
-            with contextlib.suppress(RuntimeError):  # the reader's loop has closed: nobody reads
-                loop.call_soon_threadsafe(seq.events.put_nowait, event)
+    def _post(self, seq: Sequence, event: list[int] | Finished | Failed) -> None:
+        """To the sequence's reader: within a cycle while the next step call computes, else now."""
+        self.outbox.post(seq, event, now=not self.in_cycle)
 
     async def stop(self) -> None:
         if self.task is not None:
@@ -243,6 +237,7 @@ class Scheduler:
     async def _run(self) -> None:
         while True:
             if not self.busy:
+                self.outbox.deliver()
                 self.wake.clear()
                 if not self.running:
                     await self.wake.wait()
@@ -258,13 +253,17 @@ class Scheduler:
             except Exception as e:  # the target is gone or broken
                 log.exception("target call failed")
                 self.target_failed(f"{type(e).__name__}: {e}")
+                self.outbox.deliver()  # every stream ends now
             finally:
                 self.in_cycle = False
+                if not self.outbox.delivered:  # no call this cycle: nothing waits for the next one
+                    self.outbox.deliver()
             # let the rest of the event loop run between cycles even when the clients never suspend
             # (the in-process LocalTarget/LocalDraft): submissions, cancels, recovery callbacks
             await asyncio.sleep(0)
 
     async def _cycle(self) -> None:
+        self.outbox.cycle_started()
         self._check_readers()
         for seq in [s for s in self.running if s.cancelled]:
             self.finish(seq, Finished("abort"))

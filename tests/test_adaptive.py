@@ -13,7 +13,7 @@ from bench.replay import ReplayDraft, Replayer
 from bench.scheduler_cpu import InstantDraft, InstantTarget
 from draft_service.config import DraftConfig
 from gateway.adaptive import EARLY_CYCLES, PROBE_EVERY, PROBE_SHARE, REPLAN, Choice, StepChooser
-from gateway.clients import LocalDraft
+from gateway.clients import LocalDraft, Meanwhile
 from gateway.costs import CostModel, DepthAcceptance, Shape
 from gateway.local import LocalEngines
 from gateway.phases import DraftDeadline
@@ -228,9 +228,12 @@ def test_extends_put_off_go_out_together(monkeypatch: pytest.MonkeyPatch) -> Non
     calls: list[list[tuple[int, int]]] = []
 
     class LoggingDraft(InstantDraft):
-        async def step(self, ops: list[DraftOp], timeout: float = 0.0) -> tuple[list[DraftResult], StepTiming]:
-            calls.append([(op.seq_id, len(op.tokens)) for op in ops if isinstance(op, ExtendPropose)])
-            return await super().step(ops, timeout)
+        async def step(self, ops: list[DraftOp], timeout: float = 0.0, meanwhile: Meanwhile = None
+                       ) -> tuple[list[DraftResult], StepTiming]:
+            extends = [(op.seq_id, len(op.tokens)) for op in ops if isinstance(op, ExtendPropose)]
+            if extends:  # not a call of releases alone
+                calls.append(extends)
+            return await super().step(ops, timeout, meanwhile)
 
     def no_drafts(self: StepChooser, seqs: list[Sequence], batch: int, floor: Shape | None = None) -> list[Choice]:
         return [Choice(Shape.chain(0), 1.0, 1.0, "best") for _ in seqs]

@@ -111,8 +111,8 @@ def test_trees_with_and_without_graphs_give_identical_tokens(tiny_target: Path, 
     class Recording(LocalDraft):
         seen: list[tuple[list[int], list[int]]]
 
-        async def step(self, ops, timeout=0.0):  # noqa: ANN001, ANN202
-            results, timing = await super().step(ops)
+        async def step(self, ops, timeout=0.0, meanwhile=None):  # noqa: ANN001, ANN202
+            results, timing = await super().step(ops, meanwhile=meanwhile)
             self.seen.extend((r.draft_ids, r.draft_parents) for r in results)
             return results, timing
 
@@ -143,8 +143,8 @@ def test_draft_proposals_with_and_without_graphs_are_identical(tiny_target: Path
     class Recording(LocalDraft):
         seen: list[list[int]]
 
-        async def step(self, ops, timeout=0.0):  # noqa: ANN001, ANN202
-            results, timing = await super().step(ops)
+        async def step(self, ops, timeout=0.0, meanwhile=None):  # noqa: ANN001, ANN202
+            results, timing = await super().step(ops, meanwhile=meanwhile)
             self.seen.extend(r.draft_ids for r in results)
             return results, timing
 

@@ -95,12 +95,12 @@ def test_draft_failure_mid_generation_keeps_tokens_and_never_stalls(tiny_target:
         class FailsOnce:
             calls = 0
 
-            async def step(self, ops, timeout=0.0):  # noqa: ANN001, ANN202
+            async def step(self, ops, timeout=0.0, meanwhile=None):  # noqa: ANN001, ANN202
                 self.calls += 1
                 if self.calls == 4:  # back a moment later, as the gateway's recovery would bring it
                     asyncio.get_running_loop().call_later(0.02, engines.scheduler.draft_restored)
                     raise ConnectionError("draft went away")
-                return await LocalDraft(engines.draft).step(ops)
+                return await LocalDraft(engines.draft).step(ops, meanwhile=meanwhile)
 
         flaky = FailsOnce()
         (spec,) = engines.generate([request([5, 6, 7], 3, 40, set())], flaky)

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from bench.scheduler_cpu import InstantDraft, InstantTarget
-from gateway.scheduler import Failed, Finished, GenerationRequest, Limits, Scheduler
+from gateway.scheduler import Failed, Finished, GenerationRequest, Limits, Scheduler, Sequence
 from specsplit.ops import Sampling
 
 
@@ -268,3 +268,43 @@ def record_admissions(s: Scheduler, resumed: bool = False) -> list[object]:
 
     s.spans = Hook()  # type: ignore[assignment]
     return admitted
+
+
+def test_a_cycles_tokens_reach_their_reader_while_the_next_call_computes() -> None:
+    """A cycle's tokens wait until the next step request is sent and go out before its reply is
+    read (gateway.outbox): each verify's tokens with the next draft call, none with a target call
+    (whose cycle's draft call took them); each stream's events keep their order, none is lost."""
+    delivered: list[tuple[str, int]] = []  # (service, events handed to the reader during its call)
+
+    def watching(service: str, meanwhile):  # noqa: ANN001, ANN202
+        def during() -> None:
+            assert seq is not None
+            before = seq.events.qsize()  # the reader does not run during a call: suspend=False
+            meanwhile()
+            delivered.append((service, seq.events.qsize() - before))
+
+        return during if meanwhile is not None else None
+
+    class Target(InstantTarget):
+        async def step(self, ops, releases, timeout=0.0, meanwhile=None):  # noqa: ANN001, ANN202
+            return await super().step(ops, releases, timeout, watching("target", meanwhile))
+
+    class Draft(InstantDraft):
+        async def step(self, ops, timeout=0.0, meanwhile=None):  # noqa: ANN001, ANN202
+            return await super().step(ops, timeout, watching("draft", meanwhile))
+
+    async def main() -> tuple[list[int], object]:
+        nonlocal seq
+        s = Scheduler(Target(suspend=False), Draft(suspend=False), max_sequences=2, limits=Limits(max_queue=8))
+        s.draft_restored()
+        s.start()
+        seq = s.submit(request(13, num_steps=3))
+        out = await asyncio.wait_for(drain(seq), 10.0)
+        await s.stop()
+        return out
+
+    seq: Sequence | None = None
+    tokens, end = asyncio.run(main())
+    assert tokens == ([9] + [1, 2, 3, 9] * 4)[:13] and end == Finished("length")
+    assert delivered == [("target", 0), ("draft", 1), ("target", 0), ("draft", 1), ("target", 0), ("draft", 1),
+                         ("target", 0), ("draft", 2), ("target", 0)]  # prefill, 3 verifies; the last: tokens, end

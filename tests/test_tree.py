@@ -12,6 +12,7 @@ import torch
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
 from draft_service.tree import fused_top_k, grow_trees, top_log_probs, tree_result
+from gateway.clients import Meanwhile
 from gateway.config import GatewayConfig
 from gateway.local import LocalEngines
 from gateway.requests import InvalidRequest, ModelLimits, tree_shape
@@ -436,8 +437,8 @@ class FailingDraft:
     def __init__(self, inner: object) -> None:
         self.inner, self.calls = inner, 0
 
-    async def step(self, ops: list, timeout: float = 0.0) -> tuple[list, object]:
-        results, timing = await self.inner.step(ops)
+    async def step(self, ops: list, timeout: float = 0.0, meanwhile: Meanwhile = None) -> tuple[list, object]:
+        results, timing = await self.inner.step(ops, meanwhile=meanwhile)
         self.calls += 1
         for r in results:
             if r.code == Code.OK and ops and isinstance(ops[0], ExtendPropose):

@@ -272,7 +272,9 @@ class SocketStream:
         self.writer: asyncio.StreamWriter | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
-    async def exchange(self, request: Any, timeout: float | None = None) -> Any:
+    async def exchange(self, request: Any, timeout: float | None = None,
+                       meanwhile: Callable[[], None] | None = None) -> Any:
+        """One step; `meanwhile` runs once the request is written, before the reply is read."""
         try:
             async with asyncio.timeout(timeout):
                 hello = b""
@@ -281,6 +283,8 @@ class SocketStream:
                     self.loop, hello = asyncio.get_running_loop(), _hello(self.service)
                 assert self.reader is not None
                 self.writer.write(_frame(request, hello))
+                if meanwhile is not None:
+                    meanwhile()
                 kind, n = _HEAD.unpack(await self.reader.readexactly(_HEAD.size))
                 if n > MAX_MESSAGE_BYTES:
                     raise ConnectionError(f"{self.service} step socket: reply of {n} bytes")
@@ -318,11 +322,14 @@ class BlockingSocketStream:
         self.poller: select.poll | None = None
         self.head = bytearray(_HEAD.size)
 
-    async def exchange(self, request: Any, timeout: float | None = None) -> Any:
-        return self.exchange_now(request, timeout)
+    async def exchange(self, request: Any, timeout: float | None = None,
+                       meanwhile: Callable[[], None] | None = None) -> Any:
+        return self.exchange_now(request, timeout, meanwhile)
 
-    def exchange_now(self, request: Any, timeout: float | None = None) -> Any:
-        """One step; a read waits at most `timeout` (default: the stream's `timeout_s`)."""
+    def exchange_now(self, request: Any, timeout: float | None = None,
+                     meanwhile: Callable[[], None] | None = None) -> Any:
+        """One step; a read waits at most `timeout` (default: the stream's `timeout_s`);
+        `meanwhile` runs once the request is sent, before the reply is read."""
         timeout = self.timeout_s if timeout is None else timeout
         try:
             hello = b""
@@ -334,6 +341,8 @@ class BlockingSocketStream:
                 hello = _hello(self.service)
             self.sock.settimeout(timeout)
             self.sock.sendall(_frame(request, hello))
+            if meanwhile is not None:
+                meanwhile()
             _spin(self.poller, self.spin_s)
             kind, n = _HEAD.unpack(self._read_into(self.head))
             if n > MAX_MESSAGE_BYTES:

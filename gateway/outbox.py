@@ -1,0 +1,47 @@
+"""Events on their way to the sequences' readers. A cycle's tokens (and ends) wait in the
+outbox until the next step request to a service is sent, and go out while that service
+computes: handing an event to a reader on another thread's loop wakes that thread, whose
+streaming would otherwise compete for the GIL with the loop between its two calls. Events
+posted outside a cycle go out at once, after any still waiting, so that each reader sees
+its events in order."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.sequence import Failed, Finished, Sequence
+
+
+class Outbox:
+    def __init__(self) -> None:
+        self.events: list[tuple[Sequence, list[int] | Finished | Failed]] = []
+        self.delivered = False  # since `cycle_started`
+
+    def post(self, seq: Sequence, event: list[int] | Finished | Failed, now: bool) -> None:
+        """`event` for the sequence's reader: at once with `now`, else with the next delivery."""
+        if isinstance(event, list):
+            seq.posted += len(event)
+        self.events.append((seq, event))
+        if now:
+            self.deliver()
+
+    def cycle_started(self) -> None:
+        self.delivered = False
+
+    def deliver(self) -> None:
+        """Every waiting event to its reader, on the reader's loop (the `meanwhile` of a step call)."""
+        self.delivered = True
+        if not self.events:
+            return
+        events, self.events = self.events, []
+        running = asyncio._get_running_loop()
+        for seq, event in events:
+            loop = seq.loop
+            if loop is None or loop is running:
+                seq.events.put_nowait(event)
+            else:
+                with contextlib.suppress(RuntimeError):  # the reader's loop has closed: nobody reads
+                    loop.call_soon_threadsafe(seq.events.put_nowait, event)
