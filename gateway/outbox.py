@@ -1,9 +1,9 @@
 """Events on their way to the sequences' readers. A cycle's tokens (and ends) wait in the
 outbox until the next step request to a service is sent, and go out while that service
 computes: handing an event to a reader on another thread's loop wakes that thread, whose
-streaming would otherwise compete for the GIL with the loop between its two calls. Events
-posted outside a cycle go out at once, after any still waiting, so that each reader sees
-its events in order."""
+streaming would otherwise compete for the GIL with the loop between its two calls; each other
+loop is woken once per delivery, for all its readers' events. Events posted outside a cycle go
+out at once, after any still waiting, so that each reader sees its events in order."""
 
 from __future__ import annotations
 
@@ -38,10 +38,18 @@ class Outbox:
             return
         events, self.events = self.events, []
         running = asyncio._get_running_loop()
+        elsewhere: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, list[int] | Finished | Failed]]] = {}
         for seq, event in events:
             loop = seq.loop
             if loop is None or loop is running:
                 seq.events.put_nowait(event)
             else:
-                with contextlib.suppress(RuntimeError):  # the reader's loop has closed: nobody reads
-                    loop.call_soon_threadsafe(seq.events.put_nowait, event)
+                elsewhere.setdefault(loop, []).append((seq, event))
+        for loop, batch in elsewhere.items():  # one wake-up of each other loop, its events in order
+            with contextlib.suppress(RuntimeError):  # the reader's loop has closed: nobody reads
+                loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[Sequence, list[int] | Finished | Failed]]) -> None:
+    for seq, event in batch:
+        seq.events.put_nowait(event)
