@@ -19,9 +19,13 @@ import asyncio
 import json
 import os
 import platform
+import select
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -54,15 +58,20 @@ OVERLAP = True  # False (--overlap off): the services' compute starts after the 
 
 
 def engine(us: float, meanwhile: Meanwhile) -> None:
-    """A service's compute of `us` µs (busy-waited, as a thread waiting on its GPU), which the
-    gateway's `meanwhile` work overlaps (unless OVERLAP is off)."""
+    """A service's compute of `us` µs, which the gateway's `meanwhile` work overlaps (unless
+    OVERLAP is off), waited for as the gateway's spinning step socket does: polling, the GIL
+    released at each poll."""
     until = time.perf_counter() + us * 1e-6
     if meanwhile is not None:
         meanwhile()
     if not OVERLAP:
         until = time.perf_counter() + us * 1e-6
     while time.perf_counter() < until:
-        pass
+        _IDLE.poll(0)
+
+
+_IDLE = select.poll()  # polled by a waiting engine() (a pipe that never becomes readable)
+_IDLE.register(os.pipe()[0], select.POLLIN)
 
 
 class InstantTarget:
@@ -160,7 +169,9 @@ def tracer_for(mode: str, folder: str) -> tuple[trace.Tracer, SpanLog | None, Tr
 
 
 async def measure(batch: int, cycles: int, num_steps: int, tracing: str = "off", adaptive: bool = False,
-                  accept: bool = True, engine_us: float = 0.0) -> dict:
+                  accept: bool = True, engine_us: float = 0.0, loop_thread: bool = False) -> dict:
+    """`loop_thread`: the scheduler on an event loop of its own thread, as the gateway runs it, its
+    readers (the streams' stand-ins) on this one; else both on this loop."""
     with tempfile.TemporaryDirectory(prefix="scheduler-cpu-") as folder:
         tracer, spans, provider = tracer_for(tracing, folder)
         target, draft = InstantTarget(accept=accept, engine_us=engine_us), InstantDraft(engine_us=engine_us)
@@ -169,29 +180,51 @@ async def measure(batch: int, cycles: int, num_steps: int, tracing: str = "off",
         if tracing == "sdk":
             s.spans = SdkCycleSpans(tracer)
         s.draft_restored()
-        s.start()
+        loop = asyncio.new_event_loop() if loop_thread else asyncio.get_running_loop()
+        thread = threading.Thread(target=loop.run_forever, daemon=True) if loop_thread else None
+
+        def on_loop(fn: Callable[[], Any]) -> Any:  # fn on the scheduler's loop, its result
+            if thread is None:
+                return fn()
+
+            async def call() -> Any:
+                return fn()
+            return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout=60)
+
+        if thread is not None:
+            thread.start()
+        on_loop(s.start)
         tokens = cycles * (num_steps + 1 if accept else 1)
         req = GenerationRequest([1, 2, 3], tokens, Sampling(), set(), num_steps, adaptive=adaptive)
         requests = [tracer.start_span("generate") for _ in range(batch)]
         seqs = [s.submit(req, span) for span in requests]
-        cpu0, proc0, wall0, cycles0 = time.thread_time(), time.process_time(), time.perf_counter(), s.cycles
+        cpu0, reader0 = on_loop(time.thread_time), time.thread_time()
+        proc0, wall0, cycles0 = time.process_time(), time.perf_counter(), s.cycles
         calls0 = target.calls + draft.calls
         for seq in seqs:
             while not isinstance(await seq.events.get(), Finished):
                 pass
-        cpu, wall, n = time.thread_time() - cpu0, time.perf_counter() - wall0, s.cycles - cycles0
+        wall, n = time.perf_counter() - wall0, s.cycles - cycles0
+        cpu, reader = on_loop(time.thread_time) - cpu0, time.thread_time() - reader0
         computing = (target.calls + draft.calls - calls0) * engine_us * 1e-6
         proc = time.process_time() - proc0  # with the threads that export (sdk) or send (records)
-        await s.stop()
+        if thread is not None:
+            asyncio.run_coroutine_threadsafe(s.stop(), loop).result(timeout=60)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=60)
+            loop.close()
+        else:
+            await s.stop()
         for span in requests:
             span.end()
         if provider is not None:
             provider.shutdown()  # records: waits for the child to export them all
         written = sum(1 for f in Path(folder).glob("*.spans.jsonl") for _ in f.open())
     return {"bench": "scheduler_cpu", "batch": batch, "num_steps": "adaptive" if adaptive else num_steps,
-            "accept": "all" if accept else "none", "tracing": tracing, "cycles": n,
+            "accept": "all" if accept else "none", "tracing": tracing, "readers": "other thread" if loop_thread
+            else "same loop", "cycles": n,
             "cpu_us_per_cycle": round(cpu / n * 1e6, 1), "wall_us_per_cycle": round(wall / n * 1e6, 1),
-            "process_cpu_us_per_cycle": round(proc / n * 1e6, 1),
+            "process_cpu_us_per_cycle": round(proc / n * 1e6, 1), "reader_cpu_us_per_cycle": round(reader / n * 1e6, 1),
             "cpu_us_per_sequence_cycle": round(cpu / n / batch * 1e6, 1), "spans_written": written,
             "spans_dropped": spans.dropped if spans is not None else 0, "engine_us": engine_us, "overlap": OVERLAP,
             "beyond_engines_us_per_cycle": round((wall - computing) / n * 1e6, 1)}
@@ -209,6 +242,8 @@ def main() -> None:
                    "overlapped by the gateway's work between sending and reading (the report's "
                    "beyond_engines_us_per_cycle is the cycle's wall time less its calls' compute)")
     p.add_argument("--overlap", default="on", help="on,off: off starts each call's compute after that work instead")
+    p.add_argument("--readers", default="same-loop", help="same-loop,other-thread: the readers of the tokens on the "
+                   "scheduler's loop, or (as in the gateway) the scheduler on a thread of its own")
     p.add_argument("--adaptive", default="off", help="off,on: also (on) with the shape chosen per cycle "
                    "(gateway.adaptive)")
     p.add_argument("--accept", default="all", choices=["all", "none"], help="the stub target accepts every draft, "
@@ -216,12 +251,12 @@ def main() -> None:
     a = p.parse_args()
     install_uvloop()
     global OVERLAP
-    for b, tracing, adaptive, overlap in ((int(x), t, m == "on", o == "on") for x in a.batch.split(",")
-                                          for t in a.tracing.split(",") for m in a.adaptive.split(",")
-                                          for o in a.overlap.split(",")):
+    for b, tracing, adaptive, readers, overlap in ((int(x), t, m == "on", r, o == "on") for x in a.batch.split(",")
+                                                   for t in a.tracing.split(",") for m in a.adaptive.split(",")
+                                                   for r in a.readers.split(",") for o in a.overlap.split(",")):
         OVERLAP = overlap
-        rows = [asyncio.run(measure(b, a.cycles, a.num_steps, tracing, adaptive, a.accept == "all", a.engine_us))
-                for _ in range(a.rounds)]
+        rows = [asyncio.run(measure(b, a.cycles, a.num_steps, tracing, adaptive, a.accept == "all", a.engine_us,
+                                    readers == "other-thread")) for _ in range(a.rounds)]
         best = min(rows, key=lambda r: r["beyond_engines_us_per_cycle" if a.engine_us else "cpu_us_per_cycle"])
         best.update({"rounds": a.rounds, "all_cpu_us_per_cycle": [r["cpu_us_per_cycle"] for r in rows],
                      "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),
