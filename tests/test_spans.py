@@ -108,3 +108,17 @@ def test_the_exporter_flushes_and_ends_when_its_service_dies(jsonl: Path) -> Non
         time.sleep(0.05)
     assert not running(child)
     assert [s["name"] for s in load_jsonl([jsonl])] == ["target.prefill"]
+
+
+def test_shutdown_ends_even_when_the_exporter_stops_reading(jsonl: Path) -> None:
+    spans = SpanLog("specsplit-test")
+    assert spans.proc.stdin is not None
+    spans.proc.stdin.close()  # the real child ends; in its place, one that never reads
+    spans.proc.wait(timeout=30)
+    spans.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdin=subprocess.PIPE)
+    for i in range(5000):  # ~1 MB marshalled: more than a pipe holds
+        record_entry(spans, "target.verify", traceparent(5, 6), 1, 2, {"spec.seq_id": i, "pad": "x" * 100})
+    time.sleep(0.2)  # the flusher is now blocked writing
+    t0 = time.monotonic()
+    spans.shutdown(timeout_s=1)
+    assert time.monotonic() - t0 < 10 and spans.proc.returncode is not None

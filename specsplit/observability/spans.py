@@ -121,12 +121,17 @@ class SpanLog:
                 self.proc.stdin = None
                 log.warning("the span exporter process exited (code %s): spans are dropped", self.proc.poll())
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Send what is left, close the child's input and wait for its exporter to flush."""
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Send what is left, close the child's input and wait up to `timeout_s` for its exporter
+        to flush; a child that does not read or finish in time is killed (its spans are lost)."""
         if self.closing.is_set():
             return
         self.closing.set()
         self.flusher.join(timeout=timeout_s)
+        if self.flusher.is_alive():  # blocked writing to a child that does not read
+            log.warning("the span exporter process stopped reading: killed")
+            self.proc.kill()
+            self.flusher.join()  # its write fails now
         self.send()
         with self.lock:
             if self.proc.stdin is not None:
