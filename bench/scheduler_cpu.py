@@ -54,17 +54,15 @@ from specsplit.ops import (
 )
 from specsplit.transport.serving import install_uvloop
 
-OVERLAP = True  # False (--overlap off): the services' compute starts after the gateway's `meanwhile` work
 
-
-def engine(us: float, meanwhile: Meanwhile) -> None:
-    """A service's compute of `us` µs, which the gateway's `meanwhile` work overlaps (unless
-    OVERLAP is off), waited for as the gateway's spinning step socket does: polling, the GIL
-    released at each poll."""
+def engine(us: float, meanwhile: Meanwhile, overlap: bool = True) -> None:
+    """A service's compute of `us` µs, which the gateway's `meanwhile` work overlaps (with
+    `overlap` off the compute starts after it), waited for as the gateway's spinning step socket
+    does: polling, the GIL released at each poll."""
     until = time.perf_counter() + us * 1e-6
     if meanwhile is not None:
         meanwhile()
-    if not OVERLAP:
+    if not overlap:
         until = time.perf_counter() + us * 1e-6
     while time.perf_counter() < until:
         _IDLE.poll(0)
@@ -79,9 +77,10 @@ class InstantTarget:
     loop once, as a client doing I/O does (the in-process clients do not); `hang`: never answer,
     from the next call on (for timeout tests)."""
 
-    def __init__(self, suspend: bool = True, accept: bool = True, engine_us: float = 0.0) -> None:
+    def __init__(self, suspend: bool = True, accept: bool = True, engine_us: float = 0.0, overlap: bool = True
+                 ) -> None:
         self.generation, self.hang, self.suspend, self.accept = 0, False, suspend, accept
-        self.engine_us, self.calls = engine_us, 0
+        self.engine_us, self.overlap, self.calls = engine_us, overlap, 0
 
     @property
     def bounded_steps(self) -> bool:  # as the gateway's real clients, unless it hangs (gateway.clients)
@@ -90,7 +89,7 @@ class InstantTarget:
     async def step(self, ops: list[TargetOp], releases: list[int], timeout: float = 0.0,
                    meanwhile: Meanwhile = None) -> tuple[list[TargetResult], StepTiming]:
         hang = self.hang  # as bounded_steps said before this call
-        engine(self.engine_us, meanwhile)
+        engine(self.engine_us, meanwhile, self.overlap)
         self.calls += 1
         if self.suspend:
             await asyncio.sleep(0)  # a real client suspends for its I/O (the in-process ones do not)
@@ -113,8 +112,8 @@ class InstantTarget:
 class InstantDraft:
     """Proposes 1, 2, ... num_steps; hangs when `hang` is set."""
 
-    def __init__(self, suspend: bool = True, engine_us: float = 0.0) -> None:
-        self.hang, self.suspend, self.engine_us, self.calls = False, suspend, engine_us, 0
+    def __init__(self, suspend: bool = True, engine_us: float = 0.0, overlap: bool = True) -> None:
+        self.hang, self.suspend, self.engine_us, self.overlap, self.calls = False, suspend, engine_us, overlap, 0
 
     @property
     def bounded_steps(self) -> bool:
@@ -123,7 +122,7 @@ class InstantDraft:
     async def step(self, ops: list[DraftOp], timeout: float = 0.0, meanwhile: Meanwhile = None
                    ) -> tuple[list[DraftResult], StepTiming]:
         hang = self.hang
-        engine(self.engine_us, meanwhile)
+        engine(self.engine_us, meanwhile, self.overlap)
         self.calls += 1
         if self.suspend:
             await asyncio.sleep(0)
@@ -169,12 +168,14 @@ def tracer_for(mode: str, folder: str) -> tuple[trace.Tracer, SpanLog | None, Tr
 
 
 async def measure(batch: int, cycles: int, num_steps: int, tracing: str = "off", adaptive: bool = False,
-                  accept: bool = True, engine_us: float = 0.0, loop_thread: bool = False) -> dict:
+                  accept: bool = True, engine_us: float = 0.0, loop_thread: bool = False, overlap: bool = True
+                  ) -> dict:
     """`loop_thread`: the scheduler on an event loop of its own thread, as the gateway runs it, its
     readers (the streams' stand-ins) on this one; else both on this loop."""
     with tempfile.TemporaryDirectory(prefix="scheduler-cpu-") as folder:
         tracer, spans, provider = tracer_for(tracing, folder)
-        target, draft = InstantTarget(accept=accept, engine_us=engine_us), InstantDraft(engine_us=engine_us)
+        target = InstantTarget(accept=accept, engine_us=engine_us, overlap=overlap)
+        draft = InstantDraft(engine_us=engine_us, overlap=overlap)
         s = Scheduler(target, draft, max_sequences=batch,
                       limits=Limits(max_queue=batch, stream_buffer=1 << 30), spans=spans)  # events read, never `taken`
         if tracing == "sdk":
@@ -226,7 +227,7 @@ async def measure(batch: int, cycles: int, num_steps: int, tracing: str = "off",
             "cpu_us_per_cycle": round(cpu / n * 1e6, 1), "wall_us_per_cycle": round(wall / n * 1e6, 1),
             "process_cpu_us_per_cycle": round(proc / n * 1e6, 1), "reader_cpu_us_per_cycle": round(reader / n * 1e6, 1),
             "cpu_us_per_sequence_cycle": round(cpu / n / batch * 1e6, 1), "spans_written": written,
-            "spans_dropped": spans.dropped if spans is not None else 0, "engine_us": engine_us, "overlap": OVERLAP,
+            "spans_dropped": spans.dropped if spans is not None else 0, "engine_us": engine_us, "overlap": overlap,
             "beyond_engines_us_per_cycle": round((wall - computing) / n * 1e6, 1)}
 
 
@@ -250,13 +251,11 @@ def main() -> None:
                    "or none (then adaptive cycles draft nothing but probes)")
     a = p.parse_args()
     install_uvloop()
-    global OVERLAP
     for b, tracing, adaptive, readers, overlap in ((int(x), t, m == "on", r, o == "on") for x in a.batch.split(",")
                                                    for t in a.tracing.split(",") for m in a.adaptive.split(",")
                                                    for r in a.readers.split(",") for o in a.overlap.split(",")):
-        OVERLAP = overlap
         rows = [asyncio.run(measure(b, a.cycles, a.num_steps, tracing, adaptive, a.accept == "all", a.engine_us,
-                                    readers == "other-thread")) for _ in range(a.rounds)]
+                                    readers == "other-thread", overlap)) for _ in range(a.rounds)]
         best = min(rows, key=lambda r: r["beyond_engines_us_per_cycle" if a.engine_us else "cpu_us_per_cycle"])
         best.update({"rounds": a.rounds, "all_cpu_us_per_cycle": [r["cpu_us_per_cycle"] for r in rows],
                      "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),
