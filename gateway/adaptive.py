@@ -18,7 +18,14 @@ only while the time probes lose against the best plan stays within PROBE_SHARE o
 measurably lost. Where speculation costs several decodes (a small target on a GPU, a large
 batch) probes are then rare; where it is cheap they follow the cadence. Sampled requests keep a
 fixed shape: their tokens depend on the shape, and a seed must give the same tokens in every
-process."""
+process.
+
+A sequence whose plan drafted nothing DORMANT_AFTER cycles in a row goes dormant: it lets the
+draft's state go, so that its cycles cost what speculation off costs (the target captures no
+features for it, the draft extends nothing). A probe wakes it: the target recomputes its features
+and the draft extends over them, a cost measured live (prefills, whole-prompt extends) that the
+probe credit must cover, on top of the probe's own expected loss; its first cycle then drafts
+the probe's depth."""
 
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.costs import CostModel, DepthAcceptance, Shape
+from gateway.costs import NO_DRAFT, CostModel, DepthAcceptance, Shape
 
 if TYPE_CHECKING:
     from gateway.sequence import GenerationRequest, Sequence
@@ -40,6 +47,7 @@ SHARED_DECAY = 0.999  # per observation: the gateway's profile follows the traff
 REQUEST_WEIGHT = 3.0  # pseudo-observations of the gateway's profile behind a request's own
 REQUEST_DECAY = 0.9  # per observation: a request's profile follows its text (code, then prose)
 REPLAN = 4  # cycles between two plans made for new costs or acceptance observations alone
+DORMANT_AFTER = 16  # cycles in a row a sequence's plan drafted nothing before it goes dormant
 
 
 @dataclass
@@ -189,7 +197,10 @@ class StepChooser:
         early = 2 * sum(s.stats.cycles < EARLY_CYCLES for s in seqs) > len(seqs)  # most of the batch is new
         self.probe_credit += PROBE_SHARE * (2 if early else 1) * p.ms
         every = PROBE_EVERY // 2 if early else PROBE_EVERY
-        if self.cycles - 1 - self.probed_at >= every and p.plan.depth < self.max_steps:
+        woken = [s for s in seqs if s.wake_probe]  # (the wake paid for the probe's chance: it probes)
+        for s in woken:
+            s.wake_probe = False
+        if (woken or self.cycles - 1 - self.probed_at >= every) and p.plan.depth < self.max_steps:
             if p.probe is None:
                 probe = Plan(min(self.max_steps, p.plan.depth + PROBE_EXTRA), p.plan.trees)
                 shapes = [probe.shape(s.req) for s in seqs]
@@ -198,12 +209,42 @@ class StepChooser:
                 p.probe = ([Choice(sh, t, probe_ms, "probe") for sh, t in zip(shapes, tokens, strict=True)],
                            max(0.0, probe_ms - sum(tokens) * p.ms / p.tokens))  # beyond the best's time for as many
             choices, loss = p.probe
-            if loss <= self.probe_credit:
+            if woken or loss <= self.probe_credit:
                 self.probe_credit -= loss
                 self.probed_at = self.cycles - 1
                 self._probe = _Probe(list(seqs), sum(len(s.generated) for s in seqs), loss, p.tokens / p.ms)
                 return choices
         return p.choices
+
+    def rests(self, s: Sequence, choice: Choice) -> bool:
+        """Count a sequence's cycles whose plan drafted nothing (its probes aside); True once it
+        should go dormant: DORMANT_AFTER such cycles with no plan that drafted between them, and
+        what waking it costs can be priced."""
+        if choice.reason != "probe":
+            s.idle_cycles = s.idle_cycles + 1 if not choice.shape.steps and choice.reason == "best" else 0
+        return s.idle_cycles >= DORMANT_AFTER and self.costs.resync_ms(max(s.committed, 1)) is not None
+
+    def wake(self, dormant: list[Sequence], batch: int, planned: bool) -> Sequence | None:
+        """The dormant sequence to wake this cycle, if any: the one cheapest to resync, once the
+        probes' cadence allows and their credit covers its resync and a probe's expected loss.
+        The resync is charged now; the probe when its cycle comes (choose_batch). `planned`:
+        choose_batch ran this cycle, else the cycle and its credit are counted here."""
+        zero = self.costs.cycle_ms(batch, NO_DRAFT)
+        if zero is None:
+            return None
+        if not planned:
+            self.cycles += 1
+            self.probe_credit += PROBE_SHARE * zero
+        if self.cycles - 1 - self.probed_at < PROBE_EVERY:
+            return None
+        s = min(dormant, key=lambda d: d.committed)
+        resync = self.costs.resync_ms(max(s.committed, 1))
+        probe = self.costs.cycle_ms(batch, Shape.chain(min(PROBE_EXTRA, self.max_steps)))
+        if resync is None or probe is None or resync + max(probe - zero, 0.0) > self.probe_credit:
+            return None
+        self.probe_credit -= resync
+        s.dormant, s.idle_cycles, s.wake_probe = False, 0, True
+        return s
 
     def settle(self, cycle_ms: float) -> None:
         """The cycle just ended in `cycle_ms`: if it probed, what it really lost against the best

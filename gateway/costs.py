@@ -58,6 +58,9 @@ class Shape:
         return self.topk if self.steps else 1
 
 
+NO_DRAFT = Shape.chain(0)  # a cycle that drafts nothing
+
+
 class DepthAcceptance:
     """How often draft depth i is accepted given depths 1..i-1 were, from decayed counts."""
 
@@ -93,6 +96,20 @@ def _line(points: dict[int, float], x: int) -> float:
     return max(my + slope * (x - mx), 0.0)
 
 
+def _bucket(tokens: int) -> int:
+    """Token counts in powers of two: a few points for the line, whatever the prompts' lengths."""
+    return 1 << max(tokens - 1, 0).bit_length()
+
+
+def _at_least(points: dict[int, float], x: int) -> float:
+    """What x tokens cost at most, for a cost that grows with tokens: the cheapest measured point
+    at x or above, else the line through the points (_line) but no less than the largest one."""
+    above = [ms for at, ms in points.items() if at >= x]
+    if above:
+        return min(above)
+    return max(_line(points, x), points[max(points)])
+
+
 def _nearest(table: dict[int, dict[int, float]], batch: int) -> dict[int, float] | None:
     if not table:
         return None
@@ -111,6 +128,8 @@ class CostModel:
     verify: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> rows -> ms
     rest: dict[int, float] = field(default_factory=dict)  # batch -> ms, cycles with a draft call
     rest_alone: dict[int, float] = field(default_factory=dict)  # batch -> ms, cycles with the target's call alone
+    prefill: dict[int, float] = field(default_factory=dict)  # tokens -> ms, target calls that prefill or recapture
+    extend: dict[int, float] = field(default_factory=dict)  # tokens -> ms, draft calls that extend a whole prompt
     version: int = 0  # prices computed under another version are stale: a new point, or every REPRICE records
     records: int = 0
 
@@ -128,6 +147,24 @@ class CostModel:
 
     def record_verify(self, batch: int, rows: int, ms: float) -> None:
         self._avg(self.verify.setdefault(batch, {}), rows, ms)
+
+    def record_prefill(self, tokens: int, ms: float) -> None:
+        """A target call that prefilled (or recomputed the features of) `tokens` tokens in all."""
+        self._avg(self.prefill, _bucket(tokens), ms)
+
+    def record_extend(self, tokens: int, ms: float) -> None:
+        """A draft call whose longest extend held `tokens` tokens (a newcomer's prompt, a resync)."""
+        self._avg(self.extend, _bucket(tokens), ms)
+
+    def resync_ms(self, tokens: int) -> float | None:
+        """Waking a sequence of `tokens` tokens whose draft state was let go: the target recomputes
+        its features, the draft extends over all of them; None until a prefill was measured (an
+        extend not measured yet is priced as the prefill). Priced from above (_at_least): a wake
+        is paid for with speculation's time, so it must not be priced low."""
+        if not self.prefill:
+            return None
+        target = _at_least(self.prefill, tokens)
+        return target + (_at_least(self.extend, tokens) if self.extend else target)
 
     def _count(self, new_point: bool) -> None:
         self.records += 1

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from gateway.costs import Shape
+from gateway.costs import NO_DRAFT, Shape
 from gateway.sequence import Sequence
 from specsplit.ops import (
     MAX_EARLIER,
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specsplit.gateway")
 MAX_DRAFT_FAILURES = 3  # consecutive per-sequence draft errors before the sequence goes on target-only
-NO_DRAFT = Shape.chain(0)  # a verify cycle that drafted nothing
 
 
 class DraftDeadline:
@@ -108,14 +107,30 @@ async def draft_phase(sched: Scheduler) -> None:
     ops: list[DraftOp] = [Release(i) for i in sched.draft_releases]
     sched.draft_releases = []
     candidates = [s for s in sched.running if s.spec and s.pending is not None and not s.unread_since]
+    sleeping = [s for s in sched.running if s.spec and s.dormant and not s.unread_since]
+    batch = len(candidates) + len(sleeping)
     adaptive = [s for s in candidates if s.req.adaptive]
+    resting = []
     if adaptive:
         fixed = [s.shape for s in candidates if not s.req.adaptive and s.shape.steps]
         floor = Shape.covering(fixed) if fixed else None
-        for s, choice in zip(adaptive, sched.chooser.choose_batch(adaptive, len(candidates), floor), strict=True):
+        for s, choice in zip(adaptive, sched.chooser.choose_batch(adaptive, batch, floor), strict=True):
             s.shape = choice.shape
+            if sched.chooser.rests(s, choice):
+                resting.append(s)
             if s.cycle_span.is_recording():
                 s.cycle_span.set_attributes(choice.attributes())
+    if sleeping:
+        woken = sched.chooser.wake(sleeping, batch, planned=bool(adaptive))
+        for s in sleeping:  # the woken one's features are recomputed in this cycle's target call
+            if s.cycle_span.is_recording():
+                s.cycle_span.set_attributes({"spec.num_steps": 0, "spec.adaptive": True,
+                                             "spec.adaptive.reason": "wake" if s is woken else "dormant"})
+    for s in resting:  # dormant: its features are no longer captured, nor its extends made
+        sched.free_generations += [ref.generation for ref in s.pending[1]]  # type: ignore[index]
+        s.pending, s.synced, s.dormant, s.idle_cycles = None, False, True, 0
+        candidates.remove(s)
+        adaptive.remove(s)
     # a cycle that drafts nothing for a sequence puts its extend off (for more tokens, or a cycle that
     # drafts); once one of them must extend, all do, in one call
     put_off = [s for s in adaptive if not s.shape.steps]
@@ -149,6 +164,7 @@ async def draft_phase(sched: Scheduler) -> None:
         sched.draft_failed(f"{type(e).__name__}: {e}")
         return
     seconds = time.perf_counter() - t0
+    first = shape not in sched.draft_deadline.seen  # a call whose graphs were captured: not a cost
     sched.draft_deadline.record(ops, shape, seconds, long)
     ms = seconds * 1e3
     if users and not long and any(s.shape.steps for s in users):  # what's priced
@@ -156,6 +172,8 @@ async def draft_phase(sched: Scheduler) -> None:
         sched.cycle_ms["draft"] = ms
         sched.chooser.costs.record_draft(len(users), max(s.shape.family for s in users),
                                          max(s.shape.steps for s in users), ms)
+    if long and not first:  # a newcomer's prompt or a resync: what waking a dormant sequence costs the draft
+        sched.chooser.costs.record_extend(max(len(op.tokens) for op in ops if isinstance(op, ExtendPropose)), ms)
     by_id: dict[int, DraftResult] = {r.seq_id: r for r in results}
     for s in users:
         r = by_id.get(s.seq_id)
@@ -188,16 +206,20 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
     releases, sched.free_generations = sched.free_generations, []
     work: list[Sequence] = []
     speculating = sched.speculating
+    prefilled = 0  # tokens prefilled or recomputed: what the chooser prices a dormant sequence's wake from
     for s in sched.running:
         if s in newcomers and s.suspended:
-            ops.append(Resume(s.seq_id, capture=s.spec and speculating, trace=s.trace))
+            ops.append(Resume(s.seq_id, capture=s.spec and speculating and not s.dormant, trace=s.trace))
+            prefilled += s.committed
         elif s in newcomers:
             ops.append(Prefill(s.seq_id, s.req.prompt_ids, s.req.sampling, capture=s.spec and speculating,
                                trace=s.trace))
+            prefilled += len(s.req.prompt_ids)
         elif not s.prefilled or s.unread_since:
             continue
-        elif s.spec and speculating and not s.synced and s.pending is None:
-            ops.append(Recapture(s.seq_id, s.trace))  # resync a draft that lost this sequence
+        elif s.spec and speculating and not s.synced and s.pending is None and not s.dormant:
+            ops.append(Recapture(s.seq_id, s.trace))  # resync a draft that lost this sequence, or a woken one
+            prefilled += s.committed
         else:
             drafts = s.drafts if s.spec and s.synced and speculating else []
             s.sent_drafts = len(drafts)
@@ -216,6 +238,8 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
         results, timing = await sched.target.step(ops, releases, sched.step_timeout_s,
                                                   meanwhile=sched.outbox.deliver)
     ms = (time.perf_counter() - t0) * 1e3
+    if prefilled:
+        sched.chooser.costs.record_prefill(prefilled, ms)
     verifies = [op for op in ops if isinstance(op, Verify)]
     if verifies and len(verifies) == len(work):  # verifies only (no prefill): what the chooser prices
         sched.cycle_ms["verify"] = ms

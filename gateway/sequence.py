@@ -131,6 +131,12 @@ class Sequence:
         self.shape = Shape.of(req)  # what this cycle drafts (an adaptive request: chosen per cycle)
         self.acceptance: dict[tuple[int, int], DepthAcceptance] = {}  # an adaptive request's own, per family
         self.draft_failures = 0  # in a row
+        # an adaptive request whose plan drafted nothing for a while lets the draft's state go: the
+        # target captures no features for it and the draft extends nothing, until a probe wakes it
+        # (gateway.adaptive: DORMANT_AFTER, StepChooser.wake)
+        self.dormant = False
+        self.idle_cycles = 0  # cycles in a row its plan drafted nothing
+        self.wake_probe = False  # woken: its first cycle with features drafts past its plan
         self.forced_rng = random.Random(seq_id)  # forced acceptance's draws (a benchmark mode)
         self.stats = SeqStats()
         self.submitted_at = time.perf_counter()

@@ -12,6 +12,7 @@ import pytest
 from bench.replay import ReplayDraft, Replayer
 from bench.scheduler_cpu import InstantDraft, InstantTarget
 from draft_service.config import DraftConfig
+from gateway import adaptive
 from gateway.adaptive import EARLY_CYCLES, PROBE_EVERY, PROBE_SHARE, REPLAN, Choice, StepChooser
 from gateway.clients import LocalDraft, Meanwhile
 from gateway.costs import CostModel, DepthAcceptance, Shape
@@ -239,6 +240,7 @@ def test_extends_put_off_go_out_together(monkeypatch: pytest.MonkeyPatch) -> Non
         return [Choice(Shape.chain(0), 1.0, 1.0, "best") for _ in seqs]
 
     monkeypatch.setattr(StepChooser, "choose_batch", no_drafts)
+    monkeypatch.setattr(adaptive, "DORMANT_AFTER", 10**6)  # none goes dormant (tests/test_dormant.py)
 
     async def main() -> list[list[int]]:
         sched = Scheduler(InstantTarget(), LoggingDraft(), max_sequences=4, limits=Limits(max_queue=8))

@@ -1,0 +1,218 @@
+"""Dormant sequences (gateway.adaptive): an adaptive request whose plan drafts nothing for a while
+lets the draft's state go, so that its cycles cost what speculation off costs; a probe wakes it
+(the target recomputes its features, the draft extends over them) and greedy output stays the
+target's own throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.scheduler_cpu import InstantDraft, InstantTarget
+from draft_service.config import DraftConfig
+from gateway import adaptive
+from gateway.adaptive import DORMANT_AFTER, PROBE_EVERY, PROBE_EXTRA, Choice, StepChooser
+from gateway.clients import Meanwhile
+from gateway.costs import NO_DRAFT, CostModel, Shape
+from gateway.local import LocalEngines
+from gateway.scheduler import Finished, Limits, Scheduler
+from gateway.sequence import GenerationRequest, Sequence
+from specsplit.ops import (
+    DraftOp,
+    DraftResult,
+    ExtendPropose,
+    Prefill,
+    Recapture,
+    Sampling,
+    StepTiming,
+    TargetOp,
+    TargetResult,
+    Verify,
+)
+from target_service.config import TargetConfig
+from tests.test_adaptive import adaptive_request, priced, taught
+from tests.test_gpu_services import needs_gpus
+
+
+def test_resync_is_priced_from_prefills_and_whole_prompt_extends() -> None:
+    costs = CostModel()
+    assert costs.resync_ms(100) is None  # nothing measured: a wake cannot be priced
+    costs.record_prefill(64, 2.0)
+    assert costs.resync_ms(64) == pytest.approx(4.0)  # an extend not measured yet: priced as the prefill
+    costs.record_prefill(256, 5.0)
+    costs.record_extend(64, 1.0)
+    costs.record_extend(256, 2.0)
+    assert costs.resync_ms(256) == pytest.approx(7.0)
+    assert costs.resync_ms(100) == pytest.approx(7.0)  # priced as the next measured point above it
+    assert costs.resync_ms(1024) > 7.0  # past the largest: the line through the points
+    costs.record_prefill(16, 900.0)  # a slow first call of a small prompt prices no larger wake
+    assert costs.resync_ms(200) == pytest.approx(7.0)
+
+
+def zero(s: Sequence, reason: str = "best") -> Choice:
+    return Choice(NO_DRAFT, 1.0, 1.0, reason)
+
+
+def test_a_sequence_rests_after_cycles_in_a_row_that_draft_nothing() -> None:
+    chooser = StepChooser(8)
+    s = Sequence(1, adaptive_request([1]))
+    s.committed = 50
+    assert not any(chooser.rests(s, zero(s)) for _ in range(DORMANT_AFTER))  # its wake cannot be priced yet
+    chooser.costs.record_prefill(64, 2.0)
+    s.idle_cycles = 0
+    assert [chooser.rests(s, zero(s)) for _ in range(DORMANT_AFTER)][-2:] == [False, True]
+    assert chooser.rests(s, Choice(Shape.chain(2), 2.0, 1.0, "probe"))  # a probe is no plan that drafts
+    assert not chooser.rests(s, Choice(Shape.chain(2), 2.0, 1.0, "best")) and s.idle_cycles == 0
+    assert not chooser.rests(s, zero(s, "measuring")) and s.idle_cycles == 0  # the plan's choices only
+
+
+def test_a_probe_wakes_the_cheapest_dormant_sequence_once_its_credit_covers_the_resync() -> None:
+    chooser = priced(draft_step_ms=1.0, verify_row_ms=0.5, decode_ms=1.0)
+    chooser.costs.record_prefill(64, 4.0)
+    chooser.costs.record_prefill(512, 20.0)
+    short, long = Sequence(1, adaptive_request([1])), Sequence(2, adaptive_request([1]))
+    short.committed, long.committed = 60, 500
+    for s in (short, long):
+        s.dormant = True
+    woken, cycles = None, 0
+    while woken is None:
+        cycles += 1
+        assert cycles < 10_000
+        woken = chooser.wake([short, long], 2, planned=False)
+    assert woken is short and not short.dormant and short.wake_probe and long.dormant
+    assert cycles >= PROBE_EVERY
+    # the credit paid for the resync (and had room for the probe, charged when it is made)
+    resync = chooser.costs.resync_ms(60)
+    assert resync is not None and cycles * adaptive.PROBE_SHARE * chooser.costs.cycle_ms(2, NO_DRAFT) >= resync
+    assert chooser.wake([long], 2, planned=False) is None  # the cadence: not again at once
+
+
+def test_a_woken_sequence_probes_on_its_first_cycle_with_features() -> None:
+    chooser = priced(draft_step_ms=3.0, verify_row_ms=1.0, decode_ms=1.0)
+    s = taught(chooser, adaptive_request([1]), accepted=0)
+    chooser.probed_at = chooser.cycles = 10**6  # no probe due by the cadence
+    (c,) = chooser.choose_batch([s], 1)
+    assert c.shape == NO_DRAFT
+    s.wake_probe = True
+    (c,) = chooser.choose_batch([s], 1)
+    assert c.reason == "probe" and c.shape == Shape.chain(PROBE_EXTRA) and not s.wake_probe
+
+
+class LoggingTarget(InstantTarget):
+    """Accepts nothing; features only where a verify captures them (as the real target); a call
+    takes 0.1 ms, 5 ms more where it prefills or recomputes features."""
+
+    def __init__(self) -> None:
+        super().__init__(accept=False, engine_us=100.0)
+        self.log: list[tuple[str, int, bool]] = []  # (op, sequence, capture)
+
+    async def step(self, ops: list[TargetOp], releases: list[int], timeout: float = 0.0,
+                   meanwhile: Meanwhile = None) -> tuple[list[TargetResult], StepTiming]:
+        if any(isinstance(op, Prefill | Recapture) for op in ops):
+            time.sleep(5e-3)
+        results, timing = await super().step(ops, releases, timeout, meanwhile)
+        for op in ops:
+            if isinstance(op, Verify | Recapture):
+                self.log.append((type(op).__name__, op.seq_id, getattr(op, "capture", True)))
+        capture = {op.seq_id: op.capture for op in ops if isinstance(op, Verify)}
+        for r in results:
+            if not capture.get(r.seq_id, True):
+                r.hidden = None
+        return results, timing
+
+
+class LoggingDraft(InstantDraft):
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[int, int, int, int]] = []  # (sequence, position, tokens, steps)
+
+    async def step(self, ops: list[DraftOp], timeout: float = 0.0, meanwhile: Meanwhile = None
+                   ) -> tuple[list[DraftResult], StepTiming]:
+        self.log += [(op.seq_id, op.position, len(op.tokens), op.num_steps) for op in ops
+                     if isinstance(op, ExtendPropose)]
+        return await super().step(ops, timeout, meanwhile)
+
+
+def test_dormant_cycles_capture_nothing_and_call_no_draft_until_a_probe_wakes_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(adaptive, "PROBE_SHARE", 0.5)  # a wake every hundred cycles or so
+
+    async def main() -> tuple[list[int], LoggingTarget, LoggingDraft]:
+        target, draft = LoggingTarget(), LoggingDraft()
+        sched = Scheduler(target, draft, max_sequences=2, limits=Limits(max_queue=8))
+        sched.draft_restored()
+        sched.start()
+        seq = sched.submit(adaptive_request([5] * 40, max_new=1000))
+        tokens: list[int] = []
+        while not isinstance(ev := await seq.events.get(), Finished):
+            tokens += ev
+        await sched.stop()
+        return tokens, target, draft
+
+    tokens, target, draft = asyncio.run(main())
+    assert tokens == [9] * 1000
+    dormant = [i for i, (kind, _, capture) in enumerate(target.log) if kind == "Verify" and not capture]
+    recaptures = [i for i, (kind, _, _) in enumerate(target.log) if kind == "Recapture"]
+    assert len(dormant) > 600  # most cycles, once it rests
+    assert recaptures and recaptures[0] > dormant[0]  # woken by a probe after resting
+    # woken: the draft restarts from position 0 (over what the recapture returned) at the probe's depth
+    restarts = [entry for entry in draft.log if entry[1] == 0]
+    assert len(restarts) == 1 + len(recaptures)  # the prompt's, then one per wake
+    assert all(steps == PROBE_EXTRA for _, _, _, steps in restarts[1:])
+    # every draft call of a dormant stretch: none (between going dormant and the next wake)
+    assert len(draft.log) < 1000 // 8
+
+
+def log_target_ops(engines: LocalEngines) -> list[str]:
+    """What the target is asked, op by op (a Verify that captures nothing: 'Verify-'), from now on."""
+    seen: list[str] = []
+    step = engines.target.step
+
+    def logged(ops: list[TargetOp], releases: list[int]) -> Any:
+        seen.extend(type(op).__name__ + ("-" if isinstance(op, Verify) and not op.capture else "") for op in ops)
+        return step(ops, releases)
+
+    engines.target.step = logged  # type: ignore[method-assign]
+    return seen
+
+
+PROMPTS = [[1, 2, 3], [7] * 20, [100, 42, 17, 250, 3, 3, 9], list(range(10, 60))]
+
+
+def check_lossless_through_wakes(engines: LocalEngines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy output equals target-only output while sequences rest, wake (recapture, restart the
+    draft at position 0, probe) and rest again; the ring's rows all come back."""
+    monkeypatch.setattr(adaptive, "DORMANT_AFTER", 3)
+    monkeypatch.setattr(adaptive, "PROBE_EVERY", 2)
+    monkeypatch.setattr(adaptive, "PROBE_SHARE", 5.0)
+    base = engines.generate([GenerationRequest(p, 60, Sampling(), {511}, 0) for p in PROMPTS])
+    seen = log_target_ops(engines)
+    out = engines.generate([adaptive_request(p, max_new=60) for p in PROMPTS])
+    assert [r.tokens for r in out] == [b.tokens for b in base]
+    assert seen.count("Verify-") >= 8 and seen.count("Recapture") >= 2
+    stats = engines.target.stats()
+    assert stats["active_sequences"] == 0 and stats["ring_rows_in_use"] == 0
+
+
+def test_dormant_sequences_stay_lossless(tiny_engines: LocalEngines, monkeypatch: pytest.MonkeyPatch) -> None:
+    check_lossless_through_wakes(tiny_engines, monkeypatch)
+
+
+@pytest.mark.quick
+@pytest.mark.gpu
+@needs_gpus(1)
+def test_dormant_sequences_stay_lossless_on_the_gpu(tiny_target: Path, tiny_head: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 on the GPU: the fused target step, CUDA IPC, the draft's graphs restarted at position 0."""
+    engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="float32", max_context=256,
+                                        hidden_backend="cuda_ipc", fused_decode="pdl"),
+                           DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", dtype="float32",
+                                       max_context=256))
+    try:
+        check_lossless_through_wakes(engines, monkeypatch)
+    finally:
+        engines.close()
