@@ -55,10 +55,20 @@ def row(label: str, gens: list[Generation], off: list[Generation] | None) -> dic
                            "decode_tokens_per_s": round(tokens / seconds, 2),
                            "tau": round(sum(s.mean_accepted_length * s.cycles for s in spec) / cycles, 3)
                            if cycles else 1.0,
-                           "cycles_by_steps": dict(sorted(steps.items()))}
+                           "cycles_by_steps": dict(sorted(steps.items())),
+                           "prompt_tokens_per_s": per_prompt(gens)}
     if off is not None:
         out["same_tokens_as_off"] = all(list(g.token_ids) == list(o.token_ids) for g, o in zip(gens, off, strict=True))
     return out
+
+
+def per_prompt(gens: list[Generation]) -> list[float]:
+    """Decode tokens/s of each of MIXED_PROMPTS over the rounds (the generations come round by round)."""
+    tokens, seconds = [0] * len(MIXED_PROMPTS), [0.0] * len(MIXED_PROMPTS)
+    for j, g in enumerate(gens):
+        tokens[j % len(MIXED_PROMPTS)] += len(g.token_ids) - 1
+        seconds[j % len(MIXED_PROMPTS)] += (g.final.elapsed_ms - g.final.first_token_ms) / 1e3
+    return [round(t / s, 1) if s else 0.0 for t, s in zip(tokens, seconds, strict=True)]
 
 
 def main() -> None:

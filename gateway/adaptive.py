@@ -15,7 +15,8 @@ plan (a probe), so that the depths the plan does not reach stay measured: at mos
 PROBE_EVERY-th cycle (twice as often while most of the batch is in its first EARLY_CYCLES), and
 only while the time probes lose against the best plan stays within PROBE_SHARE of the time
 (twice that at first): a probe is charged its expected loss, then, once its cycle ends, what it
-measurably lost. Where speculation costs several decodes (a small target on a GPU, a large
+measurably lost. The credit holds at most CREDIT_CYCLES cycles' share, so probes never come in
+bursts. Where speculation costs several decodes (a small target on a GPU, a large
 batch) probes are then rare; where it is cheap they follow the cadence. Sampled requests keep a
 fixed shape: their tokens depend on the shape, and a seed must give the same tokens in every
 process.
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 PROBE_EVERY = 8
 PROBE_EXTRA = 2
 PROBE_SHARE = 0.05  # of the time: what probes may lose against the best plans
+CREDIT_CYCLES = 256  # the probe credit holds at most what this many cycles accrue (no bursts of probes)
 EARLY_CYCLES = 32  # a request's first cycles probe twice as often: its own acceptance is not known yet
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # every request's acceptance before anything is measured
 SHARED_DECAY = 0.999  # per observation: the gateway's profile follows the traffic slowly
@@ -195,7 +197,7 @@ class StepChooser:
                         for s in seqs for sh in [Shape.of(s.req)]]
             self._planned = p
         early = 2 * sum(s.stats.cycles < EARLY_CYCLES for s in seqs) > len(seqs)  # most of the batch is new
-        self.probe_credit += PROBE_SHARE * (2 if early else 1) * p.ms
+        self._accrue(PROBE_SHARE * (2 if early else 1), p.ms)
         every = PROBE_EVERY // 2 if early else PROBE_EVERY
         woken = [s for s in seqs if s.wake_probe]  # (the wake paid for the probe's chance: it probes)
         for s in woken:
@@ -216,6 +218,12 @@ class StepChooser:
                 return choices
         return p.choices
 
+    def _accrue(self, share: float, cycle_ms: float) -> None:
+        """A cycle's share of the time to the probe credit, which holds at most CREDIT_CYCLES
+        cycles' worth: credit saved over a long stretch without probes (they cost more than it
+        held) must not pay for a burst of them later."""
+        self.probe_credit = min(self.probe_credit + share * cycle_ms, CREDIT_CYCLES * share * cycle_ms)
+
     def rests(self, s: Sequence, choice: Choice) -> bool:
         """Count a sequence's cycles whose plan drafted nothing (its probes aside); True once it
         should go dormant: DORMANT_AFTER such cycles with no plan that drafted between them, and
@@ -234,7 +242,7 @@ class StepChooser:
             return None
         if not planned:
             self.cycles += 1
-            self.probe_credit += PROBE_SHARE * zero
+            self._accrue(PROBE_SHARE, zero)
         if self.cycles - 1 - self.probed_at < PROBE_EVERY:
             return None
         s = min(dormant, key=lambda d: d.committed)

@@ -185,15 +185,17 @@ PROMPTS = [[1, 2, 3], [7] * 20, [100, 42, 17, 250, 3, 3, 9], list(range(10, 60))
 
 def check_lossless_through_wakes(engines: LocalEngines, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy output equals target-only output while sequences rest, wake (recapture, restart the
-    draft at position 0, probe) and rest again; the ring's rows all come back."""
+    draft at position 0, probe) and rest again; the ring's rows all come back. Wakes cost nothing
+    here and probes have credit to spare, so that they come as often as the cadence allows."""
     monkeypatch.setattr(adaptive, "DORMANT_AFTER", 3)
     monkeypatch.setattr(adaptive, "PROBE_EVERY", 2)
     monkeypatch.setattr(adaptive, "PROBE_SHARE", 5.0)
+    monkeypatch.setattr(CostModel, "resync_ms", lambda self, tokens: 0.0)
     base = engines.generate([GenerationRequest(p, 60, Sampling(), {511}, 0) for p in PROMPTS])
     seen = log_target_ops(engines)
     out = engines.generate([adaptive_request(p, max_new=60) for p in PROMPTS])
     assert [r.tokens for r in out] == [b.tokens for b in base]
-    assert seen.count("Verify-") >= 8 and seen.count("Recapture") >= 2
+    assert seen.count("Verify-") >= 4 and seen.count("Recapture") >= 2, sorted(set(seen))
     stats = engines.target.stats()
     assert stats["active_sequences"] == 0 and stats["ring_rows_in_use"] == 0
 
@@ -216,3 +218,25 @@ def test_dormant_sequences_stay_lossless_on_the_gpu(tiny_target: Path, tiny_head
         check_lossless_through_wakes(engines, monkeypatch)
     finally:
         engines.close()
+
+
+def test_credit_saved_over_a_long_stretch_pays_for_no_burst_of_wakes() -> None:
+    """Wakes priced at five cycles each come about once every 5 / PROBE_SHARE cycles, however long
+    the credit was saved before."""
+    chooser = priced(draft_step_ms=1.0, verify_row_ms=0.5, decode_ms=1.0)
+    zero_ms = chooser.costs.cycle_ms(1, NO_DRAFT)
+    assert zero_ms is not None
+    chooser.costs.record_prefill(1024, 2.5 * zero_ms)  # a resync: 5 cycles (the extend priced as the prefill)
+    for _ in range(20_000):  # a long stretch of cycles without a probe
+        chooser._accrue(adaptive.PROBE_SHARE, zero_ms)
+    held = adaptive.CREDIT_CYCLES * adaptive.PROBE_SHARE * zero_ms
+    assert chooser.probe_credit <= held + 1e-9
+    s = Sequence(1, adaptive_request([1]))
+    s.committed = 100
+    wakes = []
+    for cycle in range(2000):
+        s.dormant = True  # back to sleep at once
+        if chooser.wake([s], 1, planned=False) is s:
+            wakes.append(cycle)
+    assert 2 <= len(wakes) <= 1 + (2000 * adaptive.PROBE_SHARE * zero_ms + held) / (5 * zero_ms)
+    assert all(len([w for w in wakes if at <= w < at + 100]) <= 2 for at in range(2000))  # no burst
