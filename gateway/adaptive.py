@@ -136,6 +136,7 @@ class StepChooser:
         self.observations = 0  # acceptance profiles change with each
         self.cycles = 0  # choices made
         self.probed_at = -1  # the cycle of the last probe
+        self.woke_at = -1  # the cycle of the last wake (wakes keep the probes' cadence apart from them)
         self.probe_credit = 0.0  # ms that probes may still lose against the best plans
         self._planned: _Planned | None = None
         self._probe: _Probe | None = None
@@ -233,8 +234,8 @@ class StepChooser:
         return s.idle_cycles >= DORMANT_AFTER and self.costs.resync_ms(max(s.committed, 1)) is not None
 
     def wake(self, dormant: list[Sequence], batch: int, planned: bool) -> Sequence | None:
-        """The dormant sequence to wake this cycle, if any: the one cheapest to resync, once the
-        probes' cadence allows and their credit covers its resync and a probe's expected loss.
+        """The dormant sequence to wake this cycle, if any: the one cheapest to resync, at most one
+        every PROBE_EVERY cycles, once the probe credit covers its resync and a probe's expected loss.
         The resync is charged now; the probe when its cycle comes (choose_batch). `planned`:
         choose_batch ran this cycle, else the cycle and its credit are counted here."""
         zero = self.costs.cycle_ms(batch, NO_DRAFT)
@@ -243,7 +244,7 @@ class StepChooser:
         if not planned:
             self.cycles += 1
             self._accrue(PROBE_SHARE, zero)
-        if self.cycles - 1 - self.probed_at < PROBE_EVERY:
+        if self.cycles - 1 - self.woke_at < PROBE_EVERY:
             return None
         s = min(dormant, key=lambda d: d.committed)
         resync = self.costs.resync_ms(max(s.committed, 1))
@@ -251,6 +252,7 @@ class StepChooser:
         if resync is None or probe is None or resync + max(probe - zero, 0.0) > self.probe_credit:
             return None
         self.probe_credit -= resync
+        self.woke_at = self.cycles - 1
         s.dormant, s.idle_cycles, s.wake_probe = False, 0, True
         return s
 
