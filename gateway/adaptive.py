@@ -215,7 +215,10 @@ class StepChooser:
             if woken or loss <= self.probe_credit:
                 self.probe_credit -= loss
                 self.probed_at = self.cycles - 1
-                self._probe = _Probe(list(seqs), sum(len(s.generated) for s in seqs), loss, p.tokens / p.ms)
+                # settled with its measured time, except a woken sequence's: its cycle extends the draft
+                # over the whole sequence, a cost its wake was charged already
+                self._probe = None if woken else _Probe(list(seqs), sum(len(s.generated) for s in seqs), loss,
+                                                        p.tokens / p.ms)
                 return choices
         return p.choices
 

@@ -100,6 +100,9 @@ def test_a_woken_sequence_probes_on_its_first_cycle_with_features() -> None:
     s.wake_probe = True
     (c,) = chooser.choose_batch([s], 1)
     assert c.reason == "probe" and c.shape == Shape.chain(PROBE_EXTRA) and not s.wake_probe
+    credit = chooser.probe_credit
+    chooser.settle(1000.0)  # its cycle extends the draft over the whole sequence: the wake paid for that
+    assert chooser.probe_credit == credit
 
 
 class LoggingTarget(InstantTarget):
