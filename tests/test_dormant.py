@@ -142,7 +142,9 @@ class LoggingDraft(InstantDraft):
 
 def test_dormant_cycles_capture_nothing_and_call_no_draft_until_a_probe_wakes_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(adaptive, "PROBE_SHARE", 0.5)  # a wake every hundred cycles or so
+    monkeypatch.setattr(adaptive, "PROBE_SHARE", 0.5)  # a wake every hundred cycles or so:
+    # a resync priced at 60 cycles without drafts, whatever this machine's speed
+    monkeypatch.setattr(CostModel, "resync_ms", lambda self, tokens: 60 * (self.cycle_ms(1, NO_DRAFT) or 1.0))
 
     async def main() -> tuple[list[int], LoggingTarget, LoggingDraft]:
         target, draft = LoggingTarget(), LoggingDraft()
