@@ -259,6 +259,11 @@ class StepChooser:
         s.dormant, s.idle_cycles, s.wake_probe = False, 0, True
         return s
 
+    def forgive_probe(self) -> None:
+        """This cycle's calls ran shapes for the first time (their graphs captured, their kernels
+        compiled): a probe in it is charged its expected loss only, not that one-time cost."""
+        self._probe = None
+
     def settle(self, cycle_ms: float) -> None:
         """The cycle just ended in `cycle_ms`: if it probed, what it really lost against the best
         plan (its time against the best's for the tokens it emitted) replaces what it was

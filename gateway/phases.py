@@ -172,6 +172,8 @@ async def draft_phase(sched: Scheduler) -> None:
         sched.cycle_ms["draft"] = ms
         sched.chooser.costs.record_draft(len(users), max(s.shape.family for s in users),
                                          max(s.shape.steps for s in users), ms)
+    if first:
+        sched.chooser.forgive_probe()
     if long and not first:  # a newcomer's prompt or a resync: what waking a dormant sequence costs the draft
         sched.chooser.costs.record_extend(max(len(op.tokens) for op in ops if isinstance(op, ExtendPropose)), ms)
     by_id: dict[int, DraftResult] = {r.seq_id: r for r in results}
@@ -243,7 +245,10 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
     verifies = [op for op in ops if isinstance(op, Verify)]
     if verifies and len(verifies) == len(work):  # verifies only (no prefill): what the chooser prices
         sched.cycle_ms["verify"] = ms
-        sched.chooser.costs.record_verify(len(verifies), max(len(op.draft_ids) + 1 for op in verifies), ms)
+        rows = max(len(op.draft_ids) + 1 for op in verifies)
+        if rows not in sched.chooser.costs.verify.get(len(verifies), {}):  # a shape the target runs first
+            sched.chooser.forgive_probe()
+        sched.chooser.costs.record_verify(len(verifies), rows, ms)
     by_id = {r.seq_id: r for r in results}
     kinds = {op.seq_id: op for op in ops if not isinstance(op, Release | Suspend)}
     for s in work:

@@ -105,6 +105,19 @@ def test_a_woken_sequence_probes_on_its_first_cycle_with_features() -> None:
     assert chooser.probe_credit == credit
 
 
+def test_a_probe_that_runs_a_shape_first_is_charged_its_expected_loss_only() -> None:
+    chooser = priced(draft_step_ms=3.0, verify_row_ms=1.0, decode_ms=1.0)
+    s = taught(chooser, adaptive_request([1]), accepted=0)
+    chooser.probe_credit = 100.0
+    chooser.probed_at = -100
+    (c,) = chooser.choose_batch([s], 1)
+    assert c.reason == "probe"
+    credit = chooser.probe_credit
+    chooser.forgive_probe()  # its graphs were captured in this cycle
+    chooser.settle(500.0)
+    assert chooser.probe_credit == credit
+
+
 class LoggingTarget(InstantTarget):
     """Accepts nothing; features only where a verify captures them (as the real target); a call
     takes 0.1 ms, 5 ms more where it prefills or recomputes features."""
@@ -196,6 +209,7 @@ def check_lossless_through_wakes(engines: LocalEngines, monkeypatch: pytest.Monk
     monkeypatch.setattr(adaptive, "PROBE_EVERY", 2)
     monkeypatch.setattr(adaptive, "PROBE_SHARE", 5.0)
     monkeypatch.setattr(CostModel, "resync_ms", lambda self, tokens: 0.0)
+    monkeypatch.setattr(StepChooser, "settle", lambda self, cycle_ms: None)  # probes charged as expected
     base = engines.generate([GenerationRequest(p, 60, Sampling(), {511}, 0) for p in PROMPTS])
     seen = log_target_ops(engines)
     out = engines.generate([adaptive_request(p, max_new=60) for p in PROMPTS])
