@@ -6,7 +6,6 @@ target's own throughout."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,6 @@ from specsplit.ops import (
     DraftOp,
     DraftResult,
     ExtendPropose,
-    Prefill,
     Recapture,
     Sampling,
     StepTiming,
@@ -119,17 +117,14 @@ def test_a_probe_that_runs_a_shape_first_is_charged_its_expected_loss_only() -> 
 
 
 class LoggingTarget(InstantTarget):
-    """Accepts nothing; features only where a verify captures them (as the real target); a call
-    takes 0.1 ms, 5 ms more where it prefills or recomputes features."""
+    """Accepts nothing; features only where a verify captures them (as the real target)."""
 
     def __init__(self) -> None:
-        super().__init__(accept=False, engine_us=100.0)
+        super().__init__(accept=False)
         self.log: list[tuple[str, int, bool]] = []  # (op, sequence, capture)
 
     async def step(self, ops: list[TargetOp], releases: list[int], timeout: float = 0.0,
                    meanwhile: Meanwhile = None) -> tuple[list[TargetResult], StepTiming]:
-        if any(isinstance(op, Prefill | Recapture) for op in ops):
-            time.sleep(5e-3)
         results, timing = await super().step(ops, releases, timeout, meanwhile)
         for op in ops:
             if isinstance(op, Verify | Recapture):
@@ -155,9 +150,11 @@ class LoggingDraft(InstantDraft):
 
 def test_dormant_cycles_capture_nothing_and_call_no_draft_until_a_probe_wakes_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(adaptive, "PROBE_SHARE", 0.5)  # a wake every hundred cycles or so:
-    # a resync priced at 60 cycles without drafts, whatever this machine's speed
-    monkeypatch.setattr(CostModel, "resync_ms", lambda self, tokens: 60 * (self.cycle_ms(1, NO_DRAFT) or 1.0))
+    # fixed costs, whatever this machine's speed: a cycle without drafts 1 ms, a draft step 10 ms
+    # more, a resync 60 ms; probes may lose half the time: a wake every 160 cycles or so
+    monkeypatch.setattr(adaptive, "PROBE_SHARE", 0.5)
+    monkeypatch.setattr(CostModel, "cycle_ms", lambda self, batch, shape: 1.0 + 10.0 * shape.steps)
+    monkeypatch.setattr(CostModel, "resync_ms", lambda self, tokens: 60.0)
 
     async def main() -> tuple[list[int], LoggingTarget, LoggingDraft]:
         target, draft = LoggingTarget(), LoggingDraft()
@@ -203,11 +200,14 @@ PROMPTS = [[1, 2, 3], [7] * 20, [100, 42, 17, 250, 3, 3, 9], list(range(10, 60))
 
 def check_lossless_through_wakes(engines: LocalEngines, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy output equals target-only output while sequences rest, wake (recapture, restart the
-    draft at position 0, probe) and rest again; the ring's rows all come back. Wakes cost nothing
-    here and probes have credit to spare, so that they come as often as the cadence allows."""
+    draft at position 0, probe) and rest again; the ring's rows all come back. The costs are fixed
+    (a draft step a hundred times a cycle without one, a wake free) and probes have credit to
+    spare, so that plans draft nothing and wakes come as often as the cadence allows, whatever
+    this machine's speed."""
     monkeypatch.setattr(adaptive, "DORMANT_AFTER", 3)
     monkeypatch.setattr(adaptive, "PROBE_EVERY", 2)
-    monkeypatch.setattr(adaptive, "PROBE_SHARE", 5.0)
+    monkeypatch.setattr(adaptive, "PROBE_SHARE", 100.0)
+    monkeypatch.setattr(CostModel, "cycle_ms", lambda self, batch, shape: 1.0 + 100.0 * shape.steps)
     monkeypatch.setattr(CostModel, "resync_ms", lambda self, tokens: 0.0)
     monkeypatch.setattr(StepChooser, "settle", lambda self, cycle_ms: None)  # probes charged as expected
     base = engines.generate([GenerationRequest(p, 60, Sampling(), {511}, 0) for p in PROMPTS])
