@@ -110,7 +110,7 @@ async def draft_phase(sched: Scheduler) -> None:
     sleeping = [s for s in sched.running if s.spec and s.dormant and not s.unread_since]
     batch = len(candidates) + len(sleeping)
     adaptive = [s for s in candidates if s.req.adaptive]
-    resting = []
+    resting: list[Sequence] = []
     if adaptive:
         fixed = [s.shape for s in candidates if not s.req.adaptive and s.shape.steps]
         floor = Shape.covering(fixed) if fixed else None
