@@ -241,13 +241,17 @@ class StepChooser:
         every PROBE_EVERY cycles, once the probe credit covers its resync and a probe's expected loss.
         The resync is charged now; the probe when its cycle comes (choose_batch). `planned`:
         choose_batch ran this cycle, else the cycle and its credit are counted here."""
+        if not planned:
+            self.cycles += 1
+        due = self.cycles - 1 - self.woke_at >= PROBE_EVERY
+        if planned and not due:  # (most cycles: nothing to price)
+            return None
         zero = self.costs.cycle_ms(batch, NO_DRAFT)
         if zero is None:
             return None
         if not planned:
-            self.cycles += 1
             self._accrue(PROBE_SHARE, zero)
-        if self.cycles - 1 - self.woke_at < PROBE_EVERY:
+        if not due:
             return None
         s = min(dormant, key=lambda d: d.committed)
         resync = self.costs.resync_ms(max(s.committed, 1))
