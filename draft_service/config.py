@@ -37,6 +37,12 @@ class DraftConfig:
     compile: bool = flag(False, "--compile", "experimental: compile each cycle's CUDA graph whole with torch.compile "
                          "(inductor) before capturing it (without CUDA graphs: the head's padded forward); the "
                          "first cycle of each new shape compiles (seconds to tens of seconds)")
+    warm_up: bool = flag(True, "--no-warm-up", "on the GPU, run every shape of a one-sequence batch (each extend "
+                         "bucket, every depth, each branching of --warm-topk) before serving: eagerly at start, which "
+                         "compiles the kernels, then from graphs once the target attaches (default: on; off, a "
+                         "request meeting a new shape waits for its compile and capture)")
+    warm_topk: list[int] | None = flag(None, "--warm-topk", "tree branchings the warm-up runs, comma-separated "
+                                       "(default: 1,4: chains and trees of 4)")
     fused_head: str = flag("auto", "--fused-head", "the head's steps of up to 64 tokens (extends, chain and tree "
                            "levels) and each tree level's bookkeeping as fused Triton kernels: auto (default) wherever "
                            "they run (CUDA, tensor parallelism 1, a head they support, without --compile; elsewhere "
@@ -58,6 +64,8 @@ class DraftConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        if self.warm_topk is not None and not all(1 <= k <= self.max_topk for k in self.warm_topk):
+            raise ValueError(f"warm_topk {self.warm_topk} must lie within 1..max_topk ({self.max_topk})")
         if self.fused_head not in FUSED_HEAD:
             raise ValueError(f"fused_head {self.fused_head!r} not in {FUSED_HEAD}")
         if self.fused_head == "on" and not self.device.startswith("cuda"):

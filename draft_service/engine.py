@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from draft_service.tree import fused_top_k, grow_trees, unpack_trees
 from specsplit.models.eagle3 import Eagle3Head
-from specsplit.models.fused_head import FusedHead, fused_head_unsupported
+from specsplit.models.fused_head import fused_head, level_kernel
 from specsplit.ops import (
     MAX_EARLIER,
     PUT_OFF_TOKENS,
@@ -151,7 +149,7 @@ class DraftEngine:
                 results[i] = DraftResult(op.seq_id, e.code, str(e), consumed_generation=gen)
         if work:
             try:
-                proposals = self._extend_and_propose(work, ring)  # its readback passes every use of the features
+                proposals = self.extend_and_propose(work, ring)  # its readback passes every use of the features
             except BaseException:
                 if self.device.type == "cuda":  # the features read may still be in use: done before the reply
                     torch.cuda.current_stream(self.device).synchronize()
@@ -214,7 +212,9 @@ class DraftEngine:
         except ValueError as e:
             raise OpError(Code.INVALID_ARGUMENT, f"bad hidden-state reference: {e}") from e
 
-    def _extend_and_propose(self, work: list[Work], ring: torch.Tensor | None) -> list[Proposal]:
+    def extend_and_propose(self, work: list[Work], ring: torch.Tensor | None) -> list[Proposal]:
+        """Extend each entry's sequence by its tokens and propose from it (`ring`: where its
+        features are read from, for entries with ring rows)."""
         out = [Proposal() for _ in work]
         shapes = {i: w.greedy_shape for i, w in enumerate(work) if w.greedy_shape is not None}
         sampled = [i for i, w in enumerate(work) if w.op.num_steps > 0 and not w.seq.sampling.greedy]
@@ -254,8 +254,9 @@ class DraftEngine:
         steps = max(shape[1] for shape in shapes.values())
         pad = [Row(r.pad_slot, 0, [])] * (b - len(rows))
         ends = [row.start + len(row.tokens) for row in rows] + [t] * len(pad)
-        ctx = r.ctx_bucket(draft_cycle_entries(max(row.start for row in rows), max(len(row.tokens) for row in rows),
-                                               max(ends[: len(rows)]), steps, topk))
+        ctx = self._views(b * max(t, topk), draft_cycle_entries(max(row.start for row in rows),
+                                                                  max(len(row.tokens) for row in rows),
+                                                                  max(ends[: len(rows)]), steps, topk))
         gather = ring is not None and all(w.rows is not None for w in work)
         at = [w.rows or [] for w in work] + [[]] * len(pad) if gather else [None] * b  # each token's ring row
         ints = np.array([[*row.tokens, *[0] * (t - len(row.tokens)), *range(row.start, row.start + t), row.slot,
@@ -297,7 +298,7 @@ class DraftEngine:
         grown: dict[int, tuple[list[int], list[int]]] = {}
         for topk in sorted({shape[0] for shape in shapes.values()}):
             steps = max(shape[1] for shape in shapes.values() if shape[0] == topk)
-            ctx = r.ctx_bucket(max(ends) + (steps - 1) * topk)
+            ctx = self._views(b * topk, max(ends) + (steps - 1) * topk)
 
             def fn(logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                    topk: int = topk, steps: int = steps, ctx: int = ctx) -> tuple[torch.Tensor]:
@@ -308,6 +309,16 @@ class DraftEngine:
             assert packed is not None
             grown.update(unpack_trees(packed, shapes, topk))
         return grown
+
+    def _views(self, rows: int, entries: int) -> int:
+        """The width of a cycle's views of the KV entries (its tree nodes' visibility) for a
+        batch's `rows` tokens a forward and `entries` spanned: with the fused head and level
+        kernel, whose costs do not grow with it, the cache's whole length (one graph for every
+        context length); else the context bucket."""
+        r = self.runner
+        if self.level is not None and r.fused_head is not None and rows <= r.fused_head.max_rows:
+            return r.cache.max_len
+        return r.ctx_bucket(entries)
 
     def _grow_fn(self, logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                  topk: int, steps: int, ctx: int) -> tuple[torch.Tensor]:
@@ -362,31 +373,3 @@ class DraftEngine:
         if seq is not None:
             self.runner.release(seq.slot)
         return DraftResult(op.seq_id)
-
-
-def fused_head(head: Eagle3Head, mode: str) -> FusedHead | None:
-    """The head's fused step for --fused-head `mode` (auto, on, off) on CUDA: None for off, or for
-    auto where it does not run (a head it does not support, no Triton; logged); on raises there."""
-    if mode == "off":
-        return None
-    reason = fused_head_unsupported(head)
-    if reason is None:
-        try:
-            return FusedHead(head)
-        except ImportError as e:
-            reason = str(e)
-    if mode == "on":
-        raise ValueError(f"--fused-head on: {reason}")
-    log.info("the draft's fused head step does not run here (%s): the padded path", reason)
-    return None
-
-
-def level_kernel(head: Eagle3Head) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """kernels.tree.tree_level with the head's draft-to-target id map bound."""
-    from specsplit.models.kernels.tree import tree_level  # Triton: the fused head imports it too
-
-    def level(lp: torch.Tensor, ids: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, ...]:
-        return tree_level(lp, ids, head.d2t, *rest)
-
-    return level
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -9,6 +10,7 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine
+from draft_service.warmup import warm_up
 from specsplit.checkpoints.eagle_head import load_head, resolve_head_dir
 from specsplit.checkpoints.shapes import random_embedding, random_weights_spec
 from specsplit.checkpoints.target_checkpoint import load_safetensors_dir, load_target_config, resolve_target_dir
@@ -18,6 +20,7 @@ from specsplit.transport.handoff import open_reader
 from specsplit.transport.handoff.base import DTYPES, Descriptor
 
 EMBED_KEY = "model.embed_tokens.weight"
+WARM_TOPK = (1, 4)  # chains, and trees of SGLang's usual branching
 log = logging.getLogger("specsplit.draft")
 
 
@@ -50,6 +53,10 @@ class DraftRuntime:
                                   cfg.compile, cfg.max_topk, cfg.fused_head)
         self.descriptor: Descriptor | None = None
         self.opens = 0  # hidden-store mappings opened: once per target, never per cycle
+        self.warm_topk = cfg.warm_topk or list(WARM_TOPK)
+        if cfg.warm_up:  # the kernels compile (the graphs are captured once the target attaches)
+            with self._on_device():
+                warm_up(self.engine, self.warm_topk, capture=False)
 
     def attach(self, desc: Descriptor) -> None:
         if desc == self.descriptor:
@@ -58,10 +65,18 @@ class DraftRuntime:
         if desc.width != width:
             raise ValueError(f"hidden store rows are {desc.width} wide, this head reads {width}")
         if self.engine.reader is not None:
+            self.engine.runner.graphs.forget(reads_ring)  # their ring is gone with its reader
             self.engine.reader.close()
         self.engine.reader = open_reader(desc, self.cfg.device)
         self.descriptor = desc
         self.opens += 1
+        if self.cfg.warm_up:  # the graphs, reading the features where serving will
+            with self._on_device():
+                warm_up(self.engine, self.warm_topk, capture=True, ring=self.engine.reader.ring_on(self.engine.device))
+
+    def _on_device(self) -> contextlib.AbstractContextManager[object]:
+        device = self.engine.device
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
     def step(self, ops: list[DraftOp]) -> tuple[list[DraftResult], StepTiming]:
         t0 = time.perf_counter()
@@ -75,3 +90,8 @@ class DraftRuntime:
 
     def stats(self) -> dict[str, int]:
         return {"active_sequences": len(self.engine.seqs), "free_kv_slots": self.engine.runner.free_slots}
+
+
+def reads_ring(key: tuple[object, ...]) -> bool:
+    """Whether a draft graph's key names a ring it reads its features from."""
+    return any(isinstance(part, tuple) and part[:1] == ("ring",) for part in key)

@@ -246,22 +246,35 @@ class TargetEngine:
         # Recapture, Resume: features of positions 0..length-1 pair with tokens 1..length (the last not cached yet)
         return Outcome(TargetResult(op.seq_id, tokens=[*seq.tokens[1:], seq.last_token]), rows)
 
-    def warm_up(self) -> None:
-        """Compile the fused step's kernels before the first request: on a machine without
-        Triton's cache that takes longer than a step may. Steps of every tile height the
-        fused step uses (one token; 2, 20 and 40 rows; two sequences) run on a scratch slot,
-        which is then freed. The verify steps accept on the device, as served."""
+    def warm_up(self) -> int:
+        """Run every verify shape of a one-sequence batch once before serving, so that no request
+        waits for a kernel to compile or a graph to be captured (on a machine without Triton's
+        cache a compile takes longer than many steps): one row without features (a cycle that
+        drafted nothing), and chains and trees of 1 up to max_draft_tokens + 1 rows with features
+        (into the ring's first rows where it is set, as served), accepted on the device; then the
+        fused step's other tile heights (20 and 40 rows; two sequences). All on a scratch slot,
+        freed after. Returns the shapes run."""
         fused = self.runner.fused
         if fused is None:
-            return
+            return 0
+        ring_row = 0 if self.runner.ring is not None else -1
+        most = min(self.cfg.max_draft_tokens + 1, fused.max_rows)
         slot = self.runner.allocate()
+        steps = [Step([Row(slot, 8, [0], accept=True)])]
+        for t in range(1, most + 1):
+            steps.append(Step([Row(slot, 8, [0] * t, None, True, ring_row)], capture=True))
+            if t > 1:  # a tree (shaped as a chain: the graphs depend on the rows only)
+                steps.append(Step([Row(slot, 8, [0] * t, [-1, *range(t - 1)], True, ring_row)], capture=True))
+        steps += [Step([Row(slot, 8, [0] * rows, accept=True)], capture=True) for rows in (20, 40)
+                  if rows <= fused.max_rows]
+        steps.append(Step([Row(slot, 8, [0]), Row(self.runner.pad_slot, 8, [0])], capture=True))
         try:
-            self.runner.run(Step([Row(slot, 0, [0] * 8)]))
-            for rows, capture in ((1, False), (1, True), (2, True), (20, True), (40, True)):
-                self.runner.verify(Step([Row(slot, 8, [0] * rows, accept=True)], capture=capture))
-            self.runner.verify(Step([Row(slot, 8, [0]), Row(self.runner.pad_slot, 8, [0])], capture=True))
+            self.runner.run(Step([Row(slot, 0, [0] * 8)]))  # committed entries for the steps to see
+            for step in steps:
+                self.runner.verify(step)
         finally:
             self.runner.release(slot)
+        return len(steps)
 
     def hold(self, epoch: int) -> int:
         """Serve the lease `epoch` (0: none) from now on: every sequence opened under another is

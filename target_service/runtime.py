@@ -61,6 +61,11 @@ class TargetRuntime:
         self.device = rank_device(cfg.device, tp.rank)
         self.model = model or build_model(cfg, tp)
         self.engine = TargetEngine(cfg, self.model)
+        self.writer = None
+        if tp.rank == 0:
+            width = 3 * self.model.cfg.hidden_size
+            self.writer = open_writer(cfg.hidden_backend, cfg.ring_rows, width, DTYPES[cfg.dtype], self.device)
+            self.engine.write_ring(self.writer.ring_on(self.device))
         if self.engine.runner.fused is not None:
             t0 = time.perf_counter()
             try:
@@ -74,12 +79,7 @@ class TargetRuntime:
                 self.engine.runner.fused = None
                 self.engine.runner.graphs.graphs.clear()
             else:
-                log.info("fused step's kernels compiled in %.1f s", time.perf_counter() - t0)
-        self.writer = None
-        if tp.rank == 0:
-            width = 3 * self.model.cfg.hidden_size
-            self.writer = open_writer(cfg.hidden_backend, cfg.ring_rows, width, DTYPES[cfg.dtype], self.device)
-            self.engine.write_ring(self.writer.ring_on(self.device))
+                log.info("fused step's kernels compiled and its shapes captured in %.1f s", time.perf_counter() - t0)
 
     def _on_device(self) -> contextlib.AbstractContextManager[object]:
         # the current CUDA device is per thread and steps run on the server's engine thread:

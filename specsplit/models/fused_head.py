@@ -16,6 +16,10 @@ The unfused head runs ~60 kernels a step; this runs seven (eight for an extend: 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +27,8 @@ from specsplit.models.batch import Batch
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.fused import fused_attention_unsupported
 from specsplit.models.layers import KVCache
+
+log = logging.getLogger("specsplit.draft")
 
 
 def fused_head_unsupported(head: Eagle3Head) -> str | None:
@@ -91,3 +97,31 @@ class FusedHead:
         assert normed is not None
         logits = k.norm_mm(normed, m.lm_head.weight, eps, self.pdl, torch.float32, ws)[:, : m.lm_head.vocab]
         return logits, prenorm
+
+
+def fused_head(head: Eagle3Head, mode: str) -> FusedHead | None:
+    """The head's fused step for --fused-head `mode` (auto, on, off) on CUDA: None for off, or for
+    auto where it does not run (a head it does not support, no Triton; logged); on raises there."""
+    if mode == "off":
+        return None
+    reason = fused_head_unsupported(head)
+    if reason is None:
+        try:
+            return FusedHead(head)
+        except ImportError as e:
+            reason = str(e)
+    if mode == "on":
+        raise ValueError(f"--fused-head on: {reason}")
+    log.info("the draft's fused head step does not run here (%s): the padded path", reason)
+    return None
+
+
+def level_kernel(head: Eagle3Head) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """kernels.tree.tree_level with the head's draft-to-target id map bound."""
+    from specsplit.models.kernels.tree import tree_level  # Triton: the fused head imports it too
+
+    def level(lp: torch.Tensor, ids: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, ...]:
+        return tree_level(lp, ids, head.d2t, *rest)
+
+    return level
+

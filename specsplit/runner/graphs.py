@@ -106,6 +106,15 @@ class GraphCache:
         self.last = captured.graph
         return captured.outputs
 
+    def forget(self, stale: Callable[[tuple[object, ...]], bool]) -> int:
+        """Drop the graphs whose key is `stale` (e.g. those reading a hidden-state ring that is
+        gone); how many."""
+        keys = [key for key in self.graphs if stale(key)]
+        for key in keys:
+            del self.graphs[key]
+        self.last = None
+        return len(keys)
+
     def _capture(self, key: tuple[object, ...], fn: StaticFn, inputs: dict[str, torch.Tensor]) -> _Captured:
         if self.compile:
             log.info("compiling the graph of %s (its first use)", key)

@@ -235,7 +235,9 @@ class ModelRunner:
         b, t = self.batch_bucket(len(rows)), max(len(r.tokens) for r in rows)
         if self.row_bucket is not None:
             t = self.row_bucket(t)
-        ctx = self.ctx_bucket(max(r.start for r in rows) + t)
+        # the fused head reads no context bucket: one graph for every context length
+        head = self.fused_head is not None and b * t <= self.fused_head.max_rows
+        ctx = self.cache.max_len if head else self.ctx_bucket(max(r.start for r in rows) + t)
         tree = any(r.parents for r in rows)
         ring = self._ring_rows(step, verify)
         packed, layout = pack_rows(rows + [Row(self.pad_slot, 0, [])] * (b - len(rows)), b, t, tree, verify, ring)

@@ -27,6 +27,7 @@ def _top_log_probs(x_ptr, val_ptr, idx_ptr, V, stride, K: tl.constexpr, BLOCK: t
     for j in tl.static_range(K):
         best = tl.max(x, axis=0)
         at = tl.min(tl.where(x == best, offs, BLOCK), axis=0)  # the lowest index of the largest
+        at = tl.minimum(at, V - 1)  # (a row of NaNs matches nothing: still an index in the vocabulary)
         tl.store(val_ptr + row * K + j, (best - top) - log_sum)  # as log_softmax rounds it: (x - max) - log Σ
         tl.store(idx_ptr + row * K + j, at.to(tl.int64))
         x = tl.where(offs == at, float("-inf"), x)

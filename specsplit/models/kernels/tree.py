@@ -9,6 +9,10 @@ sequence
   - gathers each new frontier node's inputs (its parent's pre-norm state) and builds its view of
     the KV entries (its parent's, plus its own next entry), its entry and rotary position.
 
+The views change only over the tree's own entries, after the committed ones: the kernel
+rewrites that window in place, so its cost does not grow with the views' width (the draft
+keeps it fixed: one graph serves every context length).
+
 Unfused this is ~20 small kernels a level.
 """
 
@@ -20,7 +24,7 @@ import triton.language as tl
 @triton.jit
 def _tree_level(lp_ptr, ids_ptr, d2t_ptr, front_ptr, frontier_ptr, len_ptr, prenorm_ptr, vis_ptr,
                 scores_ptr, tokens_ptr, parents_ptr, next_front_ptr, next_tokens_ptr, next_frontier_ptr,
-                inputs_ptr, next_vis_ptr, entries_ptr, positions_ptr, base, depth, H, CTX,
+                inputs_ptr, entries_ptr, positions_ptr, base, depth, H, CTX,
                 K: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     n: tl.constexpr = K * K
@@ -59,12 +63,17 @@ def _tree_level(lp_ptr, ids_ptr, d2t_ptr, front_ptr, frontier_ptr, len_ptr, pren
         m = s_ok[:, None] & (c[None, :] < H)
         row = tl.load(prenorm_ptr + (b * K + lane)[:, None] * H + c[None, :], mask=m, other=0.0)
         tl.store(inputs_ptr + (b * K + s)[:, None] * H + c[None, :], row, mask=m)
-    for c0 in range(0, CTX, BLOCK):  # the view: the parent's, and its own entry
+    # the view: the parent's, and its own entry. Every node sees the entries below `length`
+    # (committed); the tree's lie in [length, entry], the only window that changes, in place:
+    # a block's rows are all read before any is written (lanes take other lanes' views)
+    for c0 in range(length, length + (depth + 1) * K, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         m = s_ok[:, None] & (c[None, :] < CTX)
         row = tl.load(vis_ptr + (b * K + lane)[:, None] * CTX + c[None, :], mask=m, other=0)
         row = tl.where(c[None, :] == entry[:, None], 1, row)
-        tl.store(next_vis_ptr + (b * K + s)[:, None] * CTX + c[None, :], row, mask=m)
+        tl.debug_barrier()
+        tl.store(vis_ptr + (b * K + s)[:, None] * CTX + c[None, :], row, mask=m)
+        tl.debug_barrier()
 
 
 def tree_level(lp: torch.Tensor, ids: torch.Tensor, d2t: torch.Tensor, front_scores: torch.Tensor,
@@ -73,13 +82,16 @@ def tree_level(lp: torch.Tensor, ids: torch.Tensor, d2t: torch.Tensor, front_sco
     """One level of B trees of branching K: the children's log-probabilities lp [B, K, K] and
     draft ids [B, K, K] (each frontier node's top K), d2t [Vd], the frontier's cumulative scores
     [B, K] float64 and candidate indices [B, K], committed draft entries `lengths` [B], the
-    level's pre-norm states [B, K, H] and views visible [B, K, ctx]; `base` the candidate index
-    of this level's first child, `depth` this level's (1 for the level after the roots).
-    Returns the level's candidates (scores [B, K·K] float64, target ids, parents), the next
-    frontier (scores [B, K], target ids, candidate indices), and the next level's inputs
-    [B, K, H], views [B, K, ctx], KV entries [B, K] and rotary positions [B, K]."""
+    level's pre-norm states [B, K, H] and views visible [B, K, ctx] (contiguous; updated in
+    place to the next level's); `base` the candidate index of this level's first child, `depth`
+    this level's (1 for the level after the roots). Returns the level's candidates (scores
+    [B, K·K] float64, target ids, parents), the next frontier (scores [B, K], target ids,
+    candidate indices), and the next level's inputs [B, K, H], views (`visible`), KV entries
+    [B, K] and rotary positions [B, K]."""
     b, k, h = prenorm.shape
     ctx = visible.shape[-1]
+    if not visible.is_contiguous():
+        raise ValueError("tree_level updates the views in place: they must be contiguous")
     dev = lp.device
     scores = torch.empty(b, k * k, dtype=torch.float64, device=dev)
     tokens = torch.empty(b, k * k, dtype=torch.int64, device=dev)
@@ -88,14 +100,11 @@ def tree_level(lp: torch.Tensor, ids: torch.Tensor, d2t: torch.Tensor, front_sco
     next_tokens = torch.empty(b, k, dtype=torch.int64, device=dev)
     next_frontier = torch.empty(b, k, dtype=torch.int64, device=dev)
     inputs = torch.empty_like(prenorm)
-    vis = visible.contiguous()
-    vis_u8 = vis.view(torch.uint8) if vis.dtype == torch.bool else vis
-    next_vis = torch.empty_like(vis)
-    next_u8 = next_vis.view(torch.uint8) if next_vis.dtype == torch.bool else next_vis
+    vis_u8 = visible.view(torch.uint8) if visible.dtype == torch.bool else visible
     entries = torch.empty(b, k, dtype=torch.int64, device=dev)
     positions = torch.empty(b, k, dtype=torch.int64, device=dev)
     _tree_level[(b,)](lp.contiguous(), ids.contiguous(), d2t, front_scores.contiguous(), frontier.contiguous(),
                       lengths.contiguous(), prenorm.contiguous(), vis_u8, scores, tokens, parents, next_front,
-                      next_tokens, next_frontier, inputs, next_u8, entries, positions, base, depth, h, ctx, K=k,
-                      NP=triton.next_power_of_2(k * k), KP=triton.next_power_of_2(k), BLOCK=256, num_warps=4)
-    return scores, tokens, parents, next_front, next_tokens, next_frontier, inputs, next_vis, entries, positions
+                      next_tokens, next_frontier, inputs, entries, positions, base, depth, h, ctx, K=k,
+                      NP=triton.next_power_of_2(k * k), KP=triton.next_power_of_2(k), BLOCK=64, num_warps=4)
+    return scores, tokens, parents, next_front, next_tokens, next_frontier, inputs, visible, entries, positions

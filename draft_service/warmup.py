@@ -1,0 +1,87 @@
+"""Every shape of a one-sequence batch, run once before serving.
+
+On the GPU the first run of a shape compiles its Triton kernels (seconds on a machine without
+Triton's cache) and captures its CUDA graph (~15 ms): a request that met a new shape mid-stream
+(a deeper draft, a longer extend) would stall for that long, and a gateway that chooses the
+steps per cycle meets many. So the draft runs, for one sequence, every extend bucket of a cycle
+(1 up to max_steps + 1 tokens) and of the extends put off (longer, up to the runner's padded
+rows), each at every depth up to max_steps and each branching of `topks`:
+
+- at start, eagerly: the kernels compile (no graph is captured: where the features will come
+  from, the target's ring or the messages, is not known before the target attaches);
+- once the target's hidden-state store is attached, from graphs: the graphs that read their
+  features from where serving will read them are captured.
+
+The graphs have no context dimension (draft_service.engine: `_views`), so these shapes serve
+every context length. Larger batches capture their graphs on first use, most of their kernels
+compiled by then.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from draft_service.engine import DraftEngine, DraftSequence, Work
+from specsplit.ops import ExtendPropose, HiddenRef, Sampling, extend_bucket
+
+log = logging.getLogger("specsplit.draft")
+
+
+def extend_lengths(max_steps: int, padded_tokens: int) -> list[int]:
+    """Tokens of one extend for each bucket a cycle's extends (1..max_steps + 1 tokens: one graph
+    with the proposal) and the extends put off (longer, up to `padded_tokens`: the padded step,
+    then the proposal) fall in: the shortest of each bucket."""
+    cycle: dict[int, int] = {}
+    for n in range(1, max_steps + 2):
+        cycle.setdefault(extend_bucket(n), n)
+    put_off: dict[int, int] = {}
+    for n in range(max_steps + 2, padded_tokens + 1):
+        put_off.setdefault(extend_bucket(n), n)
+    return [*cycle.values(), *put_off.values()]
+
+
+def shapes(engine: DraftEngine, topks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """(tokens extended, steps, topk) of every shape warmed."""
+    lengths = extend_lengths(engine.max_steps, engine.runner.padded_tokens)
+    for topk in sorted({k for k in topks if 1 <= k <= engine.max_topk}):
+        for steps in range(1, engine.max_steps + 1):
+            for n in lengths:
+                yield n, steps, topk
+
+
+def warm_up(engine: DraftEngine, topks: Sequence[int], capture: bool, ring: torch.Tensor | None = None) -> int:
+    """Run every shape of `shapes` once for a scratch sequence, eagerly or (`capture`) from
+    graphs; its features read from rows 0.. of `ring` (whatever they hold: the proposals are
+    dropped), or without a ring zeros passed in. Returns the shapes run: none where the draft
+    runs no graphs (the CPU) or compiles each (--compile: tens of seconds a shape)."""
+    r = engine.runner
+    if not (r.padded and r.graphs.enabled) or r.graphs.compile:
+        return 0
+    started, n_shapes = time.perf_counter(), 0
+    width = 3 * engine.head.cfg.target_hidden_size
+    dtype = next(engine.head.parameters()).dtype
+    longest = max(extend_lengths(engine.max_steps, r.padded_tokens))
+    zeros = torch.zeros(longest, width, dtype=dtype, device=engine.device)  # [tokens, 3H]
+    # positions > 0: a cycle's extend continues a sequence (an extend from 0 runs eagerly)
+    seq = DraftSequence(r.allocate(), 1, Sampling(), torch.Generator(device=engine.device), engine.epoch)
+    r.graphs.enabled = capture
+    try:
+        with r.mode():
+            for n, steps, topk in shapes(engine, topks):
+                if seq.length + n + engine.max_steps * engine.max_topk >= engine.max_context:
+                    seq.length = 1
+                op = ExtendPropose(-1, [0] * n, HiddenRef(0, n, 0), steps, position=seq.length, topk=topk,
+                                   num_draft_tokens=steps * topk + 1)
+                work = Work(0, op, seq, None, list(range(n))) if ring is not None else Work(0, op, seq, zeros[:n])
+                engine.extend_and_propose([work], ring)
+                n_shapes += 1
+    finally:
+        r.graphs.enabled = True
+        r.release(seq.slot)
+    log.info("draft shapes warmed %s: %d in %.1f s", "from graphs" if capture else "eagerly (kernels)",
+             n_shapes, time.perf_counter() - started)
+    return n_shapes

@@ -1,0 +1,76 @@
+"""Shapes run before serving (draft_service.warmup, TargetEngine.warm_up): on the GPU a request of
+any depth, extend length or tree size at batch one meets its kernels compiled and its graphs
+captured, whatever its context length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_service.config import DraftConfig
+from draft_service.runtime import reads_ring
+from draft_service.warmup import extend_lengths
+from gateway.local import LocalEngines
+from gateway.sequence import GenerationRequest
+from specsplit.ops import Sampling, extend_bucket
+from specsplit.runner.graphs import GraphCache
+from target_service.config import TargetConfig
+from tests.test_gpu_services import needs_gpus
+
+
+@pytest.mark.parametrize("max_steps", [1, 3, 8])
+def test_every_extend_bucket_is_warmed_once(max_steps: int) -> None:
+    lengths = extend_lengths(max_steps, 32)
+    cycle, put_off = [n for n in lengths if n <= max_steps + 1], [n for n in lengths if n > max_steps + 1]
+    # a cycle's extends (one graph with the proposal) and the longer ones put off (the padded step) are
+    # different graphs even where their buckets meet
+    assert sorted({extend_bucket(n) for n in range(1, max_steps + 2)}) == [extend_bucket(n) for n in cycle]
+    assert sorted({extend_bucket(n) for n in range(max_steps + 2, 33)}) == [extend_bucket(n) for n in put_off]
+    assert extend_lengths(8, 32) == [1, 2, 3, 5, 9, 10, 17]
+
+
+def test_warm_topk_must_lie_within_max_topk() -> None:
+    with pytest.raises(ValueError, match="warm_topk"):
+        DraftConfig(warm_topk=[1, 9], max_topk=8).validate()
+    assert DraftConfig(warm_topk=[2, 8]).validate().warm_topk == [2, 8]
+
+
+def test_a_new_ring_drops_the_graphs_that_read_the_old_one() -> None:
+    cache = GraphCache(torch.device("cpu"))
+    keys = [("extend+grow", 1, 4, 1728, 4, 3, 2153, ("ring", 1234)), ("extend+grow", 1, 4, 1728, 4, 3, 2153, None),
+            ("padded", 1, 16, 2153, False, False, 1728, False, None)]
+    cache.graphs.update(dict.fromkeys(keys))  # type: ignore[arg-type]
+    assert cache.forget(reads_ring) == 1
+    assert list(cache.graphs) == keys[1:]
+
+
+PROMPTS = [[1, 2, 3], [7] * 20, [100, 42, 17, 250, 3, 3, 9], list(range(10, 60))]
+
+
+@pytest.mark.quick
+@pytest.mark.gpu
+@needs_gpus(1)
+def test_warmed_engines_capture_nothing_while_serving_one_sequence(tiny_target: Path, tiny_head: Path) -> None:
+    """fp32, CUDA IPC, the fused target step and head: chains of every depth, trees and adaptive
+    requests, one at a time, capture no graph after start (and stay lossless)."""
+    engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="float32", max_context=256,
+                                        hidden_backend="cuda_ipc", fused_decode="pdl"),
+                           DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", dtype="float32",
+                                       max_context=256))
+    try:
+        assert engines.draft is not None
+        target, draft = engines.target.engine.runner.graphs.graphs, engines.draft.engine.runner.graphs.graphs
+        warmed = (len(target), len(draft))
+        assert warmed[0] >= 30 and warmed[1] >= 90, warmed
+        requests = [GenerationRequest(p, 40, Sampling(), {511}, 0) for p in PROMPTS]
+        requests += [GenerationRequest(p, 40, Sampling(), {511}, steps) for steps in (1, 3, 8) for p in PROMPTS]
+        requests += [GenerationRequest(p, 40, Sampling(), {511}, 5, 4, 16) for p in PROMPTS]
+        requests += [GenerationRequest(p, 40, Sampling(), {511}, 3, 4, 8, adaptive=True) for p in PROMPTS]
+        out = [engines.generate([r])[0].tokens for r in requests]  # one at a time: batches of one
+        assert (len(target), len(draft)) == warmed
+        for i, tokens in enumerate(out):
+            assert tokens == out[i % len(PROMPTS)], i
+    finally:
+        engines.close()
