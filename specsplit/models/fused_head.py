@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from specsplit.models.batch import Batch
 from specsplit.models.eagle3 import Eagle3Head
-from specsplit.models.fused import fused_attention_unsupported
+from specsplit.models.fused import fused_attention_unsupported, pdl_pays
 from specsplit.models.layers import KVCache
 
 log = logging.getLogger("specsplit.draft")
@@ -45,7 +45,9 @@ def fused_head_unsupported(head: Eagle3Head) -> str | None:
 class FusedHead:
     """Eagle3Head's forward for a padded batch of B·T ≤ max_rows tokens, as fused kernels."""
 
-    def __init__(self, head: Eagle3Head, pdl: bool = False) -> None:
+    def __init__(self, head: Eagle3Head, pdl: bool | None = None) -> None:
+        """pdl: programmatic dependent launch for every step (True, False), or per step as the
+        fused target decides it (None: specsplit.models.fused.pdl_pays)."""
         reason = fused_head_unsupported(head)
         if reason:
             raise ValueError(reason)
@@ -55,6 +57,7 @@ class FusedHead:
         self.head, self.pdl, self.proj, self.attn = head, pdl, projections, verify
         self.input = head_kernels.head_input
         dev = head.fc.weight.device
+        self.capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
         self.max_rows = verify.MAX_ROWS
         self.ws = projections.Workspace(dev)
 
@@ -66,6 +69,7 @@ class FusedHead:
         tokens up to its own."""
         m, cfg, k, ws = self.head, self.head.cfg, self.proj, self.ws
         n = tokens.shape[0]
+        pdl = self.pdl if self.pdl is not None else pdl_pays(cfg.hidden_size, n, self.capability)
         if not batch.is_padded or batch.entries is None or batch.entries.numel() != n or n > self.max_rows:
             raise ValueError(f"a fused head step takes a padded batch of at most {self.max_rows} tokens, got {n}")
         assert batch.slots is not None and batch.hidden is not None
@@ -88,14 +92,14 @@ class FusedHead:
         shard = mid.self_attn.shard
         o = self.attn.tree_attention(qkv, m.rotary.cos, m.rotary.sin, positions, entries, slots,
                                      mask, cache.k[0], cache.v[0], shard.q_count, shard.kv_count, ws.counters, ws.sms,
-                                     self.pdl, visible=visible)  # [N, Hq * D]
-        h, normed = k.mm_residual(o, mid.self_attn.o_proj.weight, hidden, self.pdl, ws,
+                                     pdl, visible=visible)  # [N, Hq * D]
+        h, normed = k.mm_residual(o, mid.self_attn.o_proj.weight, hidden, pdl, ws,
                                   mid.post_attention_layernorm.weight)
         assert normed is not None
-        a = k.gate_up_silu(normed, mid.mlp.gate_up_proj.weight, eps, self.pdl, ws)  # [N, I]
-        prenorm, normed = k.mm_residual(a, mid.mlp.down_proj.weight, h, self.pdl, ws, m.norm.weight)
+        a = k.gate_up_silu(normed, mid.mlp.gate_up_proj.weight, eps, pdl, ws)  # [N, I]
+        prenorm, normed = k.mm_residual(a, mid.mlp.down_proj.weight, h, pdl, ws, m.norm.weight)
         assert normed is not None
-        logits = k.norm_mm(normed, m.lm_head.weight, eps, self.pdl, torch.float32, ws)[:, : m.lm_head.vocab]
+        logits = k.norm_mm(normed, m.lm_head.weight, eps, pdl, torch.float32, ws)[:, : m.lm_head.vocab]
         return logits, prenorm
 
 
