@@ -265,7 +265,7 @@ class FakeHead:
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 ctx: int, entries: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.seen.append((positions, entries, visible.clone()))  # (the fused level updates views in place)
+        self.seen.append((positions, entries, None if visible is None else visible.clone()))  # (updated in place)
         draft_ids = (tokens - 1) // 3  # the head embeds target ids: back to this table's rows
         return self.tok[draft_ids] + hidden @ self.mix, torch.tanh(hidden + self.emb[draft_ids])
 
