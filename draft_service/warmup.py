@@ -61,6 +61,9 @@ def warm_up(engine: DraftEngine, topks: Sequence[int], capture: bool, ring: torc
     r = engine.runner
     if not (r.padded and r.graphs.enabled) or r.graphs.compile:
         return 0
+    if not r.free_slots:  # (attached again while every slot serves: those shapes are warm already)
+        log.info("draft shapes not warmed: no free KV slot")
+        return 0
     started, n_shapes = time.perf_counter(), 0
     width = 3 * engine.head.cfg.target_hidden_size
     dtype = next(engine.head.parameters()).dtype
