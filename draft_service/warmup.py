@@ -61,7 +61,7 @@ def warm_up(engine: DraftEngine, topks: Sequence[int], capture: bool, ring: torc
     r = engine.runner
     if not (r.padded and r.graphs.enabled) or r.graphs.compile:
         return 0
-    if not r.free_slots:  # (attached again while every slot serves: those shapes are warm already)
+    if not r.free_slots:  # (attached again while every slot serves: shapes capture on first use)
         log.info("draft shapes not warmed: no free KV slot")
         return 0
     started, n_shapes = time.perf_counter(), 0
