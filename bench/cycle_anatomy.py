@@ -205,6 +205,7 @@ def main() -> None:
                                      compile=a.draft_compile, fused_head=a.draft_fused_head).validate())
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
+    draft.warm_graphs()  # as the services do once attached
     prompt = [100 + (i * 37) % 5000 for i in range(a.prompt_tokens)]
     modes = [(s, 1, 0) for s in (int(x) for x in a.num_steps.split(",") if x)]
     modes += [(s, a.topk, a.num_draft_tokens) for s, _, _ in modes if s > 0]

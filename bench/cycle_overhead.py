@@ -68,6 +68,7 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
                                      fused_head=a.draft_fused_head, max_topk=max(8, tree_topk(a))).validate())
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
+    draft.warm_graphs()  # as the services do once attached
     try:
         for steps in [0, *steps_list]:  # warm-up: capture the graphs of every bucket the runs will use (forced
             # acceptance's extends of several tokens among them)

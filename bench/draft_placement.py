@@ -111,6 +111,7 @@ def colocation(a: argparse.Namespace) -> list[dict[str, Any]]:
         draft = DraftRuntime(DraftConfig(head="random", target=f"shape:{a.shape}", dtype="bfloat16",
                                          device=draft_device, max_context=1024, max_sequences=2).validate())
         draft.attach(target.writer.descriptor)
+        draft.warm_graphs()  # as the services do once attached
         generate(target, draft, prompts[0], 16, 3)  # warm-up
         for steps in (3, 5):
             replayer = Replayer(refs, a.accept_rate, target.model.cfg.vocab_size)

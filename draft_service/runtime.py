@@ -70,9 +70,15 @@ class DraftRuntime:
         self.engine.reader = open_reader(desc, self.cfg.device)
         self.descriptor = desc
         self.opens += 1
-        if self.cfg.warm_up:  # the graphs, reading the features where serving will
-            with self._on_device():
-                warm_up(self.engine, self.warm_topk, capture=True, ring=self.engine.reader.ring_on(self.engine.device))
+
+    def warm_graphs(self) -> int:
+        """Once attached: capture the warm-up's graphs, reading the features where serving will
+        (draft_service.warmup); how many shapes ran."""
+        if not self.cfg.warm_up or self.engine.reader is None:
+            return 0
+        ring = self.engine.reader.ring_on(self.engine.device)
+        with self._on_device():
+            return warm_up(self.engine, self.warm_topk, capture=True, ring=ring)
 
     def _on_device(self) -> contextlib.AbstractContextManager[object]:
         device = self.engine.device

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from specsplit.transport.lease import Leases
 from specsplit.transport.step_stream import Answered, StepAfter, StepCodec, answer_step, serve_steps
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
+log = logging.getLogger("specsplit.draft")
 _CODEC = StepCodec(wire.draft_op_from_proto, wire.write_draft_result, DraftResult, draft_pb2.DraftStepResponse)
 
 
@@ -69,6 +71,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _attach(self, desc: Descriptor) -> None:
         with self.engine_lock:
             self.runtime.attach(desc)
+        # the graphs are captured after the reply (seconds): steps that come meanwhile wait for the lock
+        self.executor.submit(self._warm_graphs)
+
+    def _warm_graphs(self) -> None:
+        try:
+            with self.engine_lock:
+                self.runtime.warm_graphs()
+        except Exception:  # noqa: BLE001 - serving goes on: its shapes are captured on first use
+            log.exception("the draft's warm-up failed")
 
     @property
     def _after(self) -> StepAfter | None:

@@ -9,8 +9,9 @@ rows), each at every depth up to max_steps and each branching of `topks`:
 
 - at start, eagerly: the kernels compile (no graph is captured: where the features will come
   from, the target's ring or the messages, is not known before the target attaches);
-- once the target's hidden-state store is attached, from graphs: the graphs that read their
-  features from where serving will read them are captured.
+- once the target's hidden-state store is attached (after the attach's reply: the service's
+  steps wait for it), from graphs: the graphs that read their features from where serving
+  will read them are captured.
 
 The graphs have no context dimension (draft_service.engine: `_views`), so these shapes serve
 every context length. Larger batches capture their graphs on first use, most of their kernels

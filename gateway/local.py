@@ -33,6 +33,7 @@ class LocalEngines:
             self.draft = DraftRuntime(draft_cfg.validate())
             assert self.target.writer is not None
             self.draft.attach(self.target.writer.descriptor)
+            self.draft.warm_graphs()
 
     def generate(self, requests: list[GenerationRequest], draft_client: DraftClient | None = None
                  ) -> list[LocalResult]:
