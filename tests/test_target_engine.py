@@ -159,3 +159,35 @@ def test_a_forced_tree_commits_its_path_in_the_step(tiny_target: Path) -> None:
         finally:
             rt.close()
     assert torch.equal(got[0], got[1])
+
+
+def test_a_newcomer_leaves_the_running_sequences_on_their_path(tiny_target: Path) -> None:
+    """Padded (as on a GPU): a step that prefills a newcomer beside two running sequences'
+    verifies runs the verifies padded, as a step of theirs alone would, the prompt eagerly: the
+    same tokens and the same ring rows, bit for bit, as the two run one after the other."""
+    prompts, newcomer = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8]], [9, 9, 8, 7]
+    got = []
+    for together in (True, False):
+        rt = runtime(tiny_target, max_context=128, max_sequences=3)
+        rt.engine.runner.padded = True
+        padded_rows: list[int] = []
+        run_padded = rt.engine.runner._run_padded
+        rt.engine.runner._run_padded = (  # type: ignore[method-assign]
+            lambda step, verify=False, f=run_padded, seen=padded_rows: seen.append(len(step.rows)) or f(step, verify))
+        assert rt.writer is not None
+        try:
+            pres, _ = rt.step([Prefill(i, p) for i, p in enumerate(prompts)], [])
+            verifies = [Verify(0, [7, 1, 1]), Verify(1, [5, 6], draft_parents=[-1, -1])]
+            gens = [p.hidden.generation for p in pres]
+            if together:
+                out, _ = rt.step([*verifies, Prefill(2, newcomer)], gens)
+            else:
+                out, _ = rt.step(verifies, gens)
+                out += rt.step([Prefill(2, newcomer)], [])[0]
+            assert [r.code for r in out] == [Code.OK] * 3 and padded_rows == [2]
+            got.append([(r.tokens, r.num_accepted, rt.writer.ring[r.hidden.offset : r.hidden.offset + r.hidden.rows]
+                         .clone()) for r in out])
+        finally:
+            rt.close()
+    for (tokens, accepted, rows), (alone_tokens, alone_accepted, alone_rows) in zip(*got, strict=True):
+        assert tokens == alone_tokens and accepted == alone_accepted and torch.equal(rows, alone_rows)

@@ -10,6 +10,9 @@ graphs, and the execution path of each step:
   (on CUDA; eagerly on the same shapes without graphs, with identical results);
 - eager: ragged, each row as long as it is (prompts, long rows, CPU serving).
 
+A step that mixes prompts (rows from entry 0) with continuing rows runs as two: the prompts
+eagerly, the others on their own fast path.
+
 On the CPU in fp32 the runner packs the model's projection weights for oneDNN once
 (specsplit.models.parallel.pack_for_cpu), unless it compiles the model.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -37,6 +41,7 @@ from specsplit.runner.graphs import GraphCache, HostInput, Outputs, bucket_up, c
 from specsplit.runner.packing import Row, pack_rows
 
 Model = LlamaModel | Eagle3Head  # logits with captured features, or with pre-norm states
+T = TypeVar("T")
 
 
 @dataclass
@@ -120,12 +125,18 @@ class ModelRunner:
     def run(self, step: Step) -> list[RowOutput]:
         """Each row's logits [T, V] and features [T, X] (views of graph outputs: valid until the
         next step of the same shape)."""
+        split = self._split(step)
+        if split is not None:
+            return _merged(len(step.rows), split, [self.run(_part(step, rows)) for rows in split])
         return self._step(step, False)[0]
 
     def verify(self, step: Step) -> list[Verified]:
         """The target's step: run(step), then each row's argmax and, for rows that accept on the
         device, acceptance and the accepted path's KV entries moved into place; all in the step
         (its graph), read back to the host in one copy."""
+        split = self._split(step)
+        if split is not None:
+            return _merged(len(step.rows), split, [self.verify(_part(step, rows)) for rows in split])
         outputs, ints = self._step(step, True)
         assert ints is not None
         host = ints.tolist()
@@ -145,6 +156,19 @@ class ModelRunner:
         for j, v in enumerate(accepting):
             v.path, v.best = _accepted(host[at + j * width : at + (j + 1) * width], v.logits.shape[0])
         return out
+
+    def _split(self, step: Step) -> tuple[list[int], list[int]] | None:
+        """Where a step mixes rows from entry 0 (prompts, recomputed sequences: they run eagerly)
+        with continuing rows that would take the fused or padded path on their own: the indices
+        of each, run as two steps. A newcomer then neither takes the running sequences off
+        their fast path nor changes the bits they compute."""
+        fresh = [i for i, r in enumerate(step.rows) if r.start == 0]
+        if not fresh or len(fresh) == len(step.rows):
+            return None
+        going = [i for i, r in enumerate(step.rows) if r.start > 0]
+        t = max(len(step.rows[i].tokens) for i in going)
+        fused = self.fused is not None and self.batch_bucket(len(going)) * t <= self.fused.max_rows
+        return (going, fresh) if fused or (self.padded and t <= self.padded_tokens) else None
 
     def _step(self, step: Step, verify: bool) -> tuple[list[RowOutput], torch.Tensor | None]:
         t = max(len(r.tokens) for r in step.rows)
@@ -299,6 +323,21 @@ def _accepted(row: list[int], n: int) -> tuple[list[int], list[int]]:
     t = (len(row) - 1) // 2
     path, best = row[1 : 1 + t], row[1 + t :]
     return path[: row[0]], [best[j] for j in range(t) if path[j] < n]
+
+
+def _part(step: Step, rows: list[int]) -> Step:
+    """The step of some of a step's rows."""
+    hidden = None if step.hidden is None else [step.hidden[i] for i in rows]
+    return Step([step.rows[i] for i in rows], step.capture, hidden)
+
+
+def _merged(n: int, split: tuple[list[int], ...], parts: list[list[T]]) -> list[T]:
+    """The parts' results (each in its rows' order) back in the step's order of n rows."""
+    out: list[T | None] = [None] * n
+    for rows, part in zip(split, parts, strict=True):
+        for i, x in zip(rows, part, strict=True):
+            out[i] = x
+    return out  # type: ignore[return-value]
 
 
 def padded_rows(rows: list[torch.Tensor], b: int, t: int) -> torch.Tensor:
