@@ -89,3 +89,35 @@ def test_warmed_engines_capture_nothing_while_serving_one_sequence(tiny_target: 
             assert tokens == out[i % len(PROMPTS)], i
     finally:
         engines.close()
+
+
+def test_the_draft_service_captures_its_warm_up_after_the_attach_reply(tiny_target: Path, tiny_head: Path) -> None:
+    """Attach maps the ring and answers; the warm-up's graphs are captured next on the engine's
+    thread, under the engine's lock (steps that come meanwhile wait), and a failure there is
+    logged, not raised."""
+    from opentelemetry import metrics, trace
+
+    from draft_service.server import DraftServicer
+    from specsplit.observability.telemetry import Telemetry
+    from specsplit.transport.handoff import open_writer
+
+    rt = DraftRuntime(DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=128))
+    servicer = DraftServicer(rt, Telemetry(trace.get_tracer("test"), metrics.get_meter("test")))
+    writer = open_writer("shm", 64, 3 * rt.head.cfg.target_hidden_size, torch.float32)
+    seen: list[tuple[bool, bool]] = []
+
+    def warm() -> int:
+        seen.append((rt.descriptor is not None, servicer.engine_lock.locked()))
+        raise RuntimeError("a warm-up that fails")
+
+    rt.warm_graphs = warm  # type: ignore[method-assign]
+    try:
+        servicer.executor.submit(servicer._attach, writer.descriptor).result()
+        servicer.executor.submit(lambda: None).result()  # after the warm-up queued behind the attach
+        assert seen == [(True, True)]
+        assert rt.engine.reader is not None  # attached all the same
+    finally:
+        servicer.executor.shutdown()
+        if rt.engine.reader is not None:
+            rt.engine.reader.close()
+        writer.close()
