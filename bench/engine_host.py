@@ -58,7 +58,6 @@ def main() -> None:
     draft = DraftRuntime(DraftConfig(head="random", target=a.model, max_context=1024, max_sequences=2).validate())
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
-    draft.warm_graphs()  # as the services do once attached
     target.engine.runner.padded = draft.engine.runner.padded = True  # the GPU's paths
     target.engine.runner.graphs.run = replayed(target.engine.runner.graphs.run)  # type: ignore[method-assign]
     draft.engine.runner.graphed = replayed(draft.engine.runner.graphed)  # type: ignore[method-assign]

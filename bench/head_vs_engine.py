@@ -44,7 +44,6 @@ def main() -> None:
     draft = DraftRuntime(DraftConfig(head=head, target=a.model, max_context=1024, max_sequences=2).validate())
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
-    draft.warm_graphs()  # as the services do once attached
     batched = BatchedTarget.load(a.model, "cpu", torch.float32, target.model.aux_layer_ids)
     codec = TextCodec.from_checkpoint(resolve_target_dir(a.model))
     assert codec is not None
