@@ -1,7 +1,7 @@
 """Every shape of a one-sequence batch, run once before serving.
 
 On the GPU the first run of a shape compiles its Triton kernels (seconds on a machine without
-Triton's cache) and captures its CUDA graph (~15 ms): a request that met a new shape mid-stream
+Triton's cache) and captures its CUDA graph (milliseconds): a request that met a new shape mid-stream
 (a deeper draft, a longer extend) would stall for that long, and a gateway that chooses the
 steps per cycle meets many. So the draft runs, for one sequence, every extend bucket of a cycle
 (1 up to max_steps + 1 tokens) and of the extends put off (longer, up to the runner's padded
