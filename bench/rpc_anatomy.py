@@ -11,10 +11,12 @@ process, all with nothing to compute:
     event loop, the step handed to an engine thread and back.
 The client is the gateway's own GrpcTarget (op encoding, the stream exchange, result
 decoding), on its event loop; against the socket server also as the gateway's loop thread
-runs it (`socket_blocking`: a blocking socket, no event-loop wake-up). One JSON line: µs
-per call for each server, and the differences.
+runs it (`socket_blocking`: a blocking socket, no event-loop wake-up). Each call carries
+`--batch` Verify ops of `--drafts` draft tokens (0: decodes, nothing captured). One JSON line:
+µs per call for each server, and the differences.
 
   python -m bench.rpc_anatomy --calls 2000
+  python -m bench.rpc_anatomy --calls 2000 --batch 32 --drafts 0
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from specsplit.ops import StepTiming, TargetResult, Verify
-from specsplit.transport import wire
+from specsplit.ops import HiddenRef, StepTiming, TargetResult, Verify
 from specsplit.transport.serving import install_uvloop, new_server
 from specsplit.transport.step_socket import StepSocketServer
-from specsplit.transport.step_stream import StepCodec, answer_step, serve_steps
+from specsplit.transport.step_stream import answer_step, serve_steps
 from specsplit.v1 import target_pb2, target_pb2_grpc
+from target_service.server import CODEC
 
 MODES = ("bare", "framework", "framework_inline", "socket", "socket_loop")
 
@@ -47,13 +49,13 @@ class _Servicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.executor = ThreadPoolExecutor(max_workers=1) if mode in ("framework", "socket_loop") else None
-        self.codec = StepCodec(wire.target_op_from_proto, wire.write_target_result, TargetResult,
-                               target_pb2.TargetStepResponse)
+        self.codec = CODEC  # the target service's
 
     @staticmethod
     def _run(ops: list[Any], _req: Any) -> tuple[list[TargetResult], StepTiming]:
-        return [TargetResult(op.seq_id, tokens=[7], num_accepted=len(getattr(op, "draft_ids", []))) for op in ops], \
-            StepTiming(0.0, 0.0)
+        return [TargetResult(op.seq_id, tokens=[7], num_accepted=len(getattr(op, "draft_ids", [])),
+                             hidden=HiddenRef(i, 1, i + 1) if getattr(op, "capture", False) else None)
+                for i, op in enumerate(ops)], StepTiming(0.0, 0.0)
 
     def answer(self, req: Any) -> Any:
         return answer_step(req, "target", self._run, self.codec)
@@ -107,13 +109,14 @@ async def _loop_socket_server(path: str, servicer: _Servicer) -> asyncio.Abstrac
     return await asyncio.start_unix_server(on_connection, path=path)
 
 
-async def _client(port: int, calls: int, drafts: int, socket: bool, blocking: bool = False) -> float:
+async def _client(port: int, calls: int, drafts: int, batch: int, socket: bool, blocking: bool = False) -> float:
     from gateway.clients import GrpcTarget
 
     target = GrpcTarget(f"127.0.0.1:{port}", (60.0, 0.0) if blocking else None)
     if socket:
         assert target.use_step_transport(_socket_path(port)).startswith("unix:")
-    ops = [Verify(1, list(range(100, 100 + drafts)))]
+    # a batch of greedy verifies (a decode of each sequence where drafts is 0, nothing captured)
+    ops = [Verify(i + 1, list(range(100, 100 + drafts)), capture=drafts > 0) for i in range(batch)]
     for _ in range(50):  # warm-up: the stream opens, the first calls settle
         await target.step(ops, [], 10.0)
     t0 = time.perf_counter()
@@ -127,7 +130,8 @@ async def _client(port: int, calls: int, drafts: int, socket: bool, blocking: bo
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--drafts", type=int, default=3, help="draft tokens in the one Verify op of each call")
+    p.add_argument("--drafts", type=int, default=3, help="draft tokens in each Verify op of a call (0: decodes)")
+    p.add_argument("--batch", type=int, default=1, help="Verify ops a call, one a sequence")
     p.add_argument("--port", type=int, default=50591)
     p.add_argument("--serve", choices=MODES, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -135,17 +139,17 @@ def main() -> None:
     if a.serve:
         asyncio.run(_serve(a.serve, a.port))
         return
-    out: dict[str, Any] = {"bench": "rpc_anatomy", "calls": a.calls, "drafts": a.drafts}
+    out: dict[str, Any] = {"bench": "rpc_anatomy", "calls": a.calls, "drafts": a.drafts, "batch": a.batch}
     for i, mode in enumerate(MODES):
         port = a.port + i
         proc = subprocess.Popen([sys.executable, "-m", "bench.rpc_anatomy", "--serve", mode, "--port", str(port)],
                                 stdout=subprocess.PIPE, text=True)
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-            us = asyncio.run(_client(port, a.calls, a.drafts, mode.startswith("socket")))
+            us = asyncio.run(_client(port, a.calls, a.drafts, a.batch, mode.startswith("socket")))
             out[f"{mode}_us_per_call"] = round(us, 1)
             if mode == "socket":
-                us = asyncio.run(_client(port, a.calls, a.drafts, True, blocking=True))
+                us = asyncio.run(_client(port, a.calls, a.drafts, a.batch, True, blocking=True))
                 out["socket_blocking_us_per_call"] = round(us, 1)
         finally:
             proc.kill()

@@ -135,11 +135,9 @@ class GrpcTarget:
     async def step(self, ops: list[TargetOp], releases: Sequence[int], timeout: float, meanwhile: Meanwhile = None
                    ) -> tuple[list[TargetResult], StepTiming]:
         req = target_pb2.TargetStepRequest(step_id=next(self.ids), release_generations=list(releases), epoch=self.epoch)
-        for o in ops:
-            wire.write_target_op(req.ops.add(), o)
+        wire.write_target_step(req, ops)
         reply = await self.stream.exchange(req, timeout, meanwhile)
-        return ([wire.target_result_from_proto(r) for r in reply.results],
-                StepTiming(reply.timing.compute_ms, reply.timing.total_ms))
+        return wire.target_results_from_proto(reply), StepTiming(reply.timing.compute_ms, reply.timing.total_ms)
 
     def interrupt(self) -> None:
         """Cut the step in flight short (any thread): it fails with ConnectionError."""

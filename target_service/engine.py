@@ -60,7 +60,11 @@ class Plan:
 class Outcome:
     result: TargetResult
     rows: torch.Tensor | None = None  # [n, 3H] features to hand to the draft
-    in_ring: bool = False  # the step wrote them into the ring already (at the plan's ring row)
+    in_ring: int = 0  # instead: n rows of features the step wrote into the ring itself (at the plan's ring row)
+
+    @property
+    def feature_rows(self) -> int:
+        return self.in_ring or (0 if self.rows is None else self.rows.shape[0])
 
 
 @dataclass
@@ -107,7 +111,7 @@ class TargetEngine:
             self._check_ids(op.prompt_ids)
             if not self.runner.free_slots:
                 raise OpError(Code.RESOURCE_EXHAUSTED, "no free KV slot")
-        elif isinstance(op, Verify | Recapture | Suspend | Resume):
+        elif isinstance(op, (Verify, Recapture, Suspend, Resume)):
             seq = self.seqs.get(op.seq_id)
             if seq is None or seq.last_token < 0:
                 raise OpError(Code.NOT_FOUND, f"unknown sequence {op.seq_id}")
@@ -121,7 +125,7 @@ class TargetEngine:
                 raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} is suspended")
             if isinstance(op, Suspend):
                 return
-            if isinstance(op, Recapture):
+            if type(op) is Recapture:
                 if not self.runner.free_slots:
                     raise OpError(Code.RESOURCE_EXHAUSTED, "no free KV slot to recompute features in")
                 return
@@ -153,16 +157,19 @@ class TargetEngine:
             raise OpError(Code.INVALID_ARGUMENT, "each draft token's parent must come before it (or be -1)")
 
     def _check_ids(self, ids: list[int]) -> None:
+        if not ids or (min(ids) >= 0 and max(ids) < self.vocab):
+            return
         bad = [t for t in ids if not 0 <= t < self.vocab]
         if bad:
             raise OpError(Code.INVALID_ARGUMENT, f"token id {bad[0]} outside the vocabulary (0..{self.vocab - 1})")
 
     def rows_needed(self, op: TargetOp) -> int:
-        if isinstance(op, Prefill) and op.capture:
-            return len(op.prompt_ids)
-        if isinstance(op, Verify) and op.capture:
-            return len(op.draft_ids) + 1
-        if isinstance(op, Recapture | Resume) and getattr(op, "capture", True) and op.seq_id in self.seqs:
+        kind = type(op)
+        if kind is Verify:
+            return len(op.draft_ids) + 1 if op.capture else 0  # type: ignore[union-attr]
+        if kind is Prefill:
+            return len(op.prompt_ids) if op.capture else 0  # type: ignore[union-attr]
+        if kind in (Recapture, Resume) and getattr(op, "capture", True) and op.seq_id in self.seqs:
             return max(self.seqs[op.seq_id].length, 1)
         return 0
 
@@ -182,7 +189,7 @@ class TargetEngine:
                 if op.seq_id in busy:
                     raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} appears twice in one step")
                 self.check(op)
-                if isinstance(op, Release | Suspend):
+                if isinstance(op, (Release, Suspend)):
                     outcomes[i] = self._release(op) if isinstance(op, Release) else self._suspend(op)
                     continue
                 busy.add(op.seq_id)
@@ -198,13 +205,13 @@ class TargetEngine:
         return outcomes  # type: ignore[return-value]
 
     def _plan(self, i: int, op: TargetOp, ring_row: int) -> Work:
-        if isinstance(op, Prefill):
+        if type(op) is Prefill:
             gen = torch.Generator(device=self.device).manual_seed(op.sampling.seed)  # where the logits are
             seq = Sequence(self.runner.allocate(), 0, -1, op.sampling, gen, self.epoch)
             self.seqs[op.seq_id] = seq
             return Work(i, op, seq, Row(seq.slot, 0, op.prompt_ids))
         seq = self.seqs[op.seq_id]
-        if isinstance(op, Verify):  # the last emitted token, then the drafts (a tree under it: parents shifted)
+        if type(op) is Verify:  # the last emitted token, then the drafts (a tree under it: parents shifted)
             parents = [-1, *(p + 1 for p in op.draft_parents)] if op.draft_parents else None
             return Work(i, op, seq, Row(seq.slot, seq.length, [seq.last_token, *op.draft_ids], parents,
                                         seq.sampling.greedy, ring_row, op.forced))  # greedy: accepted in the step
@@ -219,30 +226,37 @@ class TargetEngine:
             verified = self.runner.verify(Step([w.row for w in work], capture=capture))
         finally:
             for w in work:
-                if isinstance(w.op, Recapture):
+                if type(w.op) is Recapture:
                     self.runner.release(w.row.slot)
         for w, v in zip(work, verified, strict=True):
-            outcomes[w.index] = self._finish(w, v, v.features if getattr(w.op, "capture", True) else None)
+            outcomes[w.index] = self._finish(w, v)
 
-    def _finish(self, w: Work, v: Verified, rows: torch.Tensor | None) -> Outcome:
+    def _finish(self, w: Work, v: Verified) -> Outcome:
         op, seq = w.op, w.seq
+        capture = getattr(op, "capture", True)
+        if type(op) is Verify:
+            if w.row.accept:  # accepted in the step: the path's KV entries and features are in place
+                path = v.path
+                accepted = len(path) - 1
+                emitted = [*(op.draft_ids[i - 1] for i in path[1:]), v.best[accepted]]
+            else:
+                accepted, emitted = verify_chain(v.logits, op.draft_ids, op.draft_dists, seq.sampling, seq.generator)
+            seq.tokens.append(seq.last_token)
+            seq.tokens += emitted[:accepted]
+            seq.length += accepted + 1  # last token and the accepted drafts are now in the cache
+            seq.last_token = emitted[-1]
+            result = TargetResult(op.seq_id, tokens=emitted, num_accepted=accepted)
+            if not capture:
+                return Outcome(result)
+            if v.in_ring:  # the path's rows first
+                return Outcome(result, in_ring=accepted + 1)
+            rows = v.features
+            return Outcome(result, None if rows is None else rows[: accepted + 1])
+        rows = v.features if capture else None
         if isinstance(op, Prefill):
             first = v.best[-1] if seq.sampling.greedy else select_token(v.logits[-1], op.sampling, seq.generator)
             seq.length, seq.last_token, seq.tokens = len(op.prompt_ids), first, list(op.prompt_ids)
             return Outcome(TargetResult(op.seq_id, tokens=[first]), rows)
-        if isinstance(op, Verify):
-            if w.row.accept:  # accepted in the step: the path's KV entries and features are in place
-                path = v.path
-                emitted = [*(op.draft_ids[i - 1] for i in path[1:]), v.best[len(path) - 1]]
-            else:
-                accepted, emitted = verify_chain(v.logits, op.draft_ids, op.draft_dists, seq.sampling, seq.generator)
-                path = list(range(accepted + 1))
-            accepted = len(path) - 1
-            seq.tokens += [seq.last_token, *emitted[:accepted]]
-            seq.length += accepted + 1  # last token and the accepted drafts are now in the cache
-            seq.last_token = emitted[-1]
-            return Outcome(TargetResult(op.seq_id, tokens=emitted, num_accepted=accepted),
-                           None if rows is None else rows[: accepted + 1], v.in_ring and rows is not None)
         # Recapture, Resume: features of positions 0..length-1 pair with tokens 1..length (the last not cached yet)
         return Outcome(TargetResult(op.seq_id, tokens=[*seq.tokens[1:], seq.last_token]), rows)
 

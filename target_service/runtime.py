@@ -106,19 +106,22 @@ class TargetRuntime:
         if self.tp.world_size > 1:
             dist.broadcast_object_list([plan], src=0)
         outcomes = self.engine.execute(plan)
-        written: list[tuple[Outcome, Allocation, torch.Tensor]] = []  # the step's features, written at once
+        written: list[tuple[Outcome, Allocation, int]] = []  # the step's features
+        rest: list[tuple[Allocation, torch.Tensor]] = []  # those the step did not write into the ring, written at once
         for outcome, alloc in zip(outcomes, allocs, strict=True):
             if alloc is None:
                 continue
-            if outcome.rows is not None and outcome.result.code == 0:
-                written.append((outcome, alloc, outcome.rows))
+            n = outcome.feature_rows
+            if n and outcome.result.code == 0:
+                written.append((outcome, alloc, n))
+                if outcome.rows is not None:
+                    rest.append((alloc, outcome.rows))
             else:
                 self.writer.release(alloc.generation)
-        rest = [(alloc, rows) for outcome, alloc, rows in written if not outcome.in_ring]  # the step wrote the others
         if rest:
             self.writer.write_all(rest)
-        for outcome, alloc, rows in written:  # alloc.inline: what the inline backend wrote
-            outcome.result.hidden = HiddenRef(alloc.offset, rows.shape[0], alloc.generation, alloc.inline)
+        for outcome, alloc, n in written:  # alloc.inline: what the inline backend wrote
+            outcome.result.hidden = HiddenRef(alloc.offset, n, alloc.generation, alloc.inline)
         results = [outcome.result for outcome in outcomes]
         ms = (time.perf_counter() - t0) * 1e3
         return results, StepTiming(compute_ms=ms, total_ms=ms)

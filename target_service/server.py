@@ -17,8 +17,8 @@ from specsplit.transport.step_stream import Answered, StepAfter, StepCodec, answ
 from specsplit.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.runtime import TargetRuntime
 
-_CODEC = StepCodec(wire.target_op_from_proto, wire.write_target_result, TargetResult,
-                   target_pb2.TargetStepResponse)
+CODEC = StepCodec(wire.target_op_from_proto, wire.write_target_result, TargetResult,
+                   target_pb2.TargetStepResponse, wire.target_step_verifies, wire.write_target_results)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -43,13 +43,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Step(self, request_iterator: AsyncIterator[target_pb2.TargetStepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[target_pb2.TargetStepResponse]:
-        async for reply in serve_steps(request_iterator, context, "target", self.step_executor, self._run, _CODEC,
+        async for reply in serve_steps(request_iterator, context, "target", self.step_executor, self._run, CODEC,
                                        self._after):
             yield reply
 
     def answer(self, request: target_pb2.TargetStepRequest) -> Answered:
         """One step for the step socket, on its connection thread (its spans once the reply is out)."""
-        return answer_step(request, "target", self._run, _CODEC, self._after)
+        return answer_step(request, "target", self._run, CODEC, self._after)
 
     def _run(self, ops: list[TargetOp], request: target_pb2.TargetStepRequest) -> tuple[list[TargetResult], StepTiming]:
         with self.engine_lock:

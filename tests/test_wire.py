@@ -84,3 +84,72 @@ def test_an_unknown_status_code_is_refused() -> None:
     assert wire.code_from_proto(3) is Code.RESOURCE_EXHAUSTED
     with pytest.raises(ValueError):
         wire.code_from_proto(99)
+
+
+def _by_id(items: list) -> dict:  # type: ignore[type-arg]
+    return {x.seq_id: x for x in items}
+
+
+@pytest.mark.parametrize("ops", [TARGET_OPS, [Verify(i) for i in range(1, 33)],
+                                 [Verify(1, [8, 9], draft_parents=[-1, 0]), Verify(2, [7]), Verify(3, trace=TRACE)]],
+                         ids=["every kind", "32 decodes", "a tree, a chain, a decode"])
+def test_a_step_of_many_ops_round_trips_with_its_verifies_as_columns(ops: list) -> None:  # type: ignore[type-arg]
+    req = target_pb2.TargetStepRequest(step_id=1)
+    wire.write_target_step(req, ops)
+    back = target_pb2.TargetStepRequest.FromString(req.SerializeToString())
+    got = [wire.target_op_from_proto(p) for p in back.ops] + wire.target_step_verifies(back)
+    assert len(got) == len(ops) and _by_id(got) == _by_id(ops)
+    columns = [op for op in ops if isinstance(op, Verify) and not op.draft_dists]
+    assert len(back.verifies.seq_ids) == len(columns)  # only verifies with distributions go one by one
+    assert [op.seq_id for op in got[len(back.ops):]] == [op.seq_id for op in columns]  # in their order
+
+
+def test_a_step_of_many_results_round_trips_with_the_successful_ones_as_columns() -> None:
+    results = [*TARGET_RESULTS, *(TargetResult(10 + i, tokens=[i] * (i % 3 + 1), num_accepted=i % 3,
+                                               hidden=HiddenRef(i, i % 3 + 1, 50 + i) if i % 2 else None)
+                                  for i in range(32))]
+    m = target_pb2.TargetStepResponse(step_id=1)
+    wire.write_target_results(m, results)
+    back = target_pb2.TargetStepResponse.FromString(m.SerializeToString())
+    got = wire.target_results_from_proto(back)
+    assert len(got) == len(results) and _by_id(got) == _by_id(results)
+    assert len(back.results) == 2  # the failure, and the rows sent inline
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda c: c.draft_ids.append(3),
+    lambda c: c.capture_hidden.pop(),
+    lambda c: c.draft_counts.append(0),
+    lambda c: c.forced_accept.extend([1]),
+    lambda c: (c.tree.extend([True, False]), c.draft_parents.extend([-1])),
+], ids=["a draft too many", "a capture flag missing", "a count too many", "a forced count missing",
+        "a tree's parent missing"])
+def test_verify_columns_that_do_not_line_up_are_refused(break_it: object) -> None:
+    req = target_pb2.TargetStepRequest(step_id=1)
+    wire.write_target_step(req, [Verify(1, [8, 9]), Verify(2)])
+    break_it(req.verifies)  # type: ignore[operator]
+    with pytest.raises(ValueError):
+        wire.target_step_verifies(req)
+
+
+def test_result_columns_that_do_not_line_up_are_refused() -> None:
+    m = target_pb2.TargetStepResponse(step_id=1)
+    wire.write_target_results(m, [TargetResult(1, tokens=[4, 5], num_accepted=1)])
+    m.ok.tokens.append(6)
+    with pytest.raises(ValueError):
+        wire.target_results_from_proto(m)
+
+
+def test_the_target_service_refuses_a_step_whose_columns_do_not_line_up() -> None:
+    import grpc
+
+    from specsplit.transport.step_stream import StepAbort, answer_step
+    from target_service.server import CODEC
+
+    req = target_pb2.TargetStepRequest(step_id=1)
+    wire.write_target_step(req, [Verify(1, [8, 9]), Verify(2)])
+    req.verifies.draft_ids.append(3)
+    ran = []
+    with pytest.raises(StepAbort) as e:
+        answer_step(req, "target", lambda ops, _req: ran.append(ops), CODEC)  # type: ignore[arg-type,func-returns-value]
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "draft_counts" in e.value.message and not ran

@@ -23,7 +23,7 @@ them from `padded_forward` and capture them with `graphed`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -54,17 +54,53 @@ class Step:
 RowOutput = tuple[torch.Tensor, torch.Tensor | None]  # logits [T, V]; captured features or pre-norm states [T, X]
 
 
+class RowOutputs:
+    """Each row's (logits [T_i, V], features [T_i, X]) of a step: views of its outputs [N, ·],
+    sliced only when asked for (a greedy row accepted on the device needs neither)."""
+
+    def __init__(self, logits: torch.Tensor, extra: torch.Tensor | None, spans: list[tuple[int, int]]) -> None:
+        self.logits, self.extra, self.spans = logits, extra, spans  # [N, V], [N, X]; each row's (start, end)
+        self.replaced: dict[int, torch.Tensor] = {}  # rows whose features were computed apart
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __getitem__(self, i: int) -> RowOutput:
+        return self.row_logits(i), self.row_features(i)
+
+    def __iter__(self) -> Iterator[RowOutput]:
+        return (self[i] for i in range(len(self.spans)))
+
+    def row_logits(self, i: int) -> torch.Tensor:
+        start, end = self.spans[i]
+        return self.logits[start:end]
+
+    def row_features(self, i: int) -> torch.Tensor | None:
+        if i in self.replaced:
+            return self.replaced[i]
+        start, end = self.spans[i]
+        return None if self.extra is None else self.extra[start:end]
+
+
 @dataclass
 class Verified:
     """One row of a verify step (see specsplit.runner.acceptance). With `row.accept` the
     accepted path's KV entries already sit at start, start+1, ...; otherwise path is [0] and
     nothing moved."""
 
-    logits: torch.Tensor  # [T, V]
-    features: torch.Tensor | None  # [T, X]: the path's rows first
+    outputs: RowOutputs  # the step's; this row's: `logits` [T, V], `features` [T, X] (the path's rows first)
+    index: int
     path: list[int]  # the root (0) and the accepted drafts, as indices into the row's tokens
     best: list[int]  # the target's argmax after each token: the path's first, then the others'
     in_ring: bool = False  # the features (path first) are in the ring at the row's ring_row
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.outputs.row_logits(self.index)
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        return self.outputs.row_features(self.index)
 
 
 class ModelRunner:
@@ -122,7 +158,7 @@ class ModelRunner:
         """Where every forward runs: inference mode (no_grad for compiled code, which mutates the cache in a graph)."""
         return torch.no_grad() if self.compiled else torch.inference_mode()
 
-    def run(self, step: Step) -> list[RowOutput]:
+    def run(self, step: Step) -> Sequence[RowOutput]:
         """Each row's logits [T, V] and features [T, X] (views of graph outputs: valid until the
         next step of the same shape)."""
         split = self._split(step)
@@ -143,13 +179,13 @@ class ModelRunner:
         if ints.dim() == 1:  # eager: every row's argmax, then the accepting rows' readback
             return self._eager_verified(step, outputs, host)
         ring = self._ring_rows(step, True)  # the step wrote its rows' features into the ring
-        return [Verified(logits, features, *_accepted(row, len(r.tokens)), ring and r.ring_row >= 0)
-                for r, (logits, features), row in zip(step.rows, outputs, host, strict=False)]
+        return [Verified(outputs, i, *_accepted(row, len(r.tokens)), ring and r.ring_row >= 0)
+                for i, (r, row) in enumerate(zip(step.rows, host, strict=False))]
 
-    def _eager_verified(self, step: Step, outputs: list[RowOutput], host: list[int]) -> list[Verified]:
+    def _eager_verified(self, step: Step, outputs: RowOutputs, host: list[int]) -> list[Verified]:
         out, at = [], 0
-        for r, (logits, features) in zip(step.rows, outputs, strict=True):
-            out.append(Verified(logits, features, [0], host[at : at + len(r.tokens)]))
+        for i, r in enumerate(step.rows):
+            out.append(Verified(outputs, i, [0], host[at : at + len(r.tokens)]))
             at += len(r.tokens)
         accepting = [v for r, v in zip(step.rows, out, strict=True) if r.accept]
         width = (len(host) - at) // len(accepting) if accepting else 0  # 1 + 2T
@@ -170,7 +206,7 @@ class ModelRunner:
         fused = self.fused is not None and self.batch_bucket(len(going)) * t <= self.fused.max_rows
         return (going, fresh) if fused or (self.padded and t <= self.padded_tokens) else None
 
-    def _step(self, step: Step, verify: bool) -> tuple[list[RowOutput], torch.Tensor | None]:
+    def _step(self, step: Step, verify: bool) -> tuple[RowOutputs, torch.Tensor | None]:
         t = max(len(r.tokens) for r in step.rows)
         continuing = all(r.start > 0 for r in step.rows)  # prompts (rows from entry 0) run eager
         with self.mode():
@@ -218,18 +254,18 @@ class ModelRunner:
             rows = features.reshape(-1, features.shape[-1])  # [B*T, X]
             self.ring[f["ring_dst"]] = rows[f["ring_src"]].to(self.ring.dtype)
 
-    def _run_eager(self, step: Step, verify: bool = False) -> tuple[list[RowOutput], torch.Tensor | None]:
+    def _run_eager(self, step: Step, verify: bool = False) -> tuple[RowOutputs, torch.Tensor | None]:
         dev = self.device
         segments = [tree_segment(r.slot, r.start, r.parents, dev) if r.parents
                     else Segment(r.slot, r.start, len(r.tokens)) for r in step.rows]
         tokens = torch.tensor([t for r in step.rows for t in r.tokens], dtype=torch.long, device=dev)
         hidden = None if step.hidden is None else torch.cat(step.hidden).to(dev)
         logits, extra = self.model.forward(tokens, Batch.ragged(segments, dev, step.capture, hidden), self.cache)
-        out, off = [], 0
+        spans, off = [], 0
         for r in step.rows:
-            part = slice(off, off + len(r.tokens))
+            spans.append((off, off + len(r.tokens)))
             off += len(r.tokens)
-            out.append((logits[part], None if extra is None else extra[part]))
+        out = RowOutputs(logits, extra, spans)
         if not verify:
             return out, None
         # the verify rows padded to their longest, accepted as a padded step would; the others' argmax
@@ -241,17 +277,18 @@ class ModelRunner:
         tree = any(step.rows[i].parents for i in rows)
         packed, layout = pack_rows([step.rows[i] for i in rows], len(rows), t, tree, True)
         f = layout.unpack(torch.from_numpy(packed).to(dev))
-        padded = torch.stack([torch.cat([lg, lg.new_zeros(t - lg.shape[0], lg.shape[1])]) for lg, _ in
-                              (out[i] for i in rows)])  # [A, t, V]
-        feats = None if extra is None else padded_rows([out[i][1] for i in rows], len(rows), t)  # type: ignore[misc]
+        padded = torch.stack([torch.cat([lg, lg.new_zeros(t - lg.shape[0], lg.shape[1])]) for lg in
+                              (out.row_logits(i) for i in rows)])  # [A, t, V]
+        feats = None if extra is None else padded_rows([out.row_features(i) for i in rows],  # type: ignore[misc]
+                                                       len(rows), t)
         ints, feats = verify_rows(padded, feats, f["fields"], f.get("mask"), self.cache, f["slots"],
                                   f["entries"][:, 0], tree)
         if feats is not None:
             for j, i in enumerate(rows):
-                out[i] = (out[i][0], feats[j, : len(step.rows[i].tokens)])
+                out.replaced[i] = feats[j, : len(step.rows[i].tokens)]
         return out, torch.cat([best, ints.flatten()])
 
-    def _run_padded(self, step: Step, verify: bool = False) -> tuple[list[RowOutput], torch.Tensor | None]:
+    def _run_padded(self, step: Step, verify: bool = False) -> tuple[RowOutputs, torch.Tensor | None]:
         """The rows padded to the batch bucket, each to the longest row T, their integers in one
         host array (see pack_rows; trees: with their masks). Padding tokens write entries past
         their row that later steps overwrite; padding rows write the spare slot."""
@@ -285,10 +322,10 @@ class ModelRunner:
         got = self.graphs.run(key, fn, **inputs)
         logits, extra = got[0], got[1]
         assert logits is not None
-        return ([(logits[i, : len(r.tokens)], None if extra is None else extra[i, : len(r.tokens)])
-                 for i, r in enumerate(rows)], got[2] if verify else None)
+        return _row_outputs(logits.view(b * t, -1), None if extra is None else extra.view(b * t, -1), rows, t), \
+            got[2] if verify else None
 
-    def _run_fused(self, step: Step, verify: bool = False) -> tuple[list[RowOutput], torch.Tensor | None]:
+    def _run_fused(self, step: Step, verify: bool = False) -> tuple[RowOutputs, torch.Tensor | None]:
         """The rows padded to (batch bucket B, longest row T) as the fused step, its integers in
         one host array (see pack_rows, masks always)."""
         rows, fused = step.rows, self.fused
@@ -313,8 +350,12 @@ class ModelRunner:
         got = self.graphs.run(key, fn, packed=packed)
         logits, extra = got[0], got[1]
         assert logits is not None
-        parts = [slice(i * t, i * t + len(r.tokens)) for i, r in enumerate(rows)]
-        return [(logits[p], None if extra is None else extra[p]) for p in parts], got[2] if verify else None
+        return _row_outputs(logits, extra, rows, t), got[2] if verify else None
+
+
+def _row_outputs(logits: torch.Tensor, extra: torch.Tensor | None, rows: list[Row], t: int) -> RowOutputs:
+    """The rows of a padded step's outputs [B*T, ·], each T long."""
+    return RowOutputs(logits, extra, [(i * t, i * t + len(r.tokens)) for i, r in enumerate(rows)])
 
 
 def _accepted(row: list[int], n: int) -> tuple[list[int], list[int]]:
@@ -331,7 +372,7 @@ def _part(step: Step, rows: list[int]) -> Step:
     return Step([step.rows[i] for i in rows], step.capture, hidden)
 
 
-def _merged(n: int, split: tuple[list[int], ...], parts: list[list[T]]) -> list[T]:
+def _merged(n: int, split: tuple[list[int], ...], parts: list[Sequence[T]]) -> list[T]:
     """The parts' results (each in its rows' order) back in the step's order of n rows."""
     out: list[T | None] = [None] * n
     for rows, part in zip(split, parts, strict=True):

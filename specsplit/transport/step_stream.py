@@ -31,6 +31,10 @@ class StepCodec:
     write_result: Callable[[Any, Any], None]  # (proto result to fill, engine result)
     invalid_result: Callable[[int, Code, str], Any]  # engine result for an undecodable op
     response: Callable[..., Any]  # the response message class
+    # the request's ops sent column by column, after its ops (ValueError: malformed)
+    decode_columns: Callable[[Any], list[Any]] | None = None
+    # (response to fill, engine results): every result, some as columns; None: write_result each
+    write_results: Callable[[Any, list[Any]], None] | None = None
 
 
 class StepAbort(Exception):
@@ -53,6 +57,13 @@ def answer_step(req: Any, service: str, run: StepRun, codec: StepCodec, after: S
     for p in req.ops:
         op = codec.decode_op(p)
         (ops.append(op) if op is not None else bad.append(p.seq_id))
+    if codec.decode_columns is not None:
+        try:
+            ops += codec.decode_columns(req)
+        except ValueError as e:
+            raise StepAbort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed step: {e}") from None
+        if len(ops) + len(bad) > MAX_OPS_PER_STEP:
+            raise StepAbort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_OPS_PER_STEP} ops in a step")
     try:
         results, timing = run(ops, req)
     except StepAbort:
@@ -63,8 +74,11 @@ def answer_step(req: Any, service: str, run: StepRun, codec: StepCodec, after: S
     done = None if after is None else functools.partial(after, ops, list(results))
     results += [codec.invalid_result(s, Code.INVALID_ARGUMENT, "op has no known operation set") for s in bad]
     response = codec.response(step_id=req.step_id, timing=timing_to_proto(timing))
-    for r in results:
-        codec.write_result(response.results.add(), r)
+    if codec.write_results is not None:
+        codec.write_results(response, results)
+    else:
+        for r in results:
+            codec.write_result(response.results.add(), r)
     return response, done
 
 

@@ -137,6 +137,113 @@ def target_result_from_proto(p: target_pb2.TargetResult) -> TargetResult:
                         ref_from_proto(p.hidden) if p.HasField("hidden") else None)
 
 
+# -- a step's many sequences, column by column (target.proto: VerifyColumns, ResultColumns)
+def write_target_step(m: target_pb2.TargetStepRequest, ops: list[TargetOp]) -> None:
+    """A step's ops into m: verifies without draft distributions as columns, the others one
+    message each."""
+    columns = []
+    for op in ops:
+        if type(op) is Verify and not op.draft_dists:
+            columns.append(op)
+        else:
+            write_target_op(m.ops.add(), op)
+    if not columns:
+        return
+    c = m.verifies
+    c.seq_ids.extend([op.seq_id for op in columns])
+    c.capture_hidden.extend([op.capture for op in columns])
+    c.draft_counts.extend([len(op.draft_ids) for op in columns])
+    c.draft_ids.extend([t for op in columns for t in op.draft_ids])
+    if any(op.draft_parents for op in columns):
+        c.tree.extend([bool(op.draft_parents) for op in columns])
+        c.draft_parents.extend([p for op in columns for p in op.draft_parents])
+    if any(op.forced >= 0 for op in columns):
+        c.forced_accept.extend([op.forced for op in columns])
+    if any(op.trace for op in columns):
+        c.traceparents.extend([op.trace for op in columns])
+
+
+def _columns(n: int, name: str, values: list, default: object) -> list:  # type: ignore[type-arg]
+    """A column of n values, or n defaults where it is empty; ValueError when neither."""
+    if not values:
+        return [default] * n
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries for {n} sequences")
+    return values
+
+
+def target_step_verifies(m: target_pb2.TargetStepRequest) -> list[Verify]:
+    """The verifies a request sends as columns; ValueError when they do not line up."""
+    c = m.verifies
+    seq_ids = list(c.seq_ids)
+    n = len(seq_ids)
+    if not n:
+        return []
+    capture = _columns(n, "capture_hidden", list(c.capture_hidden), None)
+    counts = _columns(n, "draft_counts", list(c.draft_counts), None)
+    tree = _columns(n, "tree", list(c.tree), False)
+    forced = _columns(n, "forced_accept", list(c.forced_accept), -1)
+    traces = _columns(n, "traceparents", list(c.traceparents), "")
+    ids, parents = list(c.draft_ids), list(c.draft_parents)
+    if None in capture or None in counts:
+        raise ValueError("verify columns need capture_hidden and draft_counts for every sequence")
+    if sum(counts) != len(ids):
+        raise ValueError(f"draft_counts add up to {sum(counts)}, draft_ids has {len(ids)}")
+    if sum(k for k, t in zip(counts, tree, strict=True) if t) != len(parents):
+        raise ValueError("draft_parents does not hold one parent per draft of each tree")
+    out, at, at_parent = [], 0, 0
+    for i in range(n):
+        k = counts[i]
+        drafts, at = ids[at : at + k], at + k
+        tree_parents: list[int] = []
+        if tree[i]:
+            tree_parents, at_parent = parents[at_parent : at_parent + k], at_parent + k
+        out.append(Verify(seq_ids[i], drafts, [], tree_parents, capture[i], traces[i], forced[i]))
+    return out
+
+
+def write_target_results(m: target_pb2.TargetStepResponse, results: list[TargetResult]) -> None:
+    """A step's results into m: successful ones without inline rows as columns, the others one
+    message each."""
+    ok = []
+    for r in results:
+        if r.code == Code.OK and (r.hidden is None or not r.hidden.inline):
+            ok.append(r)
+        else:
+            write_target_result(m.results.add(), r)
+    if not ok:
+        return
+    c = m.ok
+    c.seq_ids.extend([r.seq_id for r in ok])
+    c.token_counts.extend([len(r.tokens) for r in ok])
+    c.tokens.extend([t for r in ok for t in r.tokens])
+    c.num_accepted.extend([r.num_accepted for r in ok])
+    c.hidden_rows.extend([0 if r.hidden is None else r.hidden.rows for r in ok])
+    c.hidden_offsets.extend([0 if r.hidden is None else r.hidden.offset for r in ok])
+    c.hidden_generations.extend([0 if r.hidden is None else r.hidden.generation for r in ok])
+
+
+def target_results_from_proto(m: target_pb2.TargetStepResponse) -> list[TargetResult]:
+    """Every result of a step's response; ValueError when its columns do not line up."""
+    out = [target_result_from_proto(p) for p in m.results]
+    c = m.ok
+    seq_ids = list(c.seq_ids)
+    n = len(seq_ids)
+    if not n:
+        return out
+    counts, tokens, accepted = list(c.token_counts), list(c.tokens), list(c.num_accepted)
+    rows, offsets, generations = list(c.hidden_rows), list(c.hidden_offsets), list(c.hidden_generations)
+    if any(len(col) != n for col in (counts, accepted, rows, offsets, generations)) or sum(counts) != len(tokens):
+        raise ValueError("the result columns do not line up")
+    at = 0
+    for i in range(n):
+        k = counts[i]
+        hidden = HiddenRef(offsets[i], rows[i], generations[i]) if rows[i] else None
+        out.append(TargetResult(seq_ids[i], tokens=tokens[at : at + k], num_accepted=accepted[i], hidden=hidden))
+        at += k
+    return out
+
+
 # -- draft
 def write_draft_op(m: draft_pb2.DraftOp, op: DraftOp) -> None:
     """op into m, a fresh message (e.g. `request.ops.add()`): filled in place, nothing copied."""

@@ -103,17 +103,39 @@ class TargetOp(_message.Message):
     traceparent: str
     def __init__(self, seq_id: _Optional[int] = ..., prefill: _Optional[_Union[TargetPrefill, _Mapping]] = ..., verify: _Optional[_Union[TargetVerify, _Mapping]] = ..., release: _Optional[_Union[TargetRelease, _Mapping]] = ..., recapture: _Optional[_Union[TargetRecapture, _Mapping]] = ..., suspend: _Optional[_Union[TargetSuspend, _Mapping]] = ..., resume: _Optional[_Union[TargetResume, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
+class VerifyColumns(_message.Message):
+    __slots__ = ("seq_ids", "capture_hidden", "draft_counts", "draft_ids", "tree", "draft_parents", "forced_accept", "traceparents")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    capture_hidden: _containers.RepeatedScalarFieldContainer[bool]
+    draft_counts: _containers.RepeatedScalarFieldContainer[int]
+    draft_ids: _containers.RepeatedScalarFieldContainer[int]
+    tree: _containers.RepeatedScalarFieldContainer[bool]
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    forced_accept: _containers.RepeatedScalarFieldContainer[int]
+    traceparents: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., capture_hidden: _Optional[_Iterable[bool]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., tree: _Optional[_Iterable[bool]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., forced_accept: _Optional[_Iterable[int]] = ..., traceparents: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class TargetStepRequest(_message.Message):
-    __slots__ = ("step_id", "ops", "release_generations", "epoch")
+    __slots__ = ("step_id", "ops", "release_generations", "epoch", "verifies")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERIFIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     ops: _containers.RepeatedCompositeFieldContainer[TargetOp]
     release_generations: _containers.RepeatedScalarFieldContainer[int]
     epoch: int
-    def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[TargetOp, _Mapping]]] = ..., release_generations: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    verifies: VerifyColumns
+    def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[TargetOp, _Mapping]]] = ..., release_generations: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., verifies: _Optional[_Union[VerifyColumns, _Mapping]] = ...) -> None: ...
 
 class TargetResult(_message.Message):
     __slots__ = ("seq_id", "status", "tokens", "num_accepted", "hidden")
@@ -129,15 +151,35 @@ class TargetResult(_message.Message):
     hidden: _common_pb2.HiddenRef
     def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.EntryStatus, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.HiddenRef, _Mapping]] = ...) -> None: ...
 
+class ResultColumns(_message.Message):
+    __slots__ = ("seq_ids", "token_counts", "tokens", "num_accepted", "hidden_rows", "hidden_offsets", "hidden_generations")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted: _containers.RepeatedScalarFieldContainer[int]
+    hidden_rows: _containers.RepeatedScalarFieldContainer[int]
+    hidden_offsets: _containers.RepeatedScalarFieldContainer[int]
+    hidden_generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., hidden_rows: _Optional[_Iterable[int]] = ..., hidden_offsets: _Optional[_Iterable[int]] = ..., hidden_generations: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class TargetStepResponse(_message.Message):
-    __slots__ = ("step_id", "results", "timing")
+    __slots__ = ("step_id", "results", "timing", "ok")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[TargetResult]
     timing: _common_pb2.ServerTiming
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[TargetResult, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ...) -> None: ...
+    ok: ResultColumns
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[TargetResult, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ..., ok: _Optional[_Union[ResultColumns, _Mapping]] = ...) -> None: ...
 
 class TargetStatsRequest(_message.Message):
     __slots__ = ()
