@@ -250,7 +250,7 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
             sched.chooser.forgive_probe()
         sched.chooser.costs.record_verify(len(verifies), rows, ms)
     by_id = {r.seq_id: r for r in results}
-    kinds = {op.seq_id: op for op in ops if not isinstance(op, Release | Suspend)}
+    kinds = {op.seq_id: op for op in ops if not isinstance(op, (Release, Suspend))}
     for s in work:
         apply_result(sched, s, by_id.get(s.seq_id), kinds[s.seq_id], ms, timing)
 
@@ -262,7 +262,7 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         sched.fail(s, grpc.StatusCode.INTERNAL, "target returned no result for the sequence")
         return
     if r.code == Code.RESOURCE_EXHAUSTED:  # no slot or ring space: state unchanged, retry
-        if isinstance(op, Prefill | Resume):
+        if isinstance(op, (Prefill, Resume)):
             sched.running.remove(s)
             sched.waiting.push_front(s)
         elif isinstance(op, Recapture):  # no scratch slot: go on target-only rather than stall
@@ -273,7 +273,7 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         status = grpc.StatusCode.INVALID_ARGUMENT if r.code == Code.INVALID_ARGUMENT else grpc.StatusCode.INTERNAL
         sched.fail(s, status, r.message)
         return
-    if isinstance(op, Recapture | Resume):  # the draft restarts this sequence from position 0
+    if isinstance(op, (Recapture, Resume)):  # the draft restarts this sequence from position 0
         s.suspended = False
         s.pending = (r.tokens, [r.hidden], 0) if r.hidden is not None else None
         s.synced = r.hidden is not None
