@@ -138,14 +138,17 @@ def target_result_from_proto(p: target_pb2.TargetResult) -> TargetResult:
 
 
 # -- a step's many sequences, column by column (target.proto: VerifyColumns, ResultColumns)
+COLUMNS_FROM = 4  # sequences: fewer cost less as messages of their own (a column costs a few calls to read)
+
+
 def write_target_step(m: target_pb2.TargetStepRequest, ops: list[TargetOp]) -> None:
-    """A step's ops into m: verifies without draft distributions as columns, the others one
-    message each."""
-    columns = []
+    """A step's ops into m: verifies without draft distributions as columns where there are
+    COLUMNS_FROM of them, the others one message each."""
+    columns = [op for op in ops if type(op) is Verify and not op.draft_dists]
+    if len(columns) < COLUMNS_FROM:
+        columns = []
     for op in ops:
-        if type(op) is Verify and not op.draft_dists:
-            columns.append(op)
-        else:
+        if not columns or type(op) is not Verify or op.draft_dists:
             write_target_op(m.ops.add(), op)
     if not columns:
         return
@@ -174,6 +177,8 @@ def _columns(n: int, name: str, values: list, default: object) -> list:  # type:
 
 def target_step_verifies(m: target_pb2.TargetStepRequest) -> list[Verify]:
     """The verifies a request sends as columns; ValueError when they do not line up."""
+    if not m.HasField("verifies"):
+        return []
     c = m.verifies
     seq_ids = list(c.seq_ids)
     n = len(seq_ids)
@@ -203,13 +208,13 @@ def target_step_verifies(m: target_pb2.TargetStepRequest) -> list[Verify]:
 
 
 def write_target_results(m: target_pb2.TargetStepResponse, results: list[TargetResult]) -> None:
-    """A step's results into m: successful ones without inline rows as columns, the others one
-    message each."""
-    ok = []
+    """A step's results into m: successful ones without inline rows as columns where there are
+    COLUMNS_FROM of them, the others one message each."""
+    ok = [r for r in results if r.code == Code.OK and (r.hidden is None or not r.hidden.inline)]
+    if len(ok) < COLUMNS_FROM:
+        ok = []
     for r in results:
-        if r.code == Code.OK and (r.hidden is None or not r.hidden.inline):
-            ok.append(r)
-        else:
+        if not ok or r.code != Code.OK or (r.hidden is not None and r.hidden.inline):
             write_target_result(m.results.add(), r)
     if not ok:
         return
@@ -226,6 +231,8 @@ def write_target_results(m: target_pb2.TargetStepResponse, results: list[TargetR
 def target_results_from_proto(m: target_pb2.TargetStepResponse) -> list[TargetResult]:
     """Every result of a step's response; ValueError when its columns do not line up."""
     out = [target_result_from_proto(p) for p in m.results]
+    if not m.HasField("ok"):
+        return out
     c = m.ok
     seq_ids = list(c.seq_ids)
     n = len(seq_ids)
