@@ -14,14 +14,15 @@ from draft_service.runtime import DraftRuntime
 from specsplit.observability.spans import record_entry
 from specsplit.observability.telemetry import Telemetry
 from specsplit.ops import DraftOp, DraftResult, ExtendPropose, StepTiming
-from specsplit.transport import wire
+from specsplit.transport import columns, wire
 from specsplit.transport.handoff.base import Descriptor
 from specsplit.transport.lease import Leases
 from specsplit.transport.step_stream import Answered, StepAfter, StepCodec, answer_step, serve_steps
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specsplit.draft")
-_CODEC = StepCodec(wire.draft_op_from_proto, wire.write_draft_result, DraftResult, draft_pb2.DraftStepResponse)
+CODEC = StepCodec(wire.draft_op_from_proto, wire.write_draft_result, DraftResult, draft_pb2.DraftStepResponse,
+                  columns.draft_step_ops, columns.write_draft_results)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -55,13 +56,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Step(self, request_iterator: AsyncIterator[draft_pb2.DraftStepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[draft_pb2.DraftStepResponse]:
-        async for reply in serve_steps(request_iterator, context, "draft", self.step_executor, self._run, _CODEC,
+        async for reply in serve_steps(request_iterator, context, "draft", self.step_executor, self._run, CODEC,
                                        self._after):
             yield reply
 
     def answer(self, request: draft_pb2.DraftStepRequest) -> Answered:
         """One step for the step socket, on its connection thread (its spans once the reply is out)."""
-        return answer_step(request, "draft", self._run, _CODEC, self._after)
+        return answer_step(request, "draft", self._run, CODEC, self._after)
 
     def _run(self, ops: list[DraftOp], request: draft_pb2.DraftStepRequest) -> tuple[list[DraftResult], StepTiming]:
         with self.engine_lock:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import grpc
 
 from specsplit.ops import DraftOp, DraftResult, StepTiming, TargetOp, TargetResult
-from specsplit.transport import wire
+from specsplit.transport import columns
 from specsplit.transport.serving import channel_options
 from specsplit.transport.step_socket import BlockingSocketStream, SocketStream
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -135,9 +135,9 @@ class GrpcTarget:
     async def step(self, ops: list[TargetOp], releases: Sequence[int], timeout: float, meanwhile: Meanwhile = None
                    ) -> tuple[list[TargetResult], StepTiming]:
         req = target_pb2.TargetStepRequest(step_id=next(self.ids), release_generations=list(releases), epoch=self.epoch)
-        wire.write_target_step(req, ops)
+        columns.write_target_step(req, ops)
         reply = await self.stream.exchange(req, timeout, meanwhile)
-        return wire.target_results_from_proto(reply), StepTiming(reply.timing.compute_ms, reply.timing.total_ms)
+        return columns.target_results_from_proto(reply), StepTiming(reply.timing.compute_ms, reply.timing.total_ms)
 
     def interrupt(self) -> None:
         """Cut the step in flight short (any thread): it fails with ConnectionError."""
@@ -173,11 +173,9 @@ class GrpcDraft:
     async def step(self, ops: list[DraftOp], timeout: float, meanwhile: Meanwhile = None
                    ) -> tuple[list[DraftResult], StepTiming]:
         req = draft_pb2.DraftStepRequest(step_id=next(self.ids), epoch=self.epoch)
-        for o in ops:
-            wire.write_draft_op(req.ops.add(), o)
+        columns.write_draft_step(req, ops)
         reply = await self.stream.exchange(req, timeout, meanwhile)
-        return ([wire.draft_result_from_proto(r) for r in reply.results],
-                StepTiming(reply.timing.compute_ms, reply.timing.total_ms))
+        return columns.draft_results_from_proto(reply), StepTiming(reply.timing.compute_ms, reply.timing.total_ms)
 
     def interrupt(self) -> None:
         """Cut the step in flight short (any thread): it fails with ConnectionError."""

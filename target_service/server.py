@@ -11,14 +11,14 @@ import grpc
 from specsplit.observability.spans import record_entry
 from specsplit.observability.telemetry import Telemetry
 from specsplit.ops import Prefill, StepTiming, TargetOp, TargetResult, Verify
-from specsplit.transport import wire
+from specsplit.transport import columns, wire
 from specsplit.transport.lease import Leases
 from specsplit.transport.step_stream import Answered, StepAfter, StepCodec, answer_step, serve_steps
 from specsplit.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.runtime import TargetRuntime
 
 CODEC = StepCodec(wire.target_op_from_proto, wire.write_target_result, TargetResult,
-                   target_pb2.TargetStepResponse, wire.target_step_verifies, wire.write_target_results)
+                   target_pb2.TargetStepResponse, columns.target_step_verifies, columns.write_target_results)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):

@@ -19,7 +19,7 @@ from specsplit.ops import (
     TargetResult,
     Verify,
 )
-from specsplit.transport import wire
+from specsplit.transport import columns, wire
 from specsplit.v1 import draft_pb2, target_pb2
 
 SAMPLED = Sampling(temperature=0.75, top_p=0.875, top_k=40, seed=12)  # fields are float32 on the wire
@@ -97,15 +97,15 @@ def _by_id(items: list) -> dict:  # type: ignore[type-arg]
                          ids=["every kind", "32 decodes", "a tree, a chain, a decode, a forced chain", "a few"])
 def test_a_step_of_many_ops_round_trips_with_its_verifies_as_columns(ops: list) -> None:  # type: ignore[type-arg]
     req = target_pb2.TargetStepRequest(step_id=1)
-    wire.write_target_step(req, ops)
+    columns.write_target_step(req, ops)
     back = target_pb2.TargetStepRequest.FromString(req.SerializeToString())
-    got = [wire.target_op_from_proto(p) for p in back.ops] + wire.target_step_verifies(back)
+    got = [wire.target_op_from_proto(p) for p in back.ops] + columns.target_step_verifies(back)
     assert len(got) == len(ops) and _by_id(got) == _by_id(ops)
-    columns = [op for op in ops if isinstance(op, Verify) and not op.draft_dists]
-    if len(columns) < wire.COLUMNS_FROM:  # a few go one by one
-        columns = []
-    assert len(back.verifies.seq_ids) == len(columns)  # only verifies with distributions go one by one
-    assert [op.seq_id for op in got[len(back.ops):]] == [op.seq_id for op in columns]  # in their order
+    sent = [op for op in ops if isinstance(op, Verify) and not op.draft_dists]
+    if len(sent) < columns.COLUMNS_FROM:  # a few go one by one
+        sent = []
+    assert len(back.verifies.seq_ids) == len(sent)  # only verifies with distributions go one by one
+    assert [op.seq_id for op in got[len(back.ops):]] == [op.seq_id for op in sent]  # in their order
 
 
 def test_a_step_of_many_results_round_trips_with_the_successful_ones_as_columns() -> None:
@@ -113,9 +113,9 @@ def test_a_step_of_many_results_round_trips_with_the_successful_ones_as_columns(
                                                hidden=HiddenRef(i, i % 3 + 1, 50 + i) if i % 2 else None)
                                   for i in range(32))]
     m = target_pb2.TargetStepResponse(step_id=1)
-    wire.write_target_results(m, results)
+    columns.write_target_results(m, results)
     back = target_pb2.TargetStepResponse.FromString(m.SerializeToString())
-    got = wire.target_results_from_proto(back)
+    got = columns.target_results_from_proto(back)
     assert len(got) == len(results) and _by_id(got) == _by_id(results)
     assert len(back.results) == 2  # the failure, and the rows sent inline
 
@@ -130,18 +130,18 @@ def test_a_step_of_many_results_round_trips_with_the_successful_ones_as_columns(
         "a tree's parent missing"])
 def test_verify_columns_that_do_not_line_up_are_refused(break_it: object) -> None:
     req = target_pb2.TargetStepRequest(step_id=1)
-    wire.write_target_step(req, [Verify(1, [8, 9]), Verify(2), Verify(3), Verify(4, [7])])
+    columns.write_target_step(req, [Verify(1, [8, 9]), Verify(2), Verify(3), Verify(4, [7])])
     break_it(req.verifies)  # type: ignore[operator]
     with pytest.raises(ValueError):
-        wire.target_step_verifies(req)
+        columns.target_step_verifies(req)
 
 
 def test_result_columns_that_do_not_line_up_are_refused() -> None:
     m = target_pb2.TargetStepResponse(step_id=1)
-    wire.write_target_results(m, [TargetResult(i, tokens=[4, 5], num_accepted=1) for i in range(4)])
+    columns.write_target_results(m, [TargetResult(i, tokens=[4, 5], num_accepted=1) for i in range(4)])
     m.ok.tokens.append(6)
     with pytest.raises(ValueError):
-        wire.target_results_from_proto(m)
+        columns.target_results_from_proto(m)
 
 
 def test_the_target_service_refuses_a_step_whose_columns_do_not_line_up() -> None:
@@ -151,9 +151,49 @@ def test_the_target_service_refuses_a_step_whose_columns_do_not_line_up() -> Non
     from target_service.server import CODEC
 
     req = target_pb2.TargetStepRequest(step_id=1)
-    wire.write_target_step(req, [Verify(1, [8, 9]), Verify(2), Verify(3), Verify(4)])
+    columns.write_target_step(req, [Verify(1, [8, 9]), Verify(2), Verify(3), Verify(4)])
     req.verifies.draft_ids.append(3)
     ran = []
     with pytest.raises(StepAbort) as e:
         answer_step(req, "target", lambda ops, _req: ran.append(ops), CODEC)  # type: ignore[arg-type,func-returns-value]
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "draft_counts" in e.value.message and not ran
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "draft_ids has 3 entries" in e.value.message and not ran
+
+
+@pytest.mark.parametrize("ops", [DRAFT_OPS, [*DRAFT_OPS, *(ExtendPropose(10 + i, [5] * (i % 3 + 1), HiddenRef(i, 1, 30 + i),
+                                                                          i % 6, topk=1 + i % 2 * 3,
+                                                                          num_draft_tokens=i % 2 * 16,
+                                                                          position=64 + i) for i in range(32))]],
+                         ids=["a few", "32 sequences and every kind"])
+def test_a_draft_step_of_many_ops_round_trips_with_its_extends_as_columns(ops: list) -> None:  # type: ignore[type-arg]
+    req = draft_pb2.DraftStepRequest(step_id=1)
+    columns.write_draft_step(req, ops)
+    back = draft_pb2.DraftStepRequest.FromString(req.SerializeToString())
+    got = [wire.draft_op_from_proto(p) for p in back.ops] + columns.draft_step_ops(back)
+    assert len(got) == len(ops) and _by_id(got) == _by_id(ops)
+    assert len(back.extend_proposes.seq_ids) == (0 if len(ops) < 8 else len(ops) - 2)  # not a release, nor inline rows
+
+
+def test_a_draft_step_of_many_results_round_trips_with_the_successful_ones_as_columns() -> None:
+    results = [*DRAFT_RESULTS, *(DraftResult(10 + i, draft_ids=[8] * (i % 4), consumed_generation=20 + i,
+                                             draft_parents=list(range(-1, i % 4 - 1)) if i % 2 else [])
+                                 for i in range(32))]
+    m = draft_pb2.DraftStepResponse(step_id=1)
+    columns.write_draft_results(m, results)
+    back = draft_pb2.DraftStepResponse.FromString(m.SerializeToString())
+    got = columns.draft_results_from_proto(back)
+    assert len(got) == len(results) and _by_id(got) == _by_id(results)
+    assert len(back.results) == 2  # the failure, and the sampled proposal
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda c: c.tokens.append(3),
+    lambda c: c.seeds.pop(),
+    lambda c: c.earlier_counts.extend([1, 0, 0, 0]),
+    lambda c: c.traceparents.append(""),
+], ids=["a token too many", "a seed missing", "an earlier reference missing", "a trace too few"])
+def test_extend_columns_that_do_not_line_up_are_refused(break_it: object) -> None:
+    req = draft_pb2.DraftStepRequest(step_id=1)
+    columns.write_draft_step(req, [ExtendPropose(i, [5, 6], HiddenRef(i, 2, i), 3) for i in range(4)])
+    break_it(req.extend_proposes)  # type: ignore[operator]
+    with pytest.raises(ValueError):
+        columns.draft_step_ops(req)

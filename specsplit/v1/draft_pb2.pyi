@@ -73,15 +73,59 @@ class DraftOp(_message.Message):
     traceparent: str
     def __init__(self, seq_id: _Optional[int] = ..., extend_propose: _Optional[_Union[DraftExtendPropose, _Mapping]] = ..., release: _Optional[_Union[DraftRelease, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
+class ExtendProposeColumns(_message.Message):
+    __slots__ = ("seq_ids", "token_counts", "tokens", "hidden_offsets", "hidden_rows", "hidden_generations", "num_steps", "positions", "topks", "num_draft_tokens", "temperatures", "top_ps", "top_ks", "seeds", "earlier_counts", "earlier_offsets", "earlier_rows", "earlier_generations", "traceparents")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TOPKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURES_FIELD_NUMBER: _ClassVar[int]
+    TOP_PS_FIELD_NUMBER: _ClassVar[int]
+    TOP_KS_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    EARLIER_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    EARLIER_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    EARLIER_ROWS_FIELD_NUMBER: _ClassVar[int]
+    EARLIER_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    hidden_offsets: _containers.RepeatedScalarFieldContainer[int]
+    hidden_rows: _containers.RepeatedScalarFieldContainer[int]
+    hidden_generations: _containers.RepeatedScalarFieldContainer[int]
+    num_steps: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    topks: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    temperatures: _containers.RepeatedScalarFieldContainer[float]
+    top_ps: _containers.RepeatedScalarFieldContainer[float]
+    top_ks: _containers.RepeatedScalarFieldContainer[int]
+    seeds: _containers.RepeatedScalarFieldContainer[int]
+    earlier_counts: _containers.RepeatedScalarFieldContainer[int]
+    earlier_offsets: _containers.RepeatedScalarFieldContainer[int]
+    earlier_rows: _containers.RepeatedScalarFieldContainer[int]
+    earlier_generations: _containers.RepeatedScalarFieldContainer[int]
+    traceparents: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden_offsets: _Optional[_Iterable[int]] = ..., hidden_rows: _Optional[_Iterable[int]] = ..., hidden_generations: _Optional[_Iterable[int]] = ..., num_steps: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., topks: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., temperatures: _Optional[_Iterable[float]] = ..., top_ps: _Optional[_Iterable[float]] = ..., top_ks: _Optional[_Iterable[int]] = ..., seeds: _Optional[_Iterable[int]] = ..., earlier_counts: _Optional[_Iterable[int]] = ..., earlier_offsets: _Optional[_Iterable[int]] = ..., earlier_rows: _Optional[_Iterable[int]] = ..., earlier_generations: _Optional[_Iterable[int]] = ..., traceparents: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class DraftStepRequest(_message.Message):
-    __slots__ = ("step_id", "ops", "epoch")
+    __slots__ = ("step_id", "ops", "epoch", "extend_proposes")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_PROPOSES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     ops: _containers.RepeatedCompositeFieldContainer[DraftOp]
     epoch: int
-    def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[DraftOp, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    extend_proposes: ExtendProposeColumns
+    def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[DraftOp, _Mapping]]] = ..., epoch: _Optional[int] = ..., extend_proposes: _Optional[_Union[ExtendProposeColumns, _Mapping]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
     __slots__ = ("seq_id", "status", "draft_ids", "draft_dists", "consumed_generation", "draft_parents")
@@ -99,15 +143,33 @@ class DraftResult(_message.Message):
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.EntryStatus, _Mapping]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., consumed_generation: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class DraftResultColumns(_message.Message):
+    __slots__ = ("seq_ids", "draft_counts", "draft_ids", "tree", "draft_parents", "consumed_generations")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_counts: _containers.RepeatedScalarFieldContainer[int]
+    draft_ids: _containers.RepeatedScalarFieldContainer[int]
+    tree: _containers.RepeatedScalarFieldContainer[bool]
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    consumed_generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., tree: _Optional[_Iterable[bool]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., consumed_generations: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class DraftStepResponse(_message.Message):
-    __slots__ = ("step_id", "results", "timing")
+    __slots__ = ("step_id", "results", "timing", "ok")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[DraftResult]
     timing: _common_pb2.ServerTiming
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[DraftResult, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ...) -> None: ...
+    ok: DraftResultColumns
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[DraftResult, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ..., ok: _Optional[_Union[DraftResultColumns, _Mapping]] = ...) -> None: ...
 
 class DraftStatsRequest(_message.Message):
     __slots__ = ()
