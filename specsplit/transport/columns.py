@@ -24,7 +24,9 @@ from specsplit.v1 import draft_pb2, target_pb2
 T = TypeVar("T")
 
 
-COLUMNS_FROM = 4  # sequences: fewer cost less as messages of their own (a column costs a few calls to read)
+# sequences a step: fewer cost less as messages of their own (each column costs a few calls)
+COLUMNS_FROM = 4
+DRAFT_COLUMNS_FROM = 8  # an extend-and-propose has twice a verify's columns
 
 
 def write_target_step(m: target_pb2.TargetStepRequest, ops: list[TargetOp]) -> None:
@@ -120,9 +122,9 @@ def _columned(op: DraftOp) -> bool:
 
 def write_draft_step(m: draft_pb2.DraftStepRequest, ops: list[DraftOp]) -> None:
     """A step's ops into m: extend-and-proposes without inline rows as columns where there are
-    COLUMNS_FROM of them, the others one message each."""
+    DRAFT_COLUMNS_FROM of them, the others one message each."""
     columns: list[ExtendPropose] = [op for op in ops if _columned(op)]  # type: ignore[misc]
-    if len(columns) < COLUMNS_FROM:
+    if len(columns) < DRAFT_COLUMNS_FROM:
         columns = []
     for op in ops:
         if not columns or not _columned(op):
@@ -181,9 +183,9 @@ def draft_step_ops(m: draft_pb2.DraftStepRequest) -> list[DraftOp]:
 
 def write_draft_results(m: draft_pb2.DraftStepResponse, results: list[DraftResult]) -> None:
     """A step's results into m: successful ones without distributions as columns where there
-    are COLUMNS_FROM of them, the others one message each."""
+    are DRAFT_COLUMNS_FROM of them, the others one message each."""
     ok = [r for r in results if r.code == Code.OK and not r.draft_dists]
-    if len(ok) < COLUMNS_FROM:
+    if len(ok) < DRAFT_COLUMNS_FROM:
         ok = []
     for r in results:
         if not ok or r.code != Code.OK or r.draft_dists:
