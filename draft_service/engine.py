@@ -179,13 +179,13 @@ class DraftEngine:
             raise OpError(Code.INVALID_ARGUMENT, "no hidden-state store attached")
         if len(op.earlier) > MAX_EARLIER:
             raise OpError(Code.INVALID_ARGUMENT, f"{len(op.earlier)} earlier feature references exceed {MAX_EARLIER}")
-        refs = [*op.earlier, op.hidden]
+        refs = [*op.earlier, op.hidden] if op.earlier else [op.hidden]
         rows = sum(r.rows for r in refs)
         if rows != len(op.tokens) or rows == 0 or any(r.rows == 0 for r in refs):
             raise OpError(Code.INVALID_ARGUMENT, f"{len(op.tokens)} tokens for {rows} feature rows")
         if op.num_steps > self.max_steps:
             raise OpError(Code.INVALID_ARGUMENT, f"num_steps {op.num_steps} exceeds the limit {self.max_steps}")
-        if any(not 0 <= t < self.vocab for t in op.tokens):
+        if min(op.tokens) < 0 or max(op.tokens) >= self.vocab:
             raise OpError(Code.INVALID_ARGUMENT, "token id outside the vocabulary")
         if not 1 <= op.topk <= self.max_topk:
             raise OpError(Code.INVALID_ARGUMENT, f"topk {op.topk} is outside 1..{self.max_topk}")
