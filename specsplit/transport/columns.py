@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 
 # sequences a step: fewer cost less as messages of their own (each column costs a few calls)
-COLUMNS_FROM = 4
+COLUMNS_FROM = 5
 DRAFT_COLUMNS_FROM = 8  # an extend-and-propose has twice a verify's columns
 
 
