@@ -92,9 +92,9 @@ def _by_id(items: list) -> dict:  # type: ignore[type-arg]
 
 @pytest.mark.parametrize("ops", [TARGET_OPS, [Verify(i) for i in range(1, 33)],
                                  [Verify(1, [8, 9], draft_parents=[-1, 0]), Verify(2, [7]), Verify(3, trace=TRACE),
-                                  Verify(4, [6], forced=1)],
+                                  Verify(4, [6], forced=1), Verify(5, capture=False)],
                                  [Verify(1, [8, 9]), Prefill(2, [5])]],
-                         ids=["every kind", "32 decodes", "a tree, a chain, a decode, a forced chain", "a few"])
+                         ids=["every kind", "32 decodes", "a tree, a chain, decodes, a forced chain", "a few"])
 def test_a_step_of_many_ops_round_trips_with_its_verifies_as_columns(ops: list) -> None:  # type: ignore[type-arg]
     req = target_pb2.TargetStepRequest(step_id=1)
     columns.write_target_step(req, ops)
@@ -125,12 +125,12 @@ def test_a_step_of_many_results_round_trips_with_the_successful_ones_as_columns(
     lambda c: c.capture_hidden.pop(),
     lambda c: c.draft_counts.append(0),
     lambda c: c.forced_accept.extend([1]),
-    lambda c: (c.tree.extend([True, False, False, False]), c.draft_parents.extend([-1])),
+    lambda c: (c.tree.extend([True] + [False] * 7), c.draft_parents.extend([-1])),
 ], ids=["a draft too many", "a capture flag missing", "a count too many", "a forced count missing",
         "a tree's parent missing"])
 def test_verify_columns_that_do_not_line_up_are_refused(break_it: object) -> None:
     req = target_pb2.TargetStepRequest(step_id=1)
-    columns.write_target_step(req, [Verify(1, [8, 9]), Verify(2), Verify(3), Verify(4, [7])])
+    columns.write_target_step(req, [Verify(1, [8, 9]), *(Verify(i) for i in range(2, 8)), Verify(8, [7])])
     break_it(req.verifies)  # type: ignore[operator]
     with pytest.raises(ValueError):
         columns.target_step_verifies(req)
@@ -138,7 +138,7 @@ def test_verify_columns_that_do_not_line_up_are_refused(break_it: object) -> Non
 
 def test_result_columns_that_do_not_line_up_are_refused() -> None:
     m = target_pb2.TargetStepResponse(step_id=1)
-    columns.write_target_results(m, [TargetResult(i, tokens=[4, 5], num_accepted=1) for i in range(4)])
+    columns.write_target_results(m, [TargetResult(i, tokens=[4, 5], num_accepted=1) for i in range(8)])
     m.ok.tokens.append(6)
     with pytest.raises(ValueError):
         columns.target_results_from_proto(m)
@@ -151,12 +151,13 @@ def test_the_target_service_refuses_a_step_whose_columns_do_not_line_up() -> Non
     from target_service.server import CODEC
 
     req = target_pb2.TargetStepRequest(step_id=1)
-    columns.write_target_step(req, [Verify(1, [8, 9]), Verify(2), Verify(3), Verify(4)])
+    columns.write_target_step(req, [Verify(i, [8, 9]) for i in range(8)])
     req.verifies.draft_ids.append(3)
     ran = []
     with pytest.raises(StepAbort) as e:
         answer_step(req, "target", lambda ops, _req: ran.append(ops), CODEC)  # type: ignore[arg-type,func-returns-value]
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "draft_ids has 3 entries" in e.value.message and not ran
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and not ran
+    assert "draft_ids has 17 entries" in e.value.message
 
 
 MANY_EXTENDS = [ExtendPropose(10 + i, [5] * (i % 3 + 1), HiddenRef(i, 1, 30 + i), i % 6, topk=1 + i % 2 * 3,
