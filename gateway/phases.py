@@ -261,11 +261,12 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
     if r is None:
         sched.fail(s, grpc.StatusCode.INTERNAL, "target returned no result for the sequence")
         return
+    kind = type(op)
     if r.code == Code.RESOURCE_EXHAUSTED:  # no slot or ring space: state unchanged, retry
-        if isinstance(op, (Prefill, Resume)):
+        if kind is Prefill or kind is Resume:
             sched.running.remove(s)
             sched.waiting.push_front(s)
-        elif isinstance(op, Recapture):  # no scratch slot: go on target-only rather than stall
+        elif kind is Recapture:  # no scratch slot: go on target-only rather than stall
             log.info("sequence %d cannot be resynced now (%s): target-only from here", s.seq_id, r.message)
             s.spec = False
         return
@@ -273,33 +274,34 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         status = grpc.StatusCode.INVALID_ARGUMENT if r.code == Code.INVALID_ARGUMENT else grpc.StatusCode.INTERNAL
         sched.fail(s, status, r.message)
         return
-    if isinstance(op, (Recapture, Resume)):  # the draft restarts this sequence from position 0
+    if kind is Recapture or kind is Resume:  # the draft restarts this sequence from position 0
         s.suspended = False
         s.pending = (r.tokens, [r.hidden], 0) if r.hidden is not None else None
         s.synced = r.hidden is not None
         return
+    prefill = kind is Prefill
     start = s.committed
-    s.committed = len(op.prompt_ids) if isinstance(op, Prefill) else s.committed + len(r.tokens)
+    s.committed = len(op.prompt_ids) if prefill else start + len(r.tokens)  # type: ignore[union-attr]
     if r.hidden is not None:
         if s.spec and sched.speculating:
-            tokens = (s.req.prompt_ids[1:] + r.tokens) if isinstance(op, Prefill) else r.tokens
+            tokens = (s.req.prompt_ids[1:] + r.tokens) if prefill else r.tokens
             if s.pending is not None:  # the extend was put off: these rows follow the ones it holds
                 before, refs, at = s.pending
                 s.pending = (before + tokens, [*refs, r.hidden], at)
             else:
                 s.pending = (tokens, [r.hidden], start)
-            s.synced = s.synced or isinstance(op, Prefill)
+            s.synced = s.synced or prefill
         else:
             sched.free_generations.append(r.hidden.generation)
-    if isinstance(op, Verify):  # a verify cycle (the prefill's first token is not a cycle)
-        s.stats.record_verify(len(r.tokens), ms, timing, s.sent_drafts, r.num_accepted,
-                              s.shape if s.sent_drafts else NO_DRAFT)
-        if s.sent_drafts:
+    if not prefill:  # a verify cycle (the prefill's first token is not a cycle)
+        drafted = s.sent_drafts
+        s.stats.record_verify(len(r.tokens), ms, timing, drafted, r.num_accepted, s.shape if drafted else NO_DRAFT)
+        if drafted:
             sched.chooser.observe(s, s.shape, r.num_accepted)
-        sched.totals.record_verify(len(r.tokens), s.sent_drafts, r.num_accepted)
+        sched.totals.record_verify(len(r.tokens), drafted, r.num_accepted)
         sched.metrics.accepted_length.record(len(r.tokens))
         if s.cycle_span.is_recording():
-            s.cycle_span.set_attributes({"spec.draft_tokens": s.sent_drafts, "spec.accepted_length": len(r.tokens),
+            s.cycle_span.set_attributes({"spec.draft_tokens": drafted, "spec.accepted_length": len(r.tokens),
                                          "spec.num_accepted": r.num_accepted, "spec.bonus_token": r.tokens[-1],
                                          "spec.verify_call_ms": ms, "spec.verify_batch_ms": timing.compute_ms,
                                          "spec.verify_service_ms": timing.total_ms})
@@ -308,5 +310,6 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         s.stats.first_token_at = time.perf_counter()
         sched.metrics.time_to_first_token.record(s.stats.first_token_at - s.submitted_at)
         s.span.add_event("first_token")
-    s.drafts, s.dists, s.parents = [], [], []
+    if s.drafts:
+        s.drafts, s.dists, s.parents = [], [], []
     sched.emit(s, r.tokens)
