@@ -36,11 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from specsplit.ops import HiddenRef, StepTiming, TargetResult, Verify
+from specsplit.transport import columns
 from specsplit.transport.serving import install_uvloop, new_server
 from specsplit.transport.step_socket import StepSocketServer
 from specsplit.transport.step_stream import answer_step, serve_steps
 from specsplit.v1 import target_pb2, target_pb2_grpc
-from target_service.server import CODEC
 
 MODES = ("bare", "framework", "framework_inline", "socket", "socket_loop")
 
@@ -49,7 +49,7 @@ class _Servicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.executor = ThreadPoolExecutor(max_workers=1) if mode in ("framework", "socket_loop") else None
-        self.codec = CODEC  # the target service's
+        self.codec = columns.TARGET_CODEC  # the target service's
 
     @staticmethod
     def _run(ops: list[Any], _req: Any) -> tuple[list[TargetResult], StepTiming]:

@@ -17,12 +17,10 @@ from specsplit.ops import DraftOp, DraftResult, ExtendPropose, StepTiming
 from specsplit.transport import columns, wire
 from specsplit.transport.handoff.base import Descriptor
 from specsplit.transport.lease import Leases
-from specsplit.transport.step_stream import Answered, StepAfter, StepCodec, answer_step, serve_steps
+from specsplit.transport.step_stream import Answered, StepAfter, answer_step, serve_steps
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specsplit.draft")
-CODEC = StepCodec(wire.draft_op_from_proto, wire.write_draft_result, DraftResult, draft_pb2.DraftStepResponse,
-                  columns.draft_step_ops, columns.write_draft_results)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -56,13 +54,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Step(self, request_iterator: AsyncIterator[draft_pb2.DraftStepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[draft_pb2.DraftStepResponse]:
-        async for reply in serve_steps(request_iterator, context, "draft", self.step_executor, self._run, CODEC,
-                                       self._after):
+        async for reply in serve_steps(request_iterator, context, "draft", self.step_executor, self._run,
+                                       columns.DRAFT_CODEC, self._after):
             yield reply
 
     def answer(self, request: draft_pb2.DraftStepRequest) -> Answered:
         """One step for the step socket, on its connection thread (its spans once the reply is out)."""
-        return answer_step(request, "draft", self._run, CODEC, self._after)
+        return answer_step(request, "draft", self._run, columns.DRAFT_CODEC, self._after)
 
     def _run(self, ops: list[DraftOp], request: draft_pb2.DraftStepRequest) -> tuple[list[DraftResult], StepTiming]:
         with self.engine_lock:

@@ -13,12 +13,9 @@ from specsplit.observability.telemetry import Telemetry
 from specsplit.ops import Prefill, StepTiming, TargetOp, TargetResult, Verify
 from specsplit.transport import columns, wire
 from specsplit.transport.lease import Leases
-from specsplit.transport.step_stream import Answered, StepAfter, StepCodec, answer_step, serve_steps
+from specsplit.transport.step_stream import Answered, StepAfter, answer_step, serve_steps
 from specsplit.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.runtime import TargetRuntime
-
-CODEC = StepCodec(wire.target_op_from_proto, wire.write_target_result, TargetResult,
-                   target_pb2.TargetStepResponse, columns.target_step_verifies, columns.write_target_results)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -43,13 +40,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Step(self, request_iterator: AsyncIterator[target_pb2.TargetStepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[target_pb2.TargetStepResponse]:
-        async for reply in serve_steps(request_iterator, context, "target", self.step_executor, self._run, CODEC,
-                                       self._after):
+        async for reply in serve_steps(request_iterator, context, "target", self.step_executor, self._run,
+                                       columns.TARGET_CODEC, self._after):
             yield reply
 
     def answer(self, request: target_pb2.TargetStepRequest) -> Answered:
         """One step for the step socket, on its connection thread (its spans once the reply is out)."""
-        return answer_step(request, "target", self._run, CODEC, self._after)
+        return answer_step(request, "target", self._run, columns.TARGET_CODEC, self._after)
 
     def _run(self, ops: list[TargetOp], request: target_pb2.TargetStepRequest) -> tuple[list[TargetResult], StepTiming]:
         with self.engine_lock:

@@ -148,14 +148,13 @@ def test_the_target_service_refuses_a_step_whose_columns_do_not_line_up() -> Non
     import grpc
 
     from specsplit.transport.step_stream import StepAbort, answer_step
-    from target_service.server import CODEC
 
     req = target_pb2.TargetStepRequest(step_id=1)
     columns.write_target_step(req, [Verify(i, [8, 9]) for i in range(8)])
     req.verifies.draft_ids.append(3)
     ran = []
     with pytest.raises(StepAbort) as e:
-        answer_step(req, "target", lambda ops, _req: ran.append(ops), CODEC)  # type: ignore[arg-type,func-returns-value]
+        answer_step(req, "target", lambda ops, _req: ran.append(ops), columns.TARGET_CODEC)  # type: ignore[arg-type,func-returns-value]
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and not ran
     assert "draft_ids has 17 entries" in e.value.message
 

@@ -11,8 +11,11 @@ from itertools import accumulate
 from typing import TypeVar
 
 from specsplit.ops import Code, DraftOp, DraftResult, ExtendPropose, HiddenRef, Sampling, TargetOp, TargetResult, Verify
+from specsplit.transport.step_stream import StepCodec
 from specsplit.transport.wire import (
+    draft_op_from_proto,
     draft_result_from_proto,
+    target_op_from_proto,
     target_result_from_proto,
     write_draft_op,
     write_draft_result,
@@ -240,3 +243,10 @@ def _split(flat: list[T], counts: list[int], name: str) -> list[list[T]]:
         raise ValueError(f"{name} has {len(flat)} entries where the counts add up to {sum(counts)}")
     ends = list(accumulate(counts))
     return [flat[end - k : end] for k, end in zip(counts, ends, strict=True)]
+
+
+# the services' step codecs: every op and result, the many sequences' as columns
+TARGET_CODEC = StepCodec(target_op_from_proto, write_target_result, TargetResult, target_pb2.TargetStepResponse,
+                         target_step_verifies, write_target_results)
+DRAFT_CODEC = StepCodec(draft_op_from_proto, write_draft_result, DraftResult, draft_pb2.DraftStepResponse,
+                        draft_step_ops, write_draft_results)
