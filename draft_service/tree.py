@@ -145,7 +145,7 @@ def tree_result(tokens: list[int], parents: list[int], order: list[int], topk: i
     best `keep` candidates in creation order (parents first) and their parents' indices in that
     list (-1: a child of the sequence)."""
     n = topk + (steps - 1) * topk * topk  # candidates of the first `steps` levels
-    kept = sorted([i for i in order if i < n][:keep])
+    kept = sorted(order[:keep] if n >= len(order) else [i for i in order if i < n][:keep])
     index = {node: j for j, node in enumerate(kept)}
     return [tokens[i] for i in kept], [index[parents[i]] if parents[i] >= 0 else -1 for i in kept]
 

@@ -115,6 +115,9 @@ class TargetEngine:
             seq = self.seqs.get(op.seq_id)
             if seq is None or seq.last_token < 0:
                 raise OpError(Code.NOT_FOUND, f"unknown sequence {op.seq_id}")
+            if type(op) is Verify and seq.slot >= 0:
+                self._check_verify(op, seq)
+                return
             if isinstance(op, Resume):
                 if seq.slot >= 0:
                     raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} is not suspended")
@@ -129,20 +132,24 @@ class TargetEngine:
                 if not self.runner.free_slots:
                     raise OpError(Code.RESOURCE_EXHAUSTED, "no free KV slot to recompute features in")
                 return
+
+    def _check_verify(self, op: Verify, seq: Sequence) -> None:
+        if op.draft_ids:
             if len(op.draft_ids) > self.cfg.max_draft_tokens:
                 raise OpError(Code.INVALID_ARGUMENT,
                               f"{len(op.draft_ids)} draft tokens exceed the limit {self.cfg.max_draft_tokens}")
-            if seq.length + 1 + len(op.draft_ids) > self.cfg.max_context:
-                raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} would exceed the context")
             self._check_ids(op.draft_ids)
             if not seq.sampling.greedy and len(op.draft_dists) != len(op.draft_ids):
                 raise OpError(Code.INVALID_ARGUMENT, "sampling verify needs one draft distribution per token")
             if op.draft_parents:
                 self._check_tree(op, seq)
-            if op.forced >= 0 and not self.cfg.forced_acceptance:
+        if seq.length + 1 + len(op.draft_ids) > self.cfg.max_context:
+            raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} would exceed the context")
+        if op.forced >= 0:
+            if not self.cfg.forced_acceptance:
                 raise OpError(Code.INVALID_ARGUMENT, "forced acceptance is a benchmark mode: start the target with "
                                                      "--benchmark-forced-acceptance")
-            if op.forced >= 0 and not seq.sampling.greedy:
+            if not seq.sampling.greedy:
                 raise OpError(Code.INVALID_ARGUMENT, "forced acceptance is for greedy sequences")
 
     @staticmethod
