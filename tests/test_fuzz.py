@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
+from specsplit.ops import Verify
+from specsplit.transport import columns
 from specsplit.v1 import gateway_pb2, target_pb2, target_pb2_grpc
 
 INT32 = st.integers(-(2**31), 2**31 - 1)
@@ -87,6 +89,16 @@ def test_garbage_bytes_never_crash_the_gateway(stack: ServiceStack, payload: byt
         except grpc.RpcError as e:
             assert e.code() in ALLOWED, f"{e.code()}: {e.details()}"
             assert e.details() and "Traceback" not in e.details()
+
+
+def test_a_step_whose_columns_do_not_line_up_is_refused_with_a_clear_status(stack: ServiceStack) -> None:
+    req = target_pb2.TargetStepRequest(step_id=1)
+    columns.write_target_step(req, [Verify(i, [5]) for i in range(1, 9)])
+    req.verifies.draft_ids.append(5)  # nine drafts for eight counted
+    with grpc.insecure_channel(stack.addr("target")) as ch, pytest.raises(grpc.RpcError) as e:
+        list(target_pb2_grpc.TargetServiceStub(ch).Step(iter([req]), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "draft_ids has 9 entries" in e.value.details() and "Traceback" not in e.value.details()
 
 
 def test_still_serving_and_nothing_leaked_after_fuzzing(stack: ServiceStack) -> None:
