@@ -322,7 +322,7 @@ class ModelRunner:
         got = self.graphs.run(key, fn, **inputs)
         logits, extra = got[0], got[1]
         assert logits is not None
-        return _row_outputs(logits.view(b * t, -1), None if extra is None else extra.view(b * t, -1), rows, t), \
+        return _row_outputs(logits.reshape(b * t, -1), None if extra is None else extra.reshape(b * t, -1), rows, t), \
             got[2] if verify else None
 
     def _run_fused(self, step: Step, verify: bool = False) -> tuple[RowOutputs, torch.Tensor | None]:
