@@ -134,15 +134,14 @@ class TargetEngine:
                 return
 
     def _check_verify(self, op: Verify, seq: Sequence) -> None:
-        if op.draft_ids:
-            if len(op.draft_ids) > self.cfg.max_draft_tokens:
-                raise OpError(Code.INVALID_ARGUMENT,
-                              f"{len(op.draft_ids)} draft tokens exceed the limit {self.cfg.max_draft_tokens}")
-            self._check_ids(op.draft_ids)
-            if not seq.sampling.greedy and len(op.draft_dists) != len(op.draft_ids):
-                raise OpError(Code.INVALID_ARGUMENT, "sampling verify needs one draft distribution per token")
-            if op.draft_parents:
-                self._check_tree(op, seq)
+        if len(op.draft_ids) > self.cfg.max_draft_tokens:
+            raise OpError(Code.INVALID_ARGUMENT,
+                          f"{len(op.draft_ids)} draft tokens exceed the limit {self.cfg.max_draft_tokens}")
+        self._check_ids(op.draft_ids)
+        if not seq.sampling.greedy and len(op.draft_dists) != len(op.draft_ids):
+            raise OpError(Code.INVALID_ARGUMENT, "sampling verify needs one draft distribution per token")
+        if op.draft_parents:
+            self._check_tree(op, seq)
         if seq.length + 1 + len(op.draft_ids) > self.cfg.max_context:
             raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} would exceed the context")
         if op.forced >= 0:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from specsplit.models.parallel import TensorParallel
-from specsplit.ops import Code, Prefill, Recapture, Release, Verify
+from specsplit.ops import Code, Prefill, Recapture, Release, Sampling, Verify
 from target_service.config import TargetConfig
 from target_service.runtime import TargetRuntime
 
@@ -27,6 +27,27 @@ def test_errors_are_per_entry_and_state_is_kept(tiny_target: Path) -> None:
         res, _ = rt.step([Verify(1, [5, 6])], [res[0].hidden.generation])
         assert res[0].code == Code.OK and 1 <= len(res[0].tokens) <= 3
         assert res[0].hidden.rows == res[0].num_accepted + 1
+    finally:
+        rt.close()
+
+
+def test_malformed_verifies_are_refused_one_by_one(tiny_target: Path) -> None:
+    rt = runtime(tiny_target, max_context=16, max_sequences=3)
+    try:
+        res, _ = rt.step([Prefill(1, [1, 2, 3], capture=False),
+                          Prefill(2, [1, 2], Sampling(temperature=0.5), capture=False)], [])
+        assert [r.code for r in res] == [Code.OK, Code.OK]
+        bad = {"parents for 0 draft tokens": Verify(1, [], draft_parents=[-1], capture=False),
+               "one draft distribution per token": Verify(2, [], draft_dists=[([5], [1.0])], capture=False),
+               "outside the vocabulary": Verify(1, [99999], capture=False),
+               "exceed the limit": Verify(1, [5] * 17, capture=False),
+               "would exceed the context": Verify(1, [5] * 13, capture=False),
+               "benchmark mode": Verify(1, [5], capture=False, forced=1)}
+        for why, op in bad.items():
+            (r,), _ = rt.step([op], [])
+            assert r.code == Code.INVALID_ARGUMENT and why in r.message, (why, r.message)
+        res, _ = rt.step([Verify(1, [5], capture=False), Verify(2, capture=False)], [])  # both as they were
+        assert [r.code for r in res] == [Code.OK, Code.OK]
     finally:
         rt.close()
 
