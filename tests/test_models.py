@@ -73,13 +73,24 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
 
 
 def test_head_sharding_covers_every_head_once() -> None:
-    for heads, kv, world in [(9, 3, 2), (8, 2, 4), (32, 8, 8), (8, 8, 3)]:
+    for heads, kv, world in [(9, 3, 2), (8, 2, 4), (32, 8, 8), (8, 8, 3), (9, 3, 4), (9, 3, 8), (32, 8, 16),
+                             (9, 3, 9), (32, 8, 32)]:
         shards = [shard_heads(heads, kv, TensorParallel(r, world)) for r in range(world)]
-        assert sum(s.q_count for s in shards) == heads
-        assert [s.q_start for s in shards] == sorted(s.q_start for s in shards)
+        assert sorted(h for s in shards for h in range(s.q_start, s.q_start + s.q_count)) == list(range(heads))
+        group = heads // kv
+        for s in shards:  # each rank's query heads read its KV heads, in equal groups
+            assert s.q_count >= 1 and s.q_count % s.kv_count == 0
+            assert {h // group for h in range(s.q_start, s.q_start + s.q_count)} == \
+                set(range(s.kv_start, s.kv_start + s.kv_count))
     # fewer KV heads than ranks: KV heads replicated, q heads split evenly
     shards = [shard_heads(8, 2, TensorParallel(r, 4)) for r in range(4)]
     assert [s.kv_start for s in shards] == [0, 0, 1, 1] and all(s.q_count == 2 for s in shards)
+    # SmolLM2's 3 KV groups on 8 ranks
+    shards = [shard_heads(9, 3, TensorParallel(r, 8)) for r in range(8)]
+    assert [s.q_count for s in shards] == [1, 1, 1, 1, 1, 1, 2, 1] and [s.kv_start for s in shards] == \
+        [0, 0, 0, 1, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="would share a KV group"):
+        shard_heads(9, 3, TensorParallel(0, 10))
 
 
 def test_smollm2_conversion_answers_sensibly(smollm2_dir: Path) -> None:

@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from specsplit.checkpoints.eagle_head import random_head, save_head
+from specsplit.checkpoints.target_checkpoint import load_target_config
+from specsplit.checkpoints.tiny import tiny_config, write_tiny_target
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
 
@@ -37,6 +40,21 @@ def test_smollm2_tp2_uneven_head_split_equals_tp1(tmp_path: Path) -> None:
     tp1 = run_stack(StackConfig.of(**base), reqs)
     tp2 = run_stack(StackConfig.of(**base, tp_size=2), reqs)
     assert tp1 == tp2
+
+
+def test_more_ranks_than_kv_heads_give_the_tp1_tokens(tmp_path: Path) -> None:
+    """9 heads / 3 KV heads (SmolLM2's groups) on 4 and 8 ranks: past 3 ranks each KV group
+    goes to ranks of its own, which split its query heads and each hold a copy of its KV head."""
+    target = write_tiny_target(tmp_path / "target", tiny_config(hidden=72, heads=9, kv_heads=3, layers=3), seed=5)
+    head_cfg, weights = random_head(load_target_config(target), draft_vocab_size=256, seed=6, std=0.2)
+    save_head(tmp_path / "head", head_cfg, weights)
+    reqs = [make_request(token_ids=p, max_new_tokens=16, num_steps=s)
+            for p, s in [([1, 2, 3], 3), (list(range(30, 50)), 0)]]
+    base = dict(model=str(target), head=str(tmp_path / "head"), max_context=128)
+    tp1 = run_stack(StackConfig.of(**base, log_dir=tmp_path / "tp1"), reqs)
+    for n in (4, 8):
+        assert run_stack(StackConfig.of(**base, tp_size=n, log_dir=tmp_path / f"tp{n}"), reqs) == tp1, f"TP{n}"
+    assert all(len(t) > 0 for t in tp1)
 
 
 def test_target_only_without_a_draft_service(tiny_target: Path, tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 Weights are loaded whole and each rank keeps its slice. Attention is split by KV-head
 groups (unevenly when the group count does not divide, e.g. SmolLM2's 3 KV heads on 2
-ranks); with fewer KV heads than ranks, KV heads are replicated.
+ranks); with fewer KV heads than ranks, each KV group's query heads are split over ranks of
+its own, which replicate its KV head (`shard_heads`).
 
 On the CPU in fp32, `pack_for_cpu` also keeps each layer's weight in oneDNN's blocked layout,
 packed once (the runner does it): a product of a few rows (a verify's) then streams the weight
@@ -59,14 +60,23 @@ class HeadShard:
 
 
 def shard_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadShard:
-    group = num_heads // num_kv_heads
-    if num_kv_heads >= tp.world_size:
-        kv0, kv1 = split_range(num_kv_heads, tp.world_size, tp.rank)
+    """This rank's query heads and the KV heads they read, each a contiguous range in which every
+    KV head serves the same number of query heads. Up to as many ranks as KV heads, each rank
+    takes whole KV groups (unevenly where they do not divide). Past that, each KV group goes to
+    ranks of its own (as evenly as possible), which split its query heads and each hold a copy
+    of its KV head: SmolLM2's 9 heads / 3 KV heads run on 4 ranks as 2 + 1 + 3 + 3 query heads,
+    on 8 as 1 + 1 + 1 + 1 + 1 + 1 + 2 + 1."""
+    group, world = num_heads // num_kv_heads, tp.world_size
+    if num_kv_heads >= world:
+        kv0, kv1 = split_range(num_kv_heads, world, tp.rank)
         return HeadShard(kv0 * group, (kv1 - kv0) * group, kv0, kv1 - kv0)
-    if tp.world_size % num_kv_heads or num_heads % tp.world_size:
-        raise ValueError(f"cannot shard {num_heads} heads / {num_kv_heads} KV heads over {tp.world_size} ranks")
-    q_count = num_heads // tp.world_size
-    return HeadShard(tp.rank * q_count, q_count, tp.rank * num_kv_heads // tp.world_size, 1)
+    kv = next(j for j in range(num_kv_heads) if tp.rank < split_range(world, num_kv_heads, j)[1])
+    r0, r1 = split_range(world, num_kv_heads, kv)  # the ranks of this KV group
+    if r1 - r0 > group:
+        raise ValueError(f"cannot shard {num_heads} heads / {num_kv_heads} KV heads over {world} ranks: "
+                         f"{r1 - r0} ranks would share a KV group of {group} query heads")
+    q0, q1 = split_range(group, r1 - r0, tp.rank - r0)
+    return HeadShard(kv * group + q0, q1 - q0, kv, 1)
 
 
 PACK_ROWS = 8  # the rows oneDNN's layout is chosen for (any count runs)
