@@ -75,9 +75,10 @@ class DraftDeadline:
         ctx = draft_cycle_entries(last_start, longest, last_end, steps, topk)
         return pow2_at_least(n), steps, topk, extend_bucket(longest), max(128, pow2_at_least(ctx))
 
-    def seconds(self, ops: list[DraftOp], shape: tuple[int, ...]) -> float:
-        """The deadline of a call of `shape` (DraftDeadline.shape(ops))."""
-        if shape not in self.seen or len(self.times) < 8 or self.is_long(ops):
+    def seconds(self, ops: list[DraftOp], shape: tuple[int, ...], long: bool | None = None) -> float:
+        """The deadline of a call of `shape` (DraftDeadline.shape(ops)); `long`: is_long(ops),
+        where the caller knows it."""
+        if shape not in self.seen or len(self.times) < 8 or (self.is_long(ops) if long is None else long):
             return self.cap_s
         if self._p99 is None:
             self._p99 = sorted(self.times)[min(len(self.times) - 1, int(0.99 * len(self.times)))]
@@ -151,7 +152,7 @@ async def draft_phase(sched: Scheduler) -> None:
     if not ops:
         return
     shape, long = sched.draft_deadline.shape(ops), sched.draft_deadline.is_long(ops)
-    deadline = sched.draft_deadline.seconds(ops, shape)
+    deadline = sched.draft_deadline.seconds(ops, shape, long)
     sched.cycle_ms["other"] = 0.0  # a call made: until it is priced below, the cycle's rest is no cost of its shape
     t0 = time.perf_counter()
     try:
