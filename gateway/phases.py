@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -59,21 +60,19 @@ class DraftDeadline:
         self._records = 0
 
     def is_long(self, ops: list[DraftOp]) -> bool:
-        return any(isinstance(op, ExtendPropose) and len(op.tokens) > self.long_tokens for op in ops)
+        return max((len(op.tokens) for op in ops if type(op) is ExtendPropose), default=0) > self.long_tokens
 
     @staticmethod
     def shape(ops: list[DraftOp]) -> tuple[int, ...]:
         """The call's shape as the draft's graphs are keyed (batch, extend and context in buckets)."""
-        n = steps = topk = longest = last_start = last_end = 0
-        for op in ops:
-            if isinstance(op, ExtendPropose):
-                size = len(op.tokens)
-                n, steps, topk, longest = n + 1, max(steps, op.num_steps), max(topk, op.topk), max(longest, size)
-                last_start, last_end = max(last_start, op.position), max(last_end, op.position + size)
-        if not n:
+        extends: list[ExtendPropose] = [op for op in ops if type(op) is ExtendPropose]  # type: ignore[misc]
+        if not extends:
             return ()
-        ctx = draft_cycle_entries(last_start, longest, last_end, steps, topk)
-        return pow2_at_least(n), steps, topk, extend_bucket(longest), max(128, pow2_at_least(ctx))
+        sizes, starts = [len(op.tokens) for op in extends], [op.position for op in extends]
+        steps, topk = max(op.num_steps for op in extends), max(op.topk for op in extends)
+        longest, last_end = max(sizes), max(map(operator.add, starts, sizes))
+        ctx = draft_cycle_entries(max(starts), longest, last_end, steps, topk)
+        return pow2_at_least(len(extends)), steps, topk, extend_bucket(longest), max(128, pow2_at_least(ctx))
 
     def seconds(self, ops: list[DraftOp], shape: tuple[int, ...], long: bool | None = None) -> float:
         """The deadline of a call of `shape` (DraftDeadline.shape(ops)); `long`: is_long(ops),
@@ -107,8 +106,14 @@ async def draft_phase(sched: Scheduler) -> None:
         return
     ops: list[DraftOp] = [Release(i) for i in sched.draft_releases]
     sched.draft_releases = []
-    candidates = [s for s in sched.running if s.spec and s.pending is not None and not s.unread_since]
-    sleeping = [s for s in sched.running if s.spec and s.dormant and not s.unread_since]
+    candidates: list[Sequence] = []
+    sleeping: list[Sequence] = []
+    for s in sched.running:
+        if s.spec and not s.unread_since:
+            if s.pending is not None:
+                candidates.append(s)
+            if s.dormant:
+                sleeping.append(s)
     batch = len(candidates) + len(sleeping)
     adaptive = [s for s in candidates if s.req.adaptive]
     resting: list[Sequence] = []
