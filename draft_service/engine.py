@@ -180,8 +180,8 @@ class DraftEngine:
         if len(op.earlier) > MAX_EARLIER:
             raise OpError(Code.INVALID_ARGUMENT, f"{len(op.earlier)} earlier feature references exceed {MAX_EARLIER}")
         refs = [*op.earlier, op.hidden] if op.earlier else [op.hidden]
-        rows = sum(r.rows for r in refs)
-        if rows != len(op.tokens) or rows == 0 or any(r.rows == 0 for r in refs):
+        rows = sum(r.rows for r in refs) if op.earlier else op.hidden.rows
+        if rows != len(op.tokens) or rows == 0 or (op.earlier and any(r.rows == 0 for r in refs)):
             raise OpError(Code.INVALID_ARGUMENT, f"{len(op.tokens)} tokens for {rows} feature rows")
         if op.num_steps > self.max_steps:
             raise OpError(Code.INVALID_ARGUMENT, f"num_steps {op.num_steps} exceeds the limit {self.max_steps}")
@@ -202,9 +202,11 @@ class DraftEngine:
                                                  f"the extend starts at {op.position}")
         if op.position + rows > self.max_context:
             raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} would exceed the draft context")
-        if ring is not None and not any(r.inline for r in refs):
+        if ring is not None and not (op.hidden.inline or (op.earlier and any(r.inline for r in refs))):
             if any(r.offset < 0 or r.offset + r.rows > ring.shape[0] for r in refs):
                 raise OpError(Code.INVALID_ARGUMENT, "bad hidden-state reference: outside the ring")
+            if not op.earlier:
+                return None, list(range(op.hidden.offset, op.hidden.offset + rows))
             return None, [i for r in refs for i in range(r.offset, r.offset + r.rows)]
         try:
             parts = [self.reader.read(r.offset, r.rows, r.inline).to(self.device) for r in refs]
