@@ -120,17 +120,18 @@ def target_results_from_proto(m: target_pb2.TargetStepResponse) -> list[TargetRe
 # -- draft
 def _columned(op: DraftOp) -> bool:
     return (type(op) is ExtendPropose and not op.hidden.inline  # type: ignore[union-attr]
-            and not any(r.inline for r in op.earlier))  # type: ignore[union-attr]
+            and (not op.earlier or not any(r.inline for r in op.earlier)))  # type: ignore[union-attr]
 
 
 def write_draft_step(m: draft_pb2.DraftStepRequest, ops: list[DraftOp]) -> None:
     """A step's ops into m: extend-and-proposes without inline rows as columns where there are
     DRAFT_COLUMNS_FROM of them, the others one message each."""
-    columns: list[ExtendPropose] = [op for op in ops if _columned(op)]  # type: ignore[misc]
+    fits = [_columned(op) for op in ops]
+    columns: list[ExtendPropose] = [op for op, fit in zip(ops, fits, strict=True) if fit]  # type: ignore[misc]
     if len(columns) < DRAFT_COLUMNS_FROM:
         columns = []
-    for op in ops:
-        if not columns or not _columned(op):
+    for op, fit in zip(ops, fits, strict=True):
+        if not columns or not fit:
             write_draft_op(m.ops.add(), op)
     if not columns:
         return
