@@ -7,8 +7,9 @@ up."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import accumulate
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from specsplit.ops import Code, DraftOp, DraftResult, ExtendPropose, HiddenRef, Sampling, TargetOp, TargetResult, Verify
 from specsplit.transport.step_stream import StepCodec
@@ -35,22 +36,16 @@ DRAFT_COLUMNS_FROM = 8  # an extend-and-propose has twice a verify's columns
 def write_target_step(m: target_pb2.TargetStepRequest, ops: list[TargetOp]) -> None:
     """A step's ops into m: verifies without draft distributions as columns where there are
     COLUMNS_FROM of them, the others one message each."""
-    columns = [op for op in ops if type(op) is Verify and not op.draft_dists]
-    if len(columns) < COLUMNS_FROM:
-        columns = []
-    for op in ops:
-        if not columns or type(op) is not Verify or op.draft_dists:
-            write_target_op(m.ops.add(), op)
+    columns, rest = _sort_out(ops, lambda op: type(op) is Verify and not op.draft_dists,  # type: ignore[union-attr]
+                              COLUMNS_FROM)
+    for op in rest:
+        write_target_op(m.ops.add(), op)
     if not columns:
         return
     c = m.verifies
     c.seq_ids.extend([op.seq_id for op in columns])
     c.capture_hidden.extend([op.capture for op in columns])
-    c.draft_counts.extend([len(op.draft_ids) for op in columns])
-    c.draft_ids.extend([t for op in columns for t in op.draft_ids])
-    if any(op.draft_parents for op in columns):
-        c.tree.extend([bool(op.draft_parents) for op in columns])
-        c.draft_parents.extend([p for op in columns for p in op.draft_parents])
+    _write_drafts(c, [op.draft_ids for op in columns], [op.draft_parents for op in columns])
     if any(op.forced >= 0 for op in columns):
         c.forced_accept.extend([op.forced for op in columns])
     if any(op.trace for op in columns):
@@ -67,25 +62,19 @@ def target_step_verifies(m: target_pb2.TargetStepRequest) -> list[Verify]:
     if not n:
         return []
     capture = _column(n, "capture_hidden", list(c.capture_hidden))
-    counts = _column(n, "draft_counts", list(c.draft_counts))
-    tree = _column(n, "tree", list(c.tree), False)
     forced = _column(n, "forced_accept", list(c.forced_accept), -1)
     traces = _column(n, "traceparents", list(c.traceparents), "")
-    ids = _split(list(c.draft_ids), counts, "draft_ids")
-    parents = _split(list(c.draft_parents), [k if t else 0 for k, t in zip(counts, tree, strict=True)],
-                     "draft_parents")
+    ids, parents = _read_drafts(c, n)
     return [Verify(seq_ids[i], ids[i], [], parents[i], capture[i], traces[i], forced[i]) for i in range(n)]
 
 
 def write_target_results(m: target_pb2.TargetStepResponse, results: list[TargetResult]) -> None:
     """A step's results into m: successful ones without inline rows as columns where there are
     COLUMNS_FROM of them, the others one message each."""
-    ok = [r for r in results if r.code == Code.OK and (r.hidden is None or not r.hidden.inline)]
-    if len(ok) < COLUMNS_FROM:
-        ok = []
-    for r in results:
-        if not ok or r.code != Code.OK or (r.hidden is not None and r.hidden.inline):
-            write_target_result(m.results.add(), r)
+    ok, rest = _sort_out(results, lambda r: r.code == Code.OK and (r.hidden is None or not r.hidden.inline),
+                         COLUMNS_FROM)
+    for r in rest:
+        write_target_result(m.results.add(), r)
     if not ok:
         return
     c = m.ok
@@ -126,13 +115,10 @@ def _columned(op: DraftOp) -> bool:
 def write_draft_step(m: draft_pb2.DraftStepRequest, ops: list[DraftOp]) -> None:
     """A step's ops into m: extend-and-proposes without inline rows as columns where there are
     DRAFT_COLUMNS_FROM of them, the others one message each."""
-    fits = [_columned(op) for op in ops]
-    columns: list[ExtendPropose] = [op for op, fit in zip(ops, fits, strict=True) if fit]  # type: ignore[misc]
-    if len(columns) < DRAFT_COLUMNS_FROM:
-        columns = []
-    for op, fit in zip(ops, fits, strict=True):
-        if not columns or not fit:
-            write_draft_op(m.ops.add(), op)
+    columns: list[ExtendPropose]
+    columns, rest = _sort_out(ops, _columned, DRAFT_COLUMNS_FROM)  # type: ignore[assignment]
+    for op in rest:
+        write_draft_op(m.ops.add(), op)
     if not columns:
         return
     c = m.extend_proposes
@@ -188,21 +174,14 @@ def draft_step_ops(m: draft_pb2.DraftStepRequest) -> list[DraftOp]:
 def write_draft_results(m: draft_pb2.DraftStepResponse, results: list[DraftResult]) -> None:
     """A step's results into m: successful ones without distributions as columns where there
     are DRAFT_COLUMNS_FROM of them, the others one message each."""
-    ok = [r for r in results if r.code == Code.OK and not r.draft_dists]
-    if len(ok) < DRAFT_COLUMNS_FROM:
-        ok = []
-    for r in results:
-        if not ok or r.code != Code.OK or r.draft_dists:
-            write_draft_result(m.results.add(), r)
+    ok, rest = _sort_out(results, lambda r: r.code == Code.OK and not r.draft_dists, DRAFT_COLUMNS_FROM)
+    for r in rest:
+        write_draft_result(m.results.add(), r)
     if not ok:
         return
     c = m.ok
     c.seq_ids.extend([r.seq_id for r in ok])
-    c.draft_counts.extend([len(r.draft_ids) for r in ok])
-    c.draft_ids.extend([t for r in ok for t in r.draft_ids])
-    if any(r.draft_parents for r in ok):
-        c.tree.extend([bool(r.draft_parents) for r in ok])
-        c.draft_parents.extend([p for r in ok for p in r.draft_parents])
+    _write_drafts(c, [r.draft_ids for r in ok], [r.draft_parents for r in ok])
     c.consumed_generations.extend([r.consumed_generation for r in ok])
 
 
@@ -216,14 +195,38 @@ def draft_results_from_proto(m: draft_pb2.DraftStepResponse) -> list[DraftResult
     n = len(seq_ids)
     if not n:
         return out
-    counts = _column(n, "draft_counts", list(c.draft_counts))
     generations = _column(n, "consumed_generations", list(c.consumed_generations))
-    tree = _column(n, "tree", list(c.tree), False)
-    ids = _split(list(c.draft_ids), counts, "draft_ids")
-    parents = _split(list(c.draft_parents), [k if t else 0 for k, t in zip(counts, tree, strict=True)],
-                     "draft_parents")
+    ids, parents = _read_drafts(c, n)
     return out + [DraftResult(seq_ids[i], draft_ids=ids[i], consumed_generation=generations[i],
                               draft_parents=parents[i]) for i in range(n)]
+
+
+def _sort_out(items: list[T], fits: Callable[[T], bool], least: int) -> tuple[list[T], list[T]]:
+    """(the items that fit the columns, where there are at least `least` of them, else none;
+    the others, in order)."""
+    fit = [fits(x) for x in items]
+    if sum(fit) < least:
+        return [], items
+    return [x for x, f in zip(items, fit, strict=True) if f], [x for x, f in zip(items, fit, strict=True) if not f]
+
+
+def _write_drafts(c: Any, ids: list[list[int]], parents: list[list[int]]) -> None:
+    """Each sequence's drafts into the columns draft_counts and draft_ids, with tree and
+    draft_parents where any is a tree (a chain has no parents)."""
+    c.draft_counts.extend([len(x) for x in ids])
+    c.draft_ids.extend([t for x in ids for t in x])
+    if any(parents):
+        c.tree.extend([bool(p) for p in parents])
+        c.draft_parents.extend([q for p in parents for q in p])
+
+
+def _read_drafts(c: Any, n: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Each of n sequences' drafts and parents (empty: a chain), as _write_drafts wrote them."""
+    counts = _column(n, "draft_counts", list(c.draft_counts))
+    tree = _column(n, "tree", list(c.tree), False)
+    parents = _split(list(c.draft_parents), [k if t else 0 for k, t in zip(counts, tree, strict=True)],
+                     "draft_parents")
+    return _split(list(c.draft_ids), counts, "draft_ids"), parents
 
 
 _NO_DEFAULT = object()
