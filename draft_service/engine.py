@@ -205,8 +205,6 @@ class DraftEngine:
         if ring is not None and not (op.hidden.inline or (op.earlier and any(r.inline for r in refs))):
             if any(r.offset < 0 or r.offset + r.rows > ring.shape[0] for r in refs):
                 raise OpError(Code.INVALID_ARGUMENT, "bad hidden-state reference: outside the ring")
-            if not op.earlier:
-                return None, list(range(op.hidden.offset, op.hidden.offset + rows))
             return None, [i for r in refs for i in range(r.offset, r.offset + r.rows)]
         try:
             parts = [self.reader.read(r.offset, r.rows, r.inline).to(self.device) for r in refs]
