@@ -9,7 +9,8 @@ One JSON line per (mode, N):
   speculating modes, to speculation off at the same N, and the mean accepted length.
 Each (mode, N) runs once with --warmup-tokens tokens a stream first (warm-up: the CUDA graphs of
 that batch size's shapes are captured on first use; 8 by default, as many as the run for a
-steady state).
+steady state). --decode-ahead-ms A,B,...: the whole run once per value of the gateway's flag (a
+stack each, one after the other), each row also against the first value's same (mode, N).
 
   python -m bench.concurrency --streams 1,2,4,8 --max-new-tokens 32                      (CPU)
   python -m bench.concurrency --device cuda:0 --dtype bfloat16 --head default --fused-decode pdl \\
@@ -116,40 +117,49 @@ def main() -> None:
     p.add_argument("--tree-topk", type=int, default=4)
     p.add_argument("--tree-tokens", type=int, default=16, help="a tree's size counting the root")
     p.add_argument("--threads", type=int, default=None, help="torch threads of each service (CPU)")
+    p.add_argument("--decode-ahead-ms", default="", help="comma list of the gateway's --decode-ahead-ms, a stack "
+                   "each (default: the gateway's own)")
     a = p.parse_args()
     streams = [int(x) for x in a.streams.split(",")]
     modes = a.modes.split(",")
+    aheads = a.decode_ahead_ms.split(",") if a.decode_ahead_ms else [""]
     t_start = time.time()
-    cfg = StackConfig.of(model=a.model, head=a.head, device=a.device, draft_device=a.draft_device, dtype=a.dtype,
-                         fused_decode=a.fused_decode, hidden_backend=a.hidden_backend, max_context=a.max_context,
-                         max_sequences=max(streams), threads=a.threads)
     common = {"bench": "concurrency", "model": a.model, "head": a.head, "device": a.device or "cpu",
               "draft_device": a.draft_device or a.device or "cpu", "dtype": a.dtype, "fused_decode": a.fused_decode,
               "max_new_tokens": a.max_new_tokens, "warmup_tokens": a.warmup_tokens,
               "commit": git_commit(), "machine": platform.machine()}
-    tokens_per_s: dict[tuple[str, int], float] = {}
-    with ServiceStack(cfg) as stack:
-        addr = stack.addr("gateway")
-        for mode in modes:
-            settings = mode_settings(mode, a)
-            for n in streams:
-                run(addr, n, a.warmup_tokens, settings)
-                done, wall = run(addr, n, a.max_new_tokens, settings)
-                ok = [s for s in done if not s.error]
-                tps = sum(s.tokens for s in ok) / wall
-                tokens_per_s[mode, n] = tps
-                row = {**common, "mode": mode, "streams": n, "aggregate_tokens_per_s": round(tps, 2),
-                       "ttft_ms_p50": round(percentile([s.ttft_s for s in ok], 50) * 1e3, 2),
-                       "ttft_ms_p99": round(percentile([s.ttft_s for s in ok], 99) * 1e3, 2),
-                       "tpot_ms_p50": round(percentile([s.tpot_s for s in ok], 50) * 1e3, 3),
-                       "tpot_ms_p99": round(percentile([s.tpot_s for s in ok], 99) * 1e3, 3),
-                       "over_one_stream": round(tps / tokens_per_s[mode, streams[0]], 3),
-                       "mean_accepted_length": round(sum(s.accepted for s in ok) / max(1, len(ok)), 3),
-                       "wall_s": round(wall, 3), "errors": [s.error for s in done if s.error][:3], **settings}
-                if mode != "off" and ("off", n) in tokens_per_s:
-                    row["over_speculation_off"] = round(tps / tokens_per_s["off", n], 3)
-                print(json.dumps(row), flush=True)
-    print(json.dumps({**common, "summary": {f"{m}@{n}": round(v, 2) for (m, n), v in tokens_per_s.items()},
+    tokens_per_s: dict[tuple[str, str, int], float] = {}
+    for ahead in aheads:
+        cfg = StackConfig.of(model=a.model, head=a.head, device=a.device, draft_device=a.draft_device, dtype=a.dtype,
+                             fused_decode=a.fused_decode, hidden_backend=a.hidden_backend, max_context=a.max_context,
+                             max_sequences=max(streams), threads=a.threads,
+                             extra_gateway_args=["--decode-ahead-ms", ahead] if ahead else [])
+        with ServiceStack(cfg) as stack:
+            addr = stack.addr("gateway")
+            for mode in modes:
+                settings = mode_settings(mode, a)
+                for n in streams:
+                    run(addr, n, a.warmup_tokens, settings)
+                    done, wall = run(addr, n, a.max_new_tokens, settings)
+                    ok = [s for s in done if not s.error]
+                    tps = sum(s.tokens for s in ok) / wall
+                    tokens_per_s[ahead, mode, n] = tps
+                    row = {**common, "decode_ahead_ms": ahead or "default", "mode": mode, "streams": n,
+                           "aggregate_tokens_per_s": round(tps, 2),
+                           "ttft_ms_p50": round(percentile([s.ttft_s for s in ok], 50) * 1e3, 2),
+                           "ttft_ms_p99": round(percentile([s.ttft_s for s in ok], 99) * 1e3, 2),
+                           "tpot_ms_p50": round(percentile([s.tpot_s for s in ok], 50) * 1e3, 3),
+                           "tpot_ms_p99": round(percentile([s.tpot_s for s in ok], 99) * 1e3, 3),
+                           "over_one_stream": round(tps / tokens_per_s[ahead, mode, streams[0]], 3),
+                           "mean_accepted_length": round(sum(s.accepted for s in ok) / max(1, len(ok)), 3),
+                           "wall_s": round(wall, 3), "errors": [s.error for s in done if s.error][:3], **settings}
+                    if mode != "off" and (ahead, "off", n) in tokens_per_s:
+                        row["over_speculation_off"] = round(tps / tokens_per_s[ahead, "off", n], 3)
+                    if ahead != aheads[0]:
+                        row["over_first_decode_ahead"] = round(tps / tokens_per_s[aheads[0], mode, n], 3)
+                    print(json.dumps(row), flush=True)
+    print(json.dumps({**common, "summary": {f"{m}@{n}" + (f"/ahead {h}" if h else ""): round(v, 2)
+                                            for (h, m, n), v in tokens_per_s.items()},
                       "wall_s": round(time.time() - t_start, 1)}), flush=True)
 
 

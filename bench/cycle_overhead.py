@@ -69,13 +69,15 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
     draft.warm_graphs()  # as the services do once attached
+    ahead = getattr(a, "target_only_decode", 1)  # target-only: tokens a call (decoding ahead)
     try:
         for steps in [0, *steps_list]:  # warm-up: capture the graphs of every bucket the runs will use (forced
             # acceptance's extends of several tokens among them)
-            generate(target, draft, prompts[0], a.max_new_tokens, steps, None, tree_topk(a), tree_size(a), forced(a))
-        base = [generate(target, None, p, a.max_new_tokens, 0) for p in prompts]
+            generate(target, draft, prompts[0], a.max_new_tokens, steps, None, tree_topk(a), tree_size(a), forced(a),
+                     ahead)
+        base = [generate(target, None, p, a.max_new_tokens, 0, decode=ahead) for p in prompts]
         refs = [p + r.tokens for p, r in zip(prompts, base, strict=True)]
-        rows = {0: summarize("in_process", 0, base)}
+        rows = {0: {**summarize("in_process", 0, base), "decode_tokens_a_call": ahead}}
         for steps in steps_list:
             replayer = None if a.accept_rate is None else Replayer(refs, a.accept_rate, target.model.cfg.vocab_size)
             runs = [generate(target, draft, p, a.max_new_tokens, steps, replayer, tree_topk(a), tree_size(a),

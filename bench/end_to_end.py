@@ -1,7 +1,7 @@
 """End to end at batch 1: a target and its trained EAGLE-3 head, greedy, every prompt
 generating exactly --max-new-tokens (ignore_eos), decode tokens/s of
-  - target-only in one process (the target runtime with CUDA graphs, a plain loop, no gRPC):
-    the baseline speculation must beat;
+  - target-only in one process (the target runtime with CUDA graphs, a plain loop, no gRPC, up to
+    --target-only-decode tokens a call): the baseline speculation must beat;
   - speculation in one process (the same loop with the draft runtime): where each cycle's time goes;
   - target-only and speculation through the three services (gRPC streams + the hidden-state ring);
   - HF transformers `generate` on the same weights, plain and with prompt lookup (an outside reference).
@@ -102,6 +102,9 @@ def main() -> None:
     p.add_argument("--forced-acceptance", default="", help="benchmark mode for heads without trained weights: each "
                    "verify accepts a number of drafts drawn from this per-depth profile ('shipped' or rates, "
                    "gateway.forced); every line says so")
+    p.add_argument("--target-only-decode", type=int, default=16, help="in-process target-only decoding: up to "
+                   "this many tokens a call (decoding ahead; 1: a token a call); the services' as their gateway's "
+                   "--decode-ahead-ms says")
     p.add_argument("--adaptive", action="store_true", help="through the services also requests that leave num_steps "
                    "unset: the gateway chooses each cycle's steps (trees of --topk/--num-draft-tokens among them)")
     cycle_overhead.add_variant_args(p)

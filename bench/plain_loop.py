@@ -37,10 +37,11 @@ class LoopRun:
 
 def generate(target: TargetRuntime, draft: DraftRuntime | None, prompt: list[int], max_new: int, steps: int,
              replayer: Replayer | None = None, topk: int = 1, num_draft_tokens: int = 0,
-             forced: ForcedAcceptance | None = None) -> LoopRun:
+             forced: ForcedAcceptance | None = None, decode: int = 1) -> LoopRun:
     """Greedy; speculation when steps > 0 (then `draft` is required); a tree when topk > 1
     (a replayer turns it into a chain); `forced`: each verify accepts a number drawn from that
-    profile (the target must allow it)."""
+    profile (the target must allow it); `decode`: target-only, up to this many tokens a call
+    (decoding ahead, a power of two; each counts as a cycle)."""
     sid, spec = next(_ids), steps > 0 and draft is not None
     (first,), _ = target.step([Prefill(sid, prompt, capture=spec)], [])
     if first.code:
@@ -64,14 +65,17 @@ def generate(target: TargetRuntime, draft: DraftRuntime | None, prompt: list[int
             release.append(ref.generation)  # consumed by the draft
             position += len(feed)
         accept = forced.draw(rng, steps) if forced is not None and drafts else -1
-        (v,), timing = target.step([Verify(sid, drafts, draft_parents=parents, capture=spec, forced=accept)], release)
+        k = 1 if spec else min(decode, max_new - len(out))
+        k = 1 << (k.bit_length() - 1)
+        (v,), timing = target.step([Verify(sid, drafts, draft_parents=parents, capture=spec, forced=accept, decode=k)],
+                                   release)
         if v.code:
             raise RuntimeError(f"verify failed: {v.message}")
         verify_ms += timing.compute_ms
         release = []
         out += v.tokens
         feed, ref = v.tokens, v.hidden
-        cycles += 1
+        cycles += k
     decode_s = time.perf_counter() - t0
     target.step([Release(sid)], [ref.generation] if spec and ref is not None else [])
     if spec and draft is not None:

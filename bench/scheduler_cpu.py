@@ -51,6 +51,7 @@ from specsplit.ops import (
     Suspend,
     TargetOp,
     TargetResult,
+    Verify,
 )
 from specsplit.transport.serving import install_uvloop
 
@@ -102,6 +103,9 @@ class InstantTarget:
             self.generation += 1
             if isinstance(op, Recapture | Resume):  # features for a draft restarting at position 0
                 out.append(TargetResult(op.seq_id, tokens=[9, 9], hidden=HiddenRef(0, 2, self.generation)))
+                continue
+            if isinstance(op, Verify) and op.decode > 1:  # decoded ahead: no drafts, nothing captured
+                out.append(TargetResult(op.seq_id, tokens=[9] * op.decode))
                 continue
             tokens = [9] if isinstance(op, Prefill) or not self.accept else [*op.draft_ids, 9]
             out.append(TargetResult(op.seq_id, tokens=tokens, num_accepted=len(tokens) - 1,

@@ -76,6 +76,10 @@ class GatewayConfig:
                                   "of drafts drawn from this per-depth profile ('shipped': the shipped head's, or "
                                   "comma-separated rates of depths 1, 2, ...), the target started with the flag of the "
                                   "same name; the output is not the model's (gateway.forced)")
+    decode_ahead_ms: float = flag(8.0, "--decode-ahead-ms", "a cycle that drafts nothing (speculation off, or not "
+                                  "paying), for greedy sequences only, with no request waiting, decodes as many "
+                                  "tokens in one target call as its measured cost a token fits in this many ms "
+                                  "(a power of two, at most the target's max draft tokens + 1); 0: one token a call")
     step_sockets: bool = flag(True, "--no-step-sockets", "always send Steps over the gRPC streams, even where a "
                               "service offers a Unix step socket")
     loop_thread: bool = flag(True, "--no-loop-thread", "run the speculation loop on the server's event loop instead "
@@ -113,6 +117,8 @@ class GatewayConfig:
         for name in ("draft_retry_s", "draft_timeout_s", "liveness_timeout_s", "lease_s", "unread_timeout_s"):
             if not 0.0 < getattr(self, name) <= 3600.0:
                 raise ValueError(f"{name} must be within (0, 3600] seconds")
+        if not 0.0 <= self.decode_ahead_ms <= 1000.0:
+            raise ValueError("decode_ahead_ms must be within [0, 1000] ms")
         if not 0.0 <= self.shutdown_grace_s <= 3600.0:
             raise ValueError("shutdown_grace_s must be within [0, 3600] seconds")
         if self.lease_s < 2 * self.liveness_timeout_s:

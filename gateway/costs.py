@@ -178,6 +178,11 @@ class CostModel:
         self._count(batch not in table)
         table[batch] = ms if batch not in table else table[batch] + self.alpha * (ms - table[batch])
 
+    def token_ms(self, batch: int) -> float | None:
+        """A target call's ms a token when nothing is drafted, at the nearest batch measured."""
+        verify = _nearest(self.verify, batch)
+        return verify.get(1) if verify else None
+
     def cycle_ms(self, batch: int, shape: Shape) -> float | None:
         """A cycle of `shape` at `batch`; None until both calls have been measured once."""
         # a branching not measured yet is priced as the chains (or any measured one)

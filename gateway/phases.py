@@ -241,6 +241,12 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
         work.append(s)
     if not ops and not releases:
         return
+    decoded = decode_ahead(sched, ops, work)
+    if decoded > 1:
+        for op in ops:
+            if type(op) is Verify:
+                op.decode = decoded
+    sched.cycle_decoded = decoded
     t0 = time.perf_counter()
     async with bounded(sched.target, sched.step_timeout_s):
         results, timing = await sched.target.step(ops, releases, sched.step_timeout_s,
@@ -254,11 +260,38 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
         rows = max(len(op.draft_ids) + 1 for op in verifies)
         if rows not in sched.chooser.costs.verify.get(len(verifies), {}):  # a shape the target runs first
             sched.chooser.forgive_probe()
-        sched.chooser.costs.record_verify(len(verifies), rows, ms)
+        sched.chooser.costs.record_verify(len(verifies), rows, ms / decoded)  # a token's
     by_id = {r.seq_id: r for r in results}
     kinds = {op.seq_id: op for op in ops if not isinstance(op, (Release, Suspend))}
     for s in work:
         apply_result(sched, s, by_id.get(s.seq_id), kinds[s.seq_id], ms, timing)
+
+
+def decode_ahead(sched: Scheduler, ops: list[TargetOp], work: list[Sequence]) -> int:
+    """How many tokens each verify of this target call decodes: where it drafts nothing for
+    anyone, captures nothing, prefills nothing and every sequence is greedy, and no request
+    waits for a slot, as many as the limits' decode_ahead_ms holds at this batch's measured cost
+    of a token (a power of two, at most decode_most and what any sequence has left); else one.
+    The target runs them as one step, so a cycle's host work and transport are paid once for them."""
+    limits = sched.limits
+    if limits.decode_ahead_ms <= 0 or limits.decode_most < 2 or sched.waiting or not work:
+        return 1
+    verifies = 0
+    for op in ops:
+        if type(op) is Verify:
+            if op.draft_ids or op.capture or op.forced >= 0:
+                return 1
+            verifies += 1
+        elif type(op) is not Release and type(op) is not Suspend:
+            return 1
+    if verifies != len(work) or any(not s.req.sampling.greedy for s in work):
+        return 1
+    token_ms = sched.chooser.costs.token_ms(len(work))
+    if not token_ms:
+        return 1  # measured first
+    left = min(s.req.max_new_tokens - len(s.generated) for s in work)
+    most = min(limits.decode_most, left, int(limits.decode_ahead_ms / token_ms))
+    return 1 << (most.bit_length() - 1) if most > 1 else 1
 
 
 def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: TargetOp, ms: float,
@@ -299,17 +332,20 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
             s.synced = s.synced or prefill
         else:
             sched.free_generations.append(r.hidden.generation)
-    if not prefill:  # a verify cycle (the prefill's first token is not a cycle)
-        drafted = s.sent_drafts
-        s.stats.record_verify(len(r.tokens), ms, timing, drafted, r.num_accepted, s.shape if drafted else NO_DRAFT)
+    if not prefill:  # a verify cycle (the prefill's first token is not a cycle; a decode of k tokens is k)
+        drafted, decoded = s.sent_drafts, op.decode  # type: ignore[union-attr]
+        s.stats.record_verify(len(r.tokens), ms, timing, drafted, r.num_accepted, s.shape if drafted else NO_DRAFT,
+                              decoded)
         if drafted:
             sched.chooser.observe(s, s.shape, r.num_accepted)
-        sched.totals.record_verify(len(r.tokens), drafted, r.num_accepted)
-        sched.metrics.accepted_length.record(len(r.tokens))
+        sched.totals.record_verify(len(r.tokens), drafted, r.num_accepted, decoded)
+        if decoded == 1:
+            sched.metrics.accepted_length.record(len(r.tokens))
         if s.cycle_span.is_recording():
             s.cycle_span.set_attributes({"spec.draft_tokens": drafted, "spec.accepted_length": len(r.tokens),
                                          "spec.num_accepted": r.num_accepted, "spec.bonus_token": r.tokens[-1],
-                                         "spec.verify_call_ms": ms, "spec.verify_batch_ms": timing.compute_ms,
+                                         "spec.decode_tokens": decoded, "spec.verify_call_ms": ms,
+                                         "spec.verify_batch_ms": timing.compute_ms,
                                          "spec.verify_service_ms": timing.total_ms})
     else:
         s.prefilled = True

@@ -83,6 +83,7 @@ class Scheduler:
         self.spans = CycleSpans(spans)
         self.chooser = StepChooser(max_steps)  # adaptive requests' shape per cycle, from measured costs
         self.cycle_ms: dict[str, float] = {}  # this cycle's draft and verify-only call times
+        self.cycle_decoded = 1  # tokens each verify of this cycle decoded (gateway.phases.decode_ahead)
         self.forced: ForcedAcceptance | None = None  # a benchmark mode (gateway.forced)
         self.cycles = 0
         self.totals = LoopTotals()
@@ -270,7 +271,7 @@ class Scheduler:
         newcomers = self._admit()
         t0, batch = time.perf_counter(), len(self.running)
         traced = self.spans.open(self.running, newcomers)
-        self.cycle_ms = {}
+        self.cycle_ms, self.cycle_decoded = {}, 1
         try:
             await draft_phase(self)
             if not self.target_down:
@@ -282,7 +283,8 @@ class Scheduler:
             self.metrics.cycle_duration.record(ms)
         self.chooser.settle(ms)
         if set(self.cycle_ms) in ({"draft", "verify"}, {"verify"}):  # the rest of a cycle: host work, transport
-            self.chooser.costs.record_rest(batch, max(ms - sum(self.cycle_ms.values()), 0.0), "draft" in self.cycle_ms)
+            rest = max(ms - sum(self.cycle_ms.values()), 0.0) / self.cycle_decoded  # a token's
+            self.chooser.costs.record_rest(batch, rest, "draft" in self.cycle_ms)
         self.cycles += 1
 
     def _admit(self) -> list[Sequence]:

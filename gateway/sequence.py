@@ -78,10 +78,12 @@ class SeqStats:
         return sum(k * v for k, v in self.histogram.items()) / self.cycles if self.cycles else 0.0
 
     def record_verify(self, emitted: int, ms: float, timing: StepTiming, drafts: int, accepted: int,
-                      shape: Shape) -> None:
-        self.cycles += 1
-        self.shapes[shape] += 1
-        self.histogram[emitted] += 1
+                      shape: Shape, decoded: int = 1) -> None:
+        """One verify call; `decoded` > 1: a decode of that many tokens, counted as that many
+        cycles of one token."""
+        self.cycles += decoded
+        self.shapes[shape] += decoded
+        self.histogram[emitted // decoded] += decoded
         self.verify_ms += ms
         self.verify_compute_ms += timing.compute_ms
         self.verify_service_ms += timing.total_ms
@@ -99,8 +101,8 @@ class LoopTotals:
     accepted_drafts: int = 0
     output_tokens: int = 0
 
-    def record_verify(self, emitted: int, drafts: int, accepted: int) -> None:
-        self.verify_cycles += 1
+    def record_verify(self, emitted: int, drafts: int, accepted: int, decoded: int = 1) -> None:
+        self.verify_cycles += decoded  # a decode of several tokens: a cycle of one token each
         self.verify_tokens += emitted
         self.draft_tokens += drafts
         self.accepted_drafts += accepted
@@ -165,6 +167,10 @@ class Limits:
     draft_timeout_s: float = 5.0  # the longest a draft step may take (see DraftDeadline)
     stream_buffer: int = 1024  # tokens a client may leave unread before its sequence waits
     unread_timeout_s: float = 30.0  # a sequence waiting on its reader this long ends
+    # a cycle that drafts nothing for anyone, with nobody waiting, decodes as many tokens a call as take this long
+    # (at most decode_most); 0: one token a call
+    decode_ahead_ms: float = 0.0
+    decode_most: int = 1  # the target's limit (its max_draft_tokens + 1)
 
 
 def first_sequence_id() -> int:

@@ -66,6 +66,8 @@ class Verify:
     capture: bool = True
     trace: str = ""
     forced: int = -1  # benchmark only (--benchmark-forced-acceptance): accept this many drafts; -1: verify
+    # no drafts, nothing captured, greedy: decode this many tokens in a row, each the argmax after the one before
+    decode: int = 1
 
 
 @dataclass
@@ -112,7 +114,7 @@ class TargetResult:
     code: Code = Code.OK
     message: str = ""
     tokens: list[int] = field(default_factory=list)  # accepted drafts + the target's own token
-    # (Recapture: the tokens to extend the draft with, one per feature row)
+    # (a Verify's decode of n tokens: the n; Recapture: the tokens to extend the draft with, one per feature row)
     num_accepted: int = 0
     hidden: HiddenRef | None = None
     started_ns: int = 0  # engine time of this entry (local only, for server-side spans)

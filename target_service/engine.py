@@ -142,7 +142,9 @@ class TargetEngine:
             raise OpError(Code.INVALID_ARGUMENT, "sampling verify needs one draft distribution per token")
         if op.draft_parents:
             self._check_tree(op, seq)
-        if seq.length + 1 + len(op.draft_ids) > self.cfg.max_context:
+        if op.decode != 1:
+            self._check_decode(op, seq)
+        if seq.length + len(op.draft_ids) + op.decode > self.cfg.max_context:
             raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} would exceed the context")
         if op.forced >= 0:
             if not self.cfg.forced_acceptance:
@@ -150,6 +152,16 @@ class TargetEngine:
                                                      "--benchmark-forced-acceptance")
             if not seq.sampling.greedy:
                 raise OpError(Code.INVALID_ARGUMENT, "forced acceptance is for greedy sequences")
+
+    def _check_decode(self, op: Verify, seq: Sequence) -> None:
+        most = self.cfg.max_draft_tokens + 1
+        if not 1 <= op.decode <= most:
+            raise OpError(Code.INVALID_ARGUMENT, f"decode_tokens {op.decode} outside 1..{most}")
+        if op.draft_ids or op.capture or op.forced >= 0:
+            raise OpError(Code.INVALID_ARGUMENT, "a verify that decodes several tokens has no draft tokens, "
+                                                 "captures no features and forces nothing")
+        if not seq.sampling.greedy:
+            raise OpError(Code.INVALID_ARGUMENT, "a sampled sequence decodes one token a step")
 
     @staticmethod
     def _check_tree(op: Verify, seq: Sequence) -> None:
@@ -227,6 +239,15 @@ class TargetEngine:
         return Work(i, op, seq, Row(self.runner.allocate(), 0, seq.tokens))  # Recapture: in a scratch slot
 
     def _run(self, work: list[Work], outcomes: list[Outcome | None]) -> None:
+        decodes = [w for w in work if type(w.op) is Verify and w.op.decode > 1]
+        if decodes:  # each number of tokens in a forward of its own
+            for k in sorted({w.op.decode for w in decodes}):  # type: ignore[union-attr]
+                group = [w for w in decodes if w.op.decode == k]  # type: ignore[union-attr]
+                for w, tokens in zip(group, self.runner.decode(Step([w.row for w in group]), k), strict=True):
+                    outcomes[w.index] = self._decoded(w, tokens)
+            work = [w for w in work if not (type(w.op) is Verify and w.op.decode > 1)]
+            if not work:
+                return
         capture = any(getattr(w.op, "capture", True) for w in work)
         try:
             verified = self.runner.verify(Step([w.row for w in work], capture=capture))
@@ -236,6 +257,14 @@ class TargetEngine:
                     self.runner.release(w.row.slot)
         for w, v in zip(work, verified, strict=True):
             outcomes[w.index] = self._finish(w, v)
+
+    @staticmethod
+    def _decoded(w: Work, tokens: list[int]) -> Outcome:
+        seq = w.seq
+        seq.tokens += [seq.last_token, *tokens[:-1]]
+        seq.length += len(tokens)
+        seq.last_token = tokens[-1]
+        return Outcome(TargetResult(w.op.seq_id, tokens=tokens))
 
     def _finish(self, w: Work, v: Verified) -> Outcome:
         op, seq = w.op, w.seq
@@ -272,8 +301,9 @@ class TargetEngine:
         cache a compile takes longer than many steps): one row without features (a cycle that
         drafted nothing), and chains and trees of 1 up to max_draft_tokens + 1 rows with features
         (into the ring's first rows where it is set, as served), accepted on the device; then the
-        fused step's other tile heights (20 and 40 rows; two sequences). All on a scratch slot,
-        freed after. Returns the shapes run."""
+        fused step's other tile heights (20 and 40 rows; two sequences); and decodes of 2, 4, ...
+        tokens a call (decoding ahead), up to max_draft_tokens + 1. All on a scratch slot, freed
+        after. Returns the shapes run."""
         fused = self.runner.fused
         if fused is None:
             return 0
@@ -292,9 +322,12 @@ class TargetEngine:
             self.runner.run(Step([Row(slot, 0, [0] * 8)]))  # committed entries for the steps to see
             for step in steps:
                 self.runner.verify(step)
+            ahead = [1 << i for i in range(1, (self.cfg.max_draft_tokens + 1).bit_length())]
+            for k in ahead:
+                self.runner.decode(Step([Row(slot, 8, [0])]), k)
         finally:
             self.runner.release(slot)
-        return len(steps)
+        return len(steps) + len(ahead)
 
     def hold(self, epoch: int) -> int:
         """Serve the lease `epoch` (0: none) from now on: every sequence opened under another is

@@ -212,3 +212,49 @@ def test_a_newcomer_leaves_the_running_sequences_on_their_path(tiny_target: Path
             rt.close()
     for (tokens, accepted, rows), (alone_tokens, alone_accepted, alone_rows) in zip(*got, strict=True):
         assert tokens == alone_tokens and accepted == alone_accepted and torch.equal(rows, alone_rows)
+
+
+def test_a_decode_of_several_tokens_equals_as_many_one_token_verifies(tiny_target: Path) -> None:
+    """Verify(decode=k) gives the tokens and the state k plain decodes give, for sequences of
+    different lengths side by side, eagerly and padded (the GPU's path, here without graphs),
+    and the sequence goes on from there as it would."""
+    prompts = [[3, 1, 4, 1, 5], list(range(5, 30)), [7] * 9]
+    for padded in (False, True):
+        got = []
+        for k in (1, 4):
+            rt = runtime(tiny_target, max_context=128, max_sequences=3)
+            rt.engine.runner.padded = padded
+            try:
+                rt.step([Prefill(i, p, capture=False) for i, p in enumerate(prompts)], [])
+                tokens: list[list[int]] = [[] for _ in prompts]
+                for _ in range(8 // k):
+                    res, _ = rt.step([Verify(i, capture=False, decode=k) for i in range(len(prompts))], [])
+                    assert [r.code for r in res] == [Code.OK] * 3 and all(len(r.tokens) == k for r in res)
+                    for t, r in zip(tokens, res, strict=True):
+                        t += r.tokens
+                (after, *_), _ = rt.step([Verify(0, [5, 6], capture=False)], [])  # a verify goes on from there
+                seq = rt.engine.seqs[0]
+                got.append((tokens, after.tokens, seq.length, seq.tokens))
+            finally:
+                rt.close()
+        assert got[0] == got[1], padded
+
+
+def test_malformed_decodes_are_refused(tiny_target: Path) -> None:
+    rt = runtime(tiny_target, max_context=16, max_sequences=2)
+    try:
+        res, _ = rt.step([Prefill(1, [1, 2, 3]), Prefill(2, [1, 2], Sampling(temperature=0.5), capture=False)], [])
+        assert [r.code for r in res] == [Code.OK, Code.OK]
+        bad = {"outside 1..17": Verify(1, capture=False, decode=0),
+               "outside 1..17 ": Verify(1, capture=False, decode=18),
+               "no draft tokens": Verify(1, [5], capture=False, decode=2),
+               "captures no features": Verify(1, decode=2),
+               "sampled sequence": Verify(2, capture=False, decode=2),
+               "would exceed the context": Verify(1, capture=False, decode=14)}
+        for why, op in bad.items():
+            (r,), _ = rt.step([op], [])
+            assert r.code == Code.INVALID_ARGUMENT and why.strip() in r.message, (why, r.message)
+        (r,), _ = rt.step([Verify(1, capture=False, decode=13)], [])  # fills the context exactly
+        assert r.code == Code.OK and len(r.tokens) == 13 and rt.engine.seqs[1].length == 16
+    finally:
+        rt.close()

@@ -34,6 +34,7 @@ TARGET_OPS = [
     Verify(5, [8, 9, 10], [([8, 11], [0.75, 0.25]), ([9], [1.0]), ([10, 2], [0.5, 0.5])], capture=True, trace=TRACE),
     Verify(6, [8, 9, 10, 12], draft_parents=[-1, -1, 0, 2], forced=2),
     Verify(7, [8], forced=0),
+    Verify(13, capture=False, decode=8),
     Release(8, TRACE),
     Recapture(9),
     Suspend(10),
@@ -93,8 +94,10 @@ def _by_id(items: list) -> dict:  # type: ignore[type-arg]
 @pytest.mark.parametrize("ops", [TARGET_OPS, [Verify(i) for i in range(1, 33)],
                                  [Verify(1, [8, 9], draft_parents=[-1, 0]), Verify(2, [7]), Verify(3, trace=TRACE),
                                   Verify(4, [6], forced=1), Verify(5, capture=False)],
+                                 [Verify(i, capture=False, decode=4) for i in range(1, 9)],
                                  [Verify(1, [8, 9]), Prefill(2, [5])]],
-                         ids=["every kind", "32 decodes", "a tree, a chain, decodes, a forced chain", "a few"])
+                         ids=["every kind", "32 decodes", "a tree, a chain, decodes, a forced chain",
+                              "decodes of several tokens", "a few"])
 def test_a_step_of_many_ops_round_trips_with_its_verifies_as_columns(ops: list) -> None:  # type: ignore[type-arg]
     req = target_pb2.TargetStepRequest(step_id=1)
     columns.write_target_step(req, ops)
@@ -125,9 +128,10 @@ def test_a_step_of_many_results_round_trips_with_the_successful_ones_as_columns(
     lambda c: c.capture_hidden.pop(),
     lambda c: c.draft_counts.append(0),
     lambda c: c.forced_accept.extend([1]),
+    lambda c: c.decode_tokens.extend([2]),
     lambda c: (c.tree.extend([True] + [False] * 7), c.draft_parents.extend([-1])),
 ], ids=["a draft too many", "a capture flag missing", "a count too many", "a forced count missing",
-        "a tree's parent missing"])
+        "a decode count missing", "a tree's parent missing"])
 def test_verify_columns_that_do_not_line_up_are_refused(break_it: object) -> None:
     req = target_pb2.TargetStepRequest(step_id=1)
     columns.write_target_step(req, [Verify(1, [8, 9]), *(Verify(i) for i in range(2, 8)), Verify(8, [7])])

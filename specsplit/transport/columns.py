@@ -48,6 +48,8 @@ def write_target_step(m: target_pb2.TargetStepRequest, ops: list[TargetOp]) -> N
     _write_drafts(c, [op.draft_ids for op in columns], [op.draft_parents for op in columns])
     if any(op.forced >= 0 for op in columns):
         c.forced_accept.extend([op.forced for op in columns])
+    if any(op.decode != 1 for op in columns):
+        c.decode_tokens.extend([op.decode for op in columns])
     if any(op.trace for op in columns):
         c.traceparents.extend([op.trace for op in columns])
 
@@ -64,8 +66,9 @@ def target_step_verifies(m: target_pb2.TargetStepRequest) -> list[Verify]:
     capture = _column(n, "capture_hidden", list(c.capture_hidden))
     forced = _column(n, "forced_accept", list(c.forced_accept), -1)
     traces = _column(n, "traceparents", list(c.traceparents), "")
+    decode = _column(n, "decode_tokens", list(c.decode_tokens), 1)
     ids, parents = _read_drafts(c, n)
-    return [Verify(seq_ids[i], ids[i], [], parents[i], capture[i], traces[i], forced[i]) for i in range(n)]
+    return [Verify(seq_ids[i], ids[i], [], parents[i], capture[i], traces[i], forced[i], decode[i]) for i in range(n)]
 
 
 def write_target_results(m: target_pb2.TargetStepResponse, results: list[TargetResult]) -> None:

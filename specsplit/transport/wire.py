@@ -88,6 +88,8 @@ def write_target_op(m: target_pb2.TargetOp, op: TargetOp) -> None:
         v.draft_parents.extend(op.draft_parents)
         if op.forced >= 0:
             v.forced_accept = op.forced
+        if op.decode != 1:
+            v.decode_tokens = op.decode
     elif isinstance(op, Prefill):
         m.prefill.SetInParent()
         m.prefill.prompt_ids.extend(op.prompt_ids)
@@ -112,7 +114,8 @@ def target_op_from_proto(p: target_pb2.TargetOp) -> TargetOp | None:
     if kind == "verify":
         return Verify(p.seq_id, list(p.verify.draft_ids), dists_from_proto(p.verify.draft_dists),
                       list(p.verify.draft_parents), p.verify.capture_hidden, p.traceparent,
-                      p.verify.forced_accept if p.verify.HasField("forced_accept") else -1)
+                      p.verify.forced_accept if p.verify.HasField("forced_accept") else -1,
+                      p.verify.decode_tokens if p.verify.HasField("decode_tokens") else 1)
     if kind == "release":
         return Release(p.seq_id, p.traceparent)
     if kind == "recapture":

@@ -52,18 +52,20 @@ class TargetPrefill(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., capture_hidden: _Optional[bool] = ...) -> None: ...
 
 class TargetVerify(_message.Message):
-    __slots__ = ("draft_ids", "draft_dists", "capture_hidden", "draft_parents", "forced_accept")
+    __slots__ = ("draft_ids", "draft_dists", "capture_hidden", "draft_parents", "forced_accept", "decode_tokens")
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTS_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     FORCED_ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_dists: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftDistribution]
     capture_hidden: bool
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     forced_accept: int
-    def __init__(self, draft_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., capture_hidden: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., forced_accept: _Optional[int] = ...) -> None: ...
+    decode_tokens: int
+    def __init__(self, draft_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., capture_hidden: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., forced_accept: _Optional[int] = ..., decode_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetRelease(_message.Message):
     __slots__ = ()
@@ -104,7 +106,7 @@ class TargetOp(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prefill: _Optional[_Union[TargetPrefill, _Mapping]] = ..., verify: _Optional[_Union[TargetVerify, _Mapping]] = ..., release: _Optional[_Union[TargetRelease, _Mapping]] = ..., recapture: _Optional[_Union[TargetRecapture, _Mapping]] = ..., suspend: _Optional[_Union[TargetSuspend, _Mapping]] = ..., resume: _Optional[_Union[TargetResume, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class VerifyColumns(_message.Message):
-    __slots__ = ("seq_ids", "capture_hidden", "draft_counts", "draft_ids", "tree", "draft_parents", "forced_accept", "traceparents")
+    __slots__ = ("seq_ids", "capture_hidden", "draft_counts", "draft_ids", "tree", "draft_parents", "forced_accept", "traceparents", "decode_tokens")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,7 @@ class VerifyColumns(_message.Message):
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     FORCED_ACCEPT_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     capture_hidden: _containers.RepeatedScalarFieldContainer[bool]
     draft_counts: _containers.RepeatedScalarFieldContainer[int]
@@ -121,7 +124,8 @@ class VerifyColumns(_message.Message):
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     forced_accept: _containers.RepeatedScalarFieldContainer[int]
     traceparents: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., capture_hidden: _Optional[_Iterable[bool]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., tree: _Optional[_Iterable[bool]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., forced_accept: _Optional[_Iterable[int]] = ..., traceparents: _Optional[_Iterable[str]] = ...) -> None: ...
+    decode_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., capture_hidden: _Optional[_Iterable[bool]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., tree: _Optional[_Iterable[bool]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., forced_accept: _Optional[_Iterable[int]] = ..., traceparents: _Optional[_Iterable[str]] = ..., decode_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TargetStepRequest(_message.Message):
     __slots__ = ("step_id", "ops", "release_generations", "epoch", "verifies")

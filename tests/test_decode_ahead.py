@@ -1,0 +1,142 @@
+"""Decoding ahead: cycles that draft nothing decode several tokens in one target call
+(gateway.phases.decode_ahead, ModelRunner.decode); the engine's side is in test_target_engine."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from bench.scheduler_cpu import InstantDraft, InstantTarget
+from gateway.scheduler import Finished, GenerationRequest, Limits, Scheduler
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
+from specsplit.models.parallel import TensorParallel
+from specsplit.ops import Prefill, Sampling, TargetOp, Verify
+from target_service.config import TargetConfig
+from target_service.runtime import TargetRuntime
+from tests.test_gpu_services import needs_gpus
+
+AHEAD = Limits(max_queue=8, decode_ahead_ms=1000.0, decode_most=8)
+
+
+class CountingTarget(InstantTarget):
+    """Logs each call's verifies as (sequence, tokens it decodes)."""
+
+    def __init__(self) -> None:
+        super().__init__(accept=False)
+        self.verifies: list[list[tuple[int, int]]] = []
+
+    async def step(self, ops: list[TargetOp], releases: list[int], timeout: float = 0.0, meanwhile: object = None
+                   ) -> tuple[list, object]:
+        verifies = [(op.seq_id, op.decode) for op in ops if isinstance(op, Verify)]
+        if verifies:
+            self.verifies.append(verifies)
+        return await super().step(ops, releases, timeout, meanwhile)  # type: ignore[arg-type]
+
+
+def request(max_new: int, steps: int = 0, temperature: float = 0.0) -> GenerationRequest:
+    return GenerationRequest([5, 6, 7], max_new, Sampling(temperature=temperature, seed=1), set(), steps)
+
+
+def serve(requests: list[GenerationRequest], limits: Limits = AHEAD, slots: int = 4
+          ) -> tuple[list[list[int]], CountingTarget]:
+    async def main() -> tuple[list[list[int]], CountingTarget]:
+        target = CountingTarget()
+        sched = Scheduler(target, InstantDraft(), max_sequences=slots, limits=limits)
+        sched.draft_restored()
+        seqs = [sched.submit(r) for r in requests]
+        sched.start()
+        out = []
+        for seq in seqs:
+            tokens: list[int] = []
+            while not isinstance(ev := await seq.events.get(), Finished):
+                tokens += ev  # type: ignore[operator]
+            out.append(tokens)
+        await sched.stop()
+        return out, target
+
+    return asyncio.run(main())
+
+
+def test_a_cycle_that_drafts_nothing_decodes_ahead_within_what_is_left() -> None:
+    (tokens,), target = serve([request(29)])
+    assert len(tokens) == 29
+    # the first verify measures a token's cost; then powers of two up to 8, never past max_new_tokens
+    assert [call[0][1] for call in target.verifies] == [1, 8, 8, 8, 2, 1]
+
+
+def test_one_token_a_call_where_a_sequence_drafts_or_samples_or_decoding_ahead_is_off() -> None:
+    for requests, limits in (([request(20), request(20, steps=3)], AHEAD),
+                             ([request(20), request(20, temperature=0.7)], AHEAD),
+                             ([request(20)], Limits(max_queue=8))):
+        outs, target = serve(requests, limits)
+        assert all(len(t) == 20 for t in outs)
+        assert {n for call in target.verifies for _, n in call} == {1}, requests
+
+
+def test_no_decoding_ahead_while_a_request_waits_for_a_slot() -> None:
+    outs, target = serve([request(12), request(12)], slots=1)
+    assert [len(t) for t in outs] == [12, 12]
+    first = [n for call in target.verifies for seq, n in call if seq == target.verifies[0][0][0]]
+    assert set(first) == {1}  # the second request waited all along
+    assert max(n for call in target.verifies for _, n in call) == 8  # the second, alone, decodes ahead
+
+
+def test_the_services_give_the_same_tokens_a_token_a_call_or_decoding_ahead(tiny_target: Path, tiny_head: Path,
+                                                                            tmp_path: Path) -> None:
+    """Greedy streams through the three services, speculation off, two at a time: the same tokens
+    and the same count of cycles (a token each) with --decode-ahead-ms 0 and 1000; ahead, the
+    tokens come in bursts."""
+    got = []
+    for ms in ("0", "1000"):
+        cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=tmp_path / ms,
+                             extra_gateway_args=["--decode-ahead-ms", ms])
+        with ServiceStack(cfg) as s:
+            c = GatewayClient(s.addr("gateway"))
+            try:
+                runs = []
+                for prompt in ([5, 6, 7], [9, 8, 7, 6, 5, 4]):
+                    sizes: list[int] = []
+                    gen = c.generate(make_request(token_ids=prompt, max_new_tokens=40, ignore_eos=True,
+                                                  speculation=False),
+                                     on_chunk=lambda m, sizes=sizes: sizes.append(len(m.token_ids)))
+                    runs.append((gen.token_ids, gen.final.speculation.cycles, max(sizes)))
+            finally:
+                c.close()
+        got.append(runs)
+    for (tokens, cycles, _), (ahead_tokens, ahead_cycles, burst) in zip(*got, strict=True):
+        assert len(tokens) == 40 and tokens == ahead_tokens and cycles == ahead_cycles == 39
+        assert burst >= 2
+    assert max(size for _, _, size in got[0]) == 1
+
+
+@pytest.mark.quick
+@pytest.mark.gpu
+@needs_gpus(1)
+@pytest.mark.parametrize("fused", ["off", "pdl"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decoding_ahead_on_the_gpu_gives_the_tokens_of_one_token_calls(tiny_target: Path, fused: str,
+                                                                        dtype: str) -> None:
+    """On the fused and the padded path, three sequences side by side decode 24 tokens 8 a call
+    from one graph, bit for bit the tokens of 24 one-token calls (the same kernels), in bf16 too."""
+    prompts = [[3, 1, 4, 1, 5], list(range(5, 40)), [7] * 9]
+    got = []
+    for k in (1, 8):
+        cfg = TargetConfig(model=str(tiny_target), device="cuda", dtype=dtype, fused_decode=fused, max_context=256,
+                           max_sequences=4).validate()
+        rt = TargetRuntime(cfg, TensorParallel())
+        try:
+            rt.step([Prefill(i, p, capture=False) for i, p in enumerate(prompts)], [])
+            tokens: list[list[int]] = [[] for _ in prompts]
+            for _ in range(24 // k):
+                res, _ = rt.step([Verify(i, capture=False, decode=k) for i in range(len(prompts))], [])
+                for t, r in zip(tokens, res, strict=True):
+                    t += r.tokens
+            got.append(tokens)
+            if k > 1:
+                assert any(key[:3] == ("decode", 4, k) for key in rt.engine.runner.graphs.graphs)
+        finally:
+            rt.close()
+    assert got[0] == got[1] and all(len(t) == 24 for t in got[0])
