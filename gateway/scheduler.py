@@ -83,9 +83,8 @@ class Scheduler:
         self.spans = CycleSpans(spans)
         self.chooser = StepChooser(max_steps)  # adaptive requests' shape per cycle, from measured costs
         self.cycle_ms: dict[str, float] = {}  # this cycle's draft and verify-only call times
-        self.cycle_decoded = 1  # tokens each verify of this cycle decoded (gateway.phases.decode_ahead)
         self.forced: ForcedAcceptance | None = None  # a benchmark mode (gateway.forced)
-        self.cycles = 0
+        self.cycles, self.cycle_decoded = 0, 1  # and the tokens each verify of this cycle decodes (phases.decode_ahead)
         self.totals = LoopTotals()
         self.in_cycle = False
         self.draft_down = True  # until the draft is attached (draft_restored)

@@ -23,7 +23,7 @@ them from `padded_forward` and capture them with `graphed`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -38,6 +38,7 @@ from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import pack_for_cpu
 from specsplit.runner.acceptance import verify_rows
 from specsplit.runner.graphs import GraphCache, HostInput, Outputs, bucket_up, compile_static, pow2_buckets
+from specsplit.runner.outputs import RowOutput, RowOutputs, Verified, accepted_row, row_outputs
 from specsplit.runner.packing import Row, pack_rows
 
 Model = LlamaModel | Eagle3Head  # logits with captured features, or with pre-norm states
@@ -49,58 +50,6 @@ class Step:
     rows: list[Row]
     capture: bool = False  # the target: also the capture layers' outputs
     hidden: list[torch.Tensor] | None = None  # the head: each row's hidden input [len(tokens), W]
-
-
-RowOutput = tuple[torch.Tensor, torch.Tensor | None]  # logits [T, V]; captured features or pre-norm states [T, X]
-
-
-class RowOutputs:
-    """Each row's (logits [T_i, V], features [T_i, X]) of a step: views of its outputs [N, ·],
-    sliced only when asked for (a greedy row accepted on the device needs neither)."""
-
-    def __init__(self, logits: torch.Tensor, extra: torch.Tensor | None, spans: list[tuple[int, int]]) -> None:
-        self.logits, self.extra, self.spans = logits, extra, spans  # [N, V], [N, X]; each row's (start, end)
-        self.replaced: dict[int, torch.Tensor] = {}  # rows whose features were computed apart
-
-    def __len__(self) -> int:
-        return len(self.spans)
-
-    def __getitem__(self, i: int) -> RowOutput:
-        return self.row_logits(i), self.row_features(i)
-
-    def __iter__(self) -> Iterator[RowOutput]:
-        return (self[i] for i in range(len(self.spans)))
-
-    def row_logits(self, i: int) -> torch.Tensor:
-        start, end = self.spans[i]
-        return self.logits[start:end]
-
-    def row_features(self, i: int) -> torch.Tensor | None:
-        if i in self.replaced:
-            return self.replaced[i]
-        start, end = self.spans[i]
-        return None if self.extra is None else self.extra[start:end]
-
-
-@dataclass
-class Verified:
-    """One row of a verify step (see specsplit.runner.acceptance). With `row.accept` the
-    accepted path's KV entries already sit at start, start+1, ...; otherwise path is [0] and
-    nothing moved."""
-
-    outputs: RowOutputs  # the step's; this row's: `logits` [T, V], `features` [T, X] (the path's rows first)
-    index: int
-    path: list[int]  # the root (0) and the accepted drafts, as indices into the row's tokens
-    best: list[int]  # the target's argmax after each token: the path's first, then the others'
-    in_ring: bool = False  # the features (path first) are in the ring at the row's ring_row
-
-    @property
-    def logits(self) -> torch.Tensor:
-        return self.outputs.row_logits(self.index)
-
-    @property
-    def features(self) -> torch.Tensor | None:
-        return self.outputs.row_features(self.index)
 
 
 class ModelRunner:
@@ -179,7 +128,7 @@ class ModelRunner:
         if ints.dim() == 1:  # eager: every row's argmax, then the accepting rows' readback
             return self._eager_verified(step, outputs, host)
         ring = self._ring_rows(step, True)  # the step wrote its rows' features into the ring
-        return [Verified(outputs, i, *_accepted(row, len(r.tokens)), ring and r.ring_row >= 0)
+        return [Verified(outputs, i, *accepted_row(row, len(r.tokens)), ring and r.ring_row >= 0)
                 for i, (r, row) in enumerate(zip(step.rows, host, strict=False))]
 
     def decode(self, step: Step, k: int) -> list[list[int]]:
@@ -238,7 +187,7 @@ class ModelRunner:
         accepting = [v for r, v in zip(step.rows, out, strict=True) if r.accept]
         width = (len(host) - at) // len(accepting) if accepting else 0  # 1 + 2T
         for j, v in enumerate(accepting):
-            v.path, v.best = _accepted(host[at + j * width : at + (j + 1) * width], v.logits.shape[0])
+            v.path, v.best = accepted_row(host[at + j * width : at + (j + 1) * width], v.logits.shape[0])
         return out
 
     def _split(self, step: Step) -> tuple[list[int], list[int]] | None:
@@ -370,7 +319,7 @@ class ModelRunner:
         got = self.graphs.run(key, fn, **inputs)
         logits, extra = got[0], got[1]
         assert logits is not None
-        return _row_outputs(logits.reshape(b * t, -1), None if extra is None else extra.reshape(b * t, -1), rows, t), \
+        return row_outputs(logits.reshape(b * t, -1), None if extra is None else extra.reshape(b * t, -1), rows, t), \
             got[2] if verify else None
 
     def _run_fused(self, step: Step, verify: bool = False) -> tuple[RowOutputs, torch.Tensor | None]:
@@ -398,20 +347,7 @@ class ModelRunner:
         got = self.graphs.run(key, fn, packed=packed)
         logits, extra = got[0], got[1]
         assert logits is not None
-        return _row_outputs(logits, extra, rows, t), got[2] if verify else None
-
-
-def _row_outputs(logits: torch.Tensor, extra: torch.Tensor | None, rows: list[Row], t: int) -> RowOutputs:
-    """The rows of a padded step's outputs [B*T, ·], each T long."""
-    return RowOutputs(logits, extra, [(i * t, i * t + len(r.tokens)) for i, r in enumerate(rows)])
-
-
-def _accepted(row: list[int], n: int) -> tuple[list[int], list[int]]:
-    """One row's readback [accepted nodes, path (T), argmax along it (T)] for n real tokens ->
-    (the accepted path, the argmax after each real token: the path's first)."""
-    t = (len(row) - 1) // 2
-    path, best = row[1 : 1 + t], row[1 + t :]
-    return path[: row[0]], [best[j] for j in range(t) if path[j] < n]
+        return row_outputs(logits, extra, rows, t), got[2] if verify else None
 
 
 def _part(step: Step, rows: list[int]) -> Step:
