@@ -301,8 +301,9 @@ class TargetEngine:
         cache a compile takes longer than many steps): one row without features (a cycle that
         drafted nothing), and chains and trees of 1 up to max_draft_tokens + 1 rows with features
         (into the ring's first rows where it is set, as served), accepted on the device; then the
-        fused step's other tile heights (20 and 40 rows; two sequences); and decodes of 2, 4, ...
-        tokens a call (decoding ahead), up to max_draft_tokens + 1. All on a scratch slot, freed
+        fused step's other tile heights (20 and 40 rows; two sequences); and, for every batch
+        bucket, a one-token decode and decodes of 2, 4, ... tokens a call (decoding ahead) up to
+        max_draft_tokens + 1, the other rows on the padding slot. All on a scratch slot, freed
         after. Returns the shapes run."""
         fused = self.runner.fused
         if fused is None:
@@ -323,11 +324,16 @@ class TargetEngine:
             for step in steps:
                 self.runner.verify(step)
             ahead = [1 << i for i in range(1, (self.cfg.max_draft_tokens + 1).bit_length())]
-            for k in ahead:
-                self.runner.decode(Step([Row(slot, 8, [0])]), k)
+            batches = [b for b in self.runner.batch_buckets if b <= fused.max_rows]
+            for b in batches:
+                rows = [Row(slot, 8, [0], accept=True), *[Row(self.runner.pad_slot, 8, [0], accept=True)] * (b - 1)]
+                if b > 1:
+                    self.runner.verify(Step(rows))
+                for k in ahead:
+                    self.runner.decode(Step(rows), k)
         finally:
             self.runner.release(slot)
-        return len(steps) + len(ahead)
+        return len(steps) + len(batches) * (len(ahead) + 1) - 1
 
     def hold(self, epoch: int) -> int:
         """Serve the lease `epoch` (0: none) from now on: every sequence opened under another is
