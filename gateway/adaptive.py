@@ -21,8 +21,9 @@ batch) probes are then rare; where it is cheap they follow the cadence. Sampled 
 fixed shape: their tokens depend on the shape, and a seed must give the same tokens in every
 process.
 
-A sequence whose plan drafted nothing DORMANT_AFTER cycles in a row goes dormant: it lets the
-draft's state go, so that its cycles cost what speculation off costs (the target captures no
+A newcomer starts dormant where the plan its batch would get from what the gateway measured
+drafts nothing, and a sequence whose plan drafted nothing DORMANT_AFTER cycles in a row goes
+dormant: it lets the draft's state go, so that its cycles cost what speculation off costs (the target captures no
 features for it, the draft extends nothing). A probe wakes it: the target recomputes its features
 and the draft extends over them, a cost measured live (prefills, whole-prompt extends) that the
 probe credit must cover, on top of the probe's own expected loss; its first cycle then drafts
@@ -235,6 +236,16 @@ class StepChooser:
         if choice.reason != "probe":
             s.idle_cycles = s.idle_cycles + 1 if not choice.shape.steps and choice.reason == "best" else 0
         return s.idle_cycles >= DORMANT_AFTER and self.costs.resync_ms(max(s.committed, 1)) is not None
+
+    def starts_dormant(self, s: Sequence, batch: int) -> bool:
+        """Whether a newcomer starts dormant, its prompt's features not captured: what this gateway
+        has measured (the costs at this batch, every request's acceptance as the newcomer's prior)
+        makes drafting nothing its best plan, and its wake can be priced. Probes wake it as they
+        wake the others."""
+        if self.costs.resync_ms(max(len(s.req.prompt_ids), 1)) is None:
+            return False
+        planned = self._plan([s], batch, None, ("newcomer", batch))
+        return planned is not None and planned.plan.depth == 0
 
     def wake(self, dormant: list[Sequence], batch: int, planned: bool) -> Sequence | None:
         """The dormant sequence to wake this cycle, if any: the one cheapest to resync, at most one

@@ -220,8 +220,12 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
             ops.append(Resume(s.seq_id, capture=s.spec and speculating and not s.dormant, trace=s.trace))
             prefilled += s.committed
         elif s in newcomers:
-            ops.append(Prefill(s.seq_id, s.req.prompt_ids, s.req.sampling, capture=s.spec and speculating,
-                               trace=s.trace))
+            if s.req.adaptive and s.spec and speculating and sched.chooser.starts_dormant(s, len(sched.running)):
+                s.dormant = True  # its features are recomputed if a probe wakes it
+                if s.cycle_span.is_recording():
+                    s.cycle_span.set_attribute("spec.adaptive.reason", "dormant")
+            ops.append(Prefill(s.seq_id, s.req.prompt_ids, s.req.sampling, capture=s.spec and speculating
+                               and not s.dormant, trace=s.trace))
             prefilled += len(s.req.prompt_ids)
         elif not s.prefilled or s.unread_since:
             continue

@@ -24,6 +24,7 @@ from specsplit.ops import (
     DraftOp,
     DraftResult,
     ExtendPropose,
+    Prefill,
     Recapture,
     Sampling,
     StepTiming,
@@ -127,9 +128,9 @@ class LoggingTarget(InstantTarget):
                    meanwhile: Meanwhile = None) -> tuple[list[TargetResult], StepTiming]:
         results, timing = await super().step(ops, releases, timeout, meanwhile)
         for op in ops:
-            if isinstance(op, Verify | Recapture):
+            if isinstance(op, Verify | Recapture | Prefill):
                 self.log.append((type(op).__name__, op.seq_id, getattr(op, "capture", True)))
-        capture = {op.seq_id: op.capture for op in ops if isinstance(op, Verify)}
+        capture = {op.seq_id: op.capture for op in ops if isinstance(op, Verify | Prefill)}
         for r in results:
             if not capture.get(r.seq_id, True):
                 r.hidden = None
@@ -155,6 +156,7 @@ def test_dormant_cycles_capture_nothing_and_call_no_draft_until_a_probe_wakes_th
     monkeypatch.setattr(adaptive, "PROBE_SHARE", 0.5)
     monkeypatch.setattr(CostModel, "cycle_ms", lambda self, batch, shape: 1.0 + 10.0 * shape.steps)
     monkeypatch.setattr(CostModel, "resync_ms", lambda self, tokens: 60.0)
+    monkeypatch.setattr(StepChooser, "starts_dormant", lambda self, s, batch: False)  # it rests after its cycles
 
     async def main() -> tuple[list[int], LoggingTarget, LoggingDraft]:
         target, draft = LoggingTarget(), LoggingDraft()
@@ -180,6 +182,37 @@ def test_dormant_cycles_capture_nothing_and_call_no_draft_until_a_probe_wakes_th
     assert all(steps == PROBE_EXTRA for _, _, _, steps in restarts[1:])
     # every draft call of a dormant stretch: none (between going dormant and the next wake)
     assert len(draft.log) < 1000 // 8
+
+
+@pytest.mark.parametrize("draft_step_ms", [10.0, 0.01])
+def test_a_newcomer_starts_dormant_where_drafting_does_not_pay(monkeypatch: pytest.MonkeyPatch,
+                                                               draft_step_ms: float) -> None:
+    """Once the costs are measured, a request whose best plan drafts nothing (a draft step ten times
+    a cycle without one) prefills without features and never calls the draft before a wake; where
+    drafting pays, it drafts from its first cycle."""
+    monkeypatch.setattr(CostModel, "cycle_ms", lambda self, batch, shape: 1.0 + draft_step_ms * shape.steps)
+    monkeypatch.setattr(CostModel, "resync_ms", lambda self, tokens: 60.0)
+
+    async def main() -> tuple[list[int], LoggingTarget, LoggingDraft]:
+        target, draft = LoggingTarget(), LoggingDraft()
+        sched = Scheduler(target, draft, max_sequences=2, limits=Limits(max_queue=8))
+        sched.draft_restored()
+        sched.start()
+        seq = sched.submit(adaptive_request([5] * 40, max_new=48))
+        tokens: list[int] = []
+        while not isinstance(ev := await seq.events.get(), Finished):
+            tokens += ev
+        await sched.stop()
+        return tokens, target, draft
+
+    tokens, target, draft = asyncio.run(main())
+    assert tokens == [9] * 48
+    prefill = [capture for kind, _, capture in target.log if kind == "Prefill"]
+    if draft_step_ms > 1:
+        assert prefill == [False] and not draft.log
+        assert all(not capture for kind, _, capture in target.log if kind == "Verify")
+    else:
+        assert prefill == [True] and draft.log and draft.log[0][3] > 0
 
 
 def log_target_ops(engines: LocalEngines) -> list[str]:
