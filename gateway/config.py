@@ -77,9 +77,10 @@ class GatewayConfig:
                                   "comma-separated rates of depths 1, 2, ...), the target started with the flag of the "
                                   "same name; the output is not the model's (gateway.forced)")
     decode_ahead_ms: float = flag(8.0, "--decode-ahead-ms", "a cycle that drafts nothing (speculation off, or not "
-                                  "paying), for greedy sequences only, with no request waiting, decodes as many "
-                                  "tokens in one target call as its measured cost a token fits in this many ms "
-                                  "(a power of two, at most the target's max draft tokens + 1); 0: one token a call")
+                                  "paying), for greedy sequences only, with no waiting request a free slot could "
+                                  "take, decodes as many tokens in one target call as its measured cost a token fits "
+                                  "in this many ms (a power of two, at most the target's max draft tokens + 1); 0: "
+                                  "one token a call")
     step_sockets: bool = flag(True, "--no-step-sockets", "always send Steps over the gRPC streams, even where a "
                               "service offers a Unix step socket")
     loop_thread: bool = flag(True, "--no-loop-thread", "run the speculation loop on the server's event loop instead "

@@ -167,7 +167,7 @@ class Limits:
     draft_timeout_s: float = 5.0  # the longest a draft step may take (see DraftDeadline)
     stream_buffer: int = 1024  # tokens a client may leave unread before its sequence waits
     unread_timeout_s: float = 30.0  # a sequence waiting on its reader this long ends
-    # a cycle that drafts nothing for anyone, with nobody waiting, decodes as many tokens a call as take this long
+    # a cycle that drafts nothing for anyone, no newcomer due, decodes as many tokens a call as take this long
     # (at most decode_most); 0: one token a call
     decode_ahead_ms: float = 0.0
     decode_most: int = 1  # the target's limit (its max_draft_tokens + 1)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from bench.scheduler_cpu import InstantDraft, InstantTarget
-from gateway.scheduler import Finished, GenerationRequest, Limits, Scheduler
+from gateway.phases import decode_ahead
+from gateway.scheduler import Finished, GenerationRequest, Limits, Scheduler, Sequence
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.models.parallel import TensorParallel
@@ -76,12 +77,24 @@ def test_one_token_a_call_where_a_sequence_drafts_or_samples_or_decoding_ahead_i
         assert {n for call in target.verifies for _, n in call} == {1}, requests
 
 
-def test_no_decoding_ahead_while_a_request_waits_for_a_slot() -> None:
+def test_no_decoding_ahead_while_a_waiting_request_could_take_a_free_slot() -> None:
+    sched = Scheduler(InstantTarget(), InstantDraft(), max_sequences=2, limits=AHEAD)
+    sched.chooser.costs.record_verify(1, 1, 0.1)  # a token's cost measured
+    s = Sequence(1, request(100))
+    sched.running.append(s)
+    ops: list[TargetOp] = [Verify(1, capture=False)]
+    assert decode_ahead(sched, ops, [s]) == 8
+    sched.waiting.push(Sequence(2, request(100)), 1)
+    assert decode_ahead(sched, ops, [s]) == 1  # it takes the free slot at the next cycle: no later
+    sched.max_sequences = 1
+    assert decode_ahead(sched, ops, [s]) == 8  # no slot for it: the running sequence decodes ahead
+
+
+def test_a_request_waiting_for_a_slot_is_admitted_when_one_frees() -> None:
     outs, target = serve([request(12), request(12)], slots=1)
     assert [len(t) for t in outs] == [12, 12]
-    first = [n for call in target.verifies for seq, n in call if seq == target.verifies[0][0][0]]
-    assert set(first) == {1}  # the second request waited all along
-    assert max(n for call in target.verifies for _, n in call) == 8  # the second, alone, decodes ahead
+    first, second = target.verifies[0][0][0], target.verifies[-1][0][0]
+    assert first != second and max(n for call in target.verifies for seq, n in call if seq == second) == 8
 
 
 def test_the_services_give_the_same_tokens_a_token_a_call_or_decoding_ahead(tiny_target: Path, tiny_head: Path,
