@@ -99,9 +99,10 @@ def test_a_request_waiting_for_a_slot_is_admitted_when_one_frees() -> None:
 
 def test_the_services_give_the_same_tokens_a_token_a_call_or_decoding_ahead(tiny_target: Path, tiny_head: Path,
                                                                             tmp_path: Path) -> None:
-    """Greedy streams through the three services, speculation off, two at a time: the same tokens
-    and the same count of cycles (a token each) with --decode-ahead-ms 0 and 1000; ahead, the
-    tokens come in bursts."""
+    """Greedy streams through the three services, speculation off: the same tokens and the same
+    count of cycles (a token each) with --decode-ahead-ms 0 and 1000, the tokens coming in bursts
+    when ahead; a stop token inside a burst ends the stream there, as it would a token a call;
+    a sampled stream gives the same tokens for its seed either way (a token a call)."""
     got = []
     for ms in ("0", "1000"):
         cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=tmp_path / ms,
@@ -116,13 +117,23 @@ def test_the_services_give_the_same_tokens_a_token_a_call_or_decoding_ahead(tiny
                                                   speculation=False),
                                      on_chunk=lambda m, sizes=sizes: sizes.append(len(m.token_ids)))
                     runs.append((gen.token_ids, gen.final.speculation.cycles, max(sizes)))
+                stop = runs[0][0][13]  # a token some way into the first stream
+                stopped = c.generate(make_request(token_ids=[5, 6, 7], max_new_tokens=40, ignore_eos=True,
+                                                  speculation=False, stop_token_ids=[stop]))
+                sampled = c.generate(make_request(token_ids=[5, 6, 7], max_new_tokens=24, ignore_eos=True,
+                                                  speculation=False, temperature=0.8, seed=11))
             finally:
                 c.close()
-        got.append(runs)
-    for (tokens, cycles, _), (ahead_tokens, ahead_cycles, burst) in zip(*got, strict=True):
+        got.append((runs, (stopped.token_ids, stopped.final.finish_reason), sampled.token_ids))
+    (runs, stopped, sampled), (ahead_runs, ahead_stopped, ahead_sampled) = got
+    for (tokens, cycles, _), (ahead_tokens, ahead_cycles, burst) in zip(runs, ahead_runs, strict=True):
         assert len(tokens) == 40 and tokens == ahead_tokens and cycles == ahead_cycles == 39
         assert burst >= 2
-    assert max(size for _, _, size in got[0]) == 1
+    assert max(size for _, _, size in runs) == 1
+    first = runs[0][0]
+    assert stopped == ahead_stopped and stopped[1] == "stop"
+    assert stopped[0] == first[: first.index(first[13])]  # up to the stop token (not streamed)
+    assert sampled == ahead_sampled and len(sampled) == 24
 
 
 @pytest.mark.quick
