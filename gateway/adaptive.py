@@ -245,7 +245,7 @@ class StepChooser:
         if self.costs.resync_ms(max(len(s.req.prompt_ids), 1)) is None:
             return False
         planned = self._plan([s], batch, None, ("newcomer", batch))
-        return planned is not None and planned.plan.depth == 0
+        return planned is not None and not planned.choices[0].shape.steps  # (min_steps > 0 always drafts)
 
     def wake(self, dormant: list[Sequence], batch: int, planned: bool) -> Sequence | None:
         """The dormant sequence to wake this cycle, if any: the one cheapest to resync, at most one

@@ -215,6 +215,14 @@ def test_a_newcomer_starts_dormant_where_drafting_does_not_pay(monkeypatch: pyte
         assert prefill == [True] and draft.log and draft.log[0][3] > 0
 
 
+def test_a_newcomer_that_asked_for_speculation_never_starts_dormant() -> None:
+    chooser = priced(draft_step_ms=10.0, verify_row_ms=1.0, decode_ms=1.0)  # drafting does not pay
+    chooser.costs.record_prefill(64, 2.0)
+    assert chooser.starts_dormant(Sequence(1, adaptive_request([1] * 10)), 1)
+    assert not chooser.starts_dormant(Sequence(2, adaptive_request([1] * 10, min_steps=1)), 1)
+    assert not StepChooser(8).starts_dormant(Sequence(3, adaptive_request([1] * 10)), 1)  # nothing measured
+
+
 def log_target_ops(engines: LocalEngines) -> list[str]:
     """What the target is asked, op by op (a Verify that captures nothing: 'Verify-'), from now on."""
     seen: list[str] = []
