@@ -6,10 +6,14 @@ spans exported in this process (`sdk`) against the gateway's span records export
 child process (`records`), jsonl files in a temporary folder. With `--engine-us`, each call
 computes that long, and the loop's work between sending a request and reading its reply (the
 readers' events, gateway.outbox) overlaps it, or not (`--overlap off`): what a cycle spends
-beyond its calls' compute. One JSON line per batch size and setting.
+beyond its calls' compute. With `--decode-ahead-ms`, cycles that draft nothing decode ahead
+(gateway.phases.decode_ahead; the stub target decodes as many tokens as asked), and the report's
+cpu_us_per_token_step is the loop's CPU per token of every sequence. One JSON line per batch size
+and setting.
 
   python -m bench.scheduler_cpu --cycles 20000 --batch 1,8 --tracing off,sdk,records
   python -m bench.scheduler_cpu --cycles 5000 --batch 1,8 --engine-us 500 --overlap off,on
+  python -m bench.scheduler_cpu --cycles 5000 --batch 1,8 --num-steps 0 --decode-ahead-ms 0,8
 """
 
 from __future__ import annotations
@@ -172,8 +176,8 @@ def tracer_for(mode: str, folder: str) -> tuple[trace.Tracer, SpanLog | None, Tr
 
 
 async def measure(batch: int, cycles: int, num_steps: int, tracing: str = "off", adaptive: bool = False,
-                  accept: bool = True, engine_us: float = 0.0, loop_thread: bool = False, overlap: bool = True
-                  ) -> dict:
+                  accept: bool = True, engine_us: float = 0.0, loop_thread: bool = False, overlap: bool = True,
+                  decode_ahead_ms: float = 0.0) -> dict:
     """`loop_thread`: the scheduler on an event loop of its own thread, as the gateway runs it, its
     readers (the streams' stand-ins) on this one; else both on this loop."""
     with tempfile.TemporaryDirectory(prefix="scheduler-cpu-") as folder:
@@ -181,7 +185,8 @@ async def measure(batch: int, cycles: int, num_steps: int, tracing: str = "off",
         target = InstantTarget(accept=accept, engine_us=engine_us, overlap=overlap)
         draft = InstantDraft(engine_us=engine_us, overlap=overlap)
         s = Scheduler(target, draft, max_sequences=batch,
-                      limits=Limits(max_queue=batch, stream_buffer=1 << 30), spans=spans)  # events read, never `taken`
+                      limits=Limits(max_queue=batch, stream_buffer=1 << 30, decode_ahead_ms=decode_ahead_ms,
+                                    decode_most=16), spans=spans)  # events read, never `taken`
         if tracing == "sdk":
             s.spans = SdkCycleSpans(tracer)
         s.draft_restored()
@@ -230,7 +235,8 @@ async def measure(batch: int, cycles: int, num_steps: int, tracing: str = "off",
             else "same loop", "cycles": n,
             "cpu_us_per_cycle": round(cpu / n * 1e6, 1), "wall_us_per_cycle": round(wall / n * 1e6, 1),
             "process_cpu_us_per_cycle": round(proc / n * 1e6, 1), "reader_cpu_us_per_cycle": round(reader / n * 1e6, 1),
-            "cpu_us_per_sequence_cycle": round(cpu / n / batch * 1e6, 1), "spans_written": written,
+            "cpu_us_per_sequence_cycle": round(cpu / n / batch * 1e6, 1), "decode_ahead_ms": decode_ahead_ms,
+            "cpu_us_per_token_step": round(cpu / tokens * 1e6, 1), "spans_written": written,
             "spans_dropped": spans.dropped if spans is not None else 0, "engine_us": engine_us, "overlap": overlap,
             "beyond_engines_us_per_cycle": round((wall - computing) / n * 1e6, 1)}
 
@@ -251,15 +257,18 @@ def main() -> None:
                    "scheduler's loop, or (as in the gateway) the scheduler on a thread of its own")
     p.add_argument("--adaptive", default="off", help="off,on: also (on) with the shape chosen per cycle "
                    "(gateway.adaptive)")
+    p.add_argument("--decode-ahead-ms", default="0", help="comma list: the gateway's --decode-ahead-ms (0: a token "
+                   "a call)")
     p.add_argument("--accept", default="all", choices=["all", "none"], help="the stub target accepts every draft, "
                    "or none (then adaptive cycles draft nothing but probes)")
     a = p.parse_args()
     install_uvloop()
-    for b, tracing, adaptive, readers, overlap in ((int(x), t, m == "on", r, o == "on") for x in a.batch.split(",")
-                                                   for t in a.tracing.split(",") for m in a.adaptive.split(",")
-                                                   for r in a.readers.split(",") for o in a.overlap.split(",")):
+    for b, tracing, adaptive, readers, overlap, ahead in (
+            (int(x), t, m == "on", r, o == "on", float(d)) for x in a.batch.split(",") for t in a.tracing.split(",")
+            for m in a.adaptive.split(",") for r in a.readers.split(",") for o in a.overlap.split(",")
+            for d in a.decode_ahead_ms.split(",")):
         rows = [asyncio.run(measure(b, a.cycles, a.num_steps, tracing, adaptive, a.accept == "all", a.engine_us,
-                                    readers == "other-thread", overlap)) for _ in range(a.rounds)]
+                                    readers == "other-thread", overlap, ahead)) for _ in range(a.rounds)]
         best = min(rows, key=lambda r: r["beyond_engines_us_per_cycle" if a.engine_us else "cpu_us_per_cycle"])
         best.update({"rounds": a.rounds, "all_cpu_us_per_cycle": [r["cpu_us_per_cycle"] for r in rows],
                      "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),
