@@ -6,7 +6,9 @@ One JSON line per (mode, N):
   time to first token p50 / p99 (ms from the call to the first token),
   time per output token p50 / p99 (ms, a stream's (last token - first token) / (tokens - 1)),
   the ratio of aggregate tokens/s to the same mode at the first N (1 by default) and, for the
-  speculating modes, to speculation off at the same N, and the mean accepted length.
+  speculating modes, to speculation off at the same N, the mean accepted length, and the
+  share of streams whose tokens equal their prompt's stream run alone in the same mode (batch
+  invariance: 1.0 in fp32; in bf16, rows padded into other batches may round near-ties apart).
 Each (mode, N) runs once with --warmup-tokens tokens a stream first (warm-up: the CUDA graphs of
 that batch size's shapes are captured on first use; 8 by default, as many as the run for a
 steady state). --decode-ahead-ms A,B,...: the whole run once per value of the gateway's flag (a
@@ -41,6 +43,7 @@ class Stream:
     tpot_s: float = math.nan
     accepted: float = 0.0  # the request's mean accepted length (0 without speculation)
     error: str = ""
+    ids: tuple[int, ...] = ()  # the tokens
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -62,14 +65,16 @@ def mode_settings(mode: str, a: argparse.Namespace) -> dict[str, Any]:
     raise ValueError(f"unknown mode {mode!r} (off, chains, trees, adaptive)")
 
 
-def run(addr: str, n: int, max_new: int, settings: dict[str, Any]) -> tuple[list[Stream], float]:
-    """N streams at once -> each stream's figures, and the wall seconds from the first call to the last token."""
+def run(addr: str, n: int, max_new: int, settings: dict[str, Any], first: int = 0) -> tuple[list[Stream], float]:
+    """N streams at once, stream i on chat prompt first + i (round robin) -> each stream's figures,
+    and the wall seconds from the first call to the last token."""
     streams = [Stream() for _ in range(n)]
     start = threading.Barrier(n + 1)
 
     def one(i: int) -> None:
         client = GatewayClient(addr)
-        req = make_request(CHAT_PROMPTS[i % len(CHAT_PROMPTS)], max_new_tokens=max_new, ignore_eos=True, **settings)
+        req = make_request(CHAT_PROMPTS[(first + i) % len(CHAT_PROMPTS)], max_new_tokens=max_new, ignore_eos=True,
+                           **settings)
         start.wait()
         t0 = time.perf_counter()
         try:
@@ -80,7 +85,7 @@ def run(addr: str, n: int, max_new: int, settings: dict[str, Any]) -> tuple[list
         finally:
             client.close()
         s = streams[i]
-        s.tokens = len(gen.token_ids)
+        s.tokens, s.ids = len(gen.token_ids), tuple(gen.token_ids)
         if gen.chunk_times:
             s.ttft_s = gen.chunk_times[0] - t0
         if s.tokens > 1:
@@ -138,6 +143,8 @@ def main() -> None:
             addr = stack.addr("gateway")
             for mode in modes:
                 settings = mode_settings(mode, a)
+                solo = [run(addr, 1, a.max_new_tokens, settings, i)[0][0].ids
+                        for i in range(min(max(streams), len(CHAT_PROMPTS)))]  # each prompt alone (warm too)
                 for n in streams:
                     run(addr, n, a.warmup_tokens, settings)
                     done, wall = run(addr, n, a.max_new_tokens, settings)
@@ -152,6 +159,8 @@ def main() -> None:
                            "tpot_ms_p99": round(percentile([s.tpot_s for s in ok], 99) * 1e3, 3),
                            "over_one_stream": round(tps / tokens_per_s[ahead, mode, streams[0]], 3),
                            "mean_accepted_length": round(sum(s.accepted for s in ok) / max(1, len(ok)), 3),
+                           "same_tokens_as_solo": round(sum(s.ids == solo[i % len(solo)] for i, s in enumerate(done)
+                                                            if not s.error) / max(1, len(ok)), 3),
                            "wall_s": round(wall, 3), "errors": [s.error for s in done if s.error][:3], **settings}
                     if mode != "off" and (ahead, "off", n) in tokens_per_s:
                         row["over_speculation_off"] = round(tps / tokens_per_s[ahead, "off", n], 3)
