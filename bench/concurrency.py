@@ -3,7 +3,8 @@ each mode of --modes (speculation off, chains, trees, steps chosen per cycle), e
 --max-new-tokens tokens (ignore_eos) of a chat prompt from bench/prompts.py, each client on a connection of its own.
 One JSON line per (mode, N):
   aggregate tokens/s over the wall time of the N streams (prefill included),
-  time to first token p50 / p99 (ms from the call to the first token),
+  time to first token p50 / p99 (ms from the call to the first token, the stream's connection
+  made before),
   time per output token p50 / p99 (ms, a stream's (last token - first token) / (tokens - 1)),
   the ratio of aggregate tokens/s to the same mode at the first N (1 by default) and, for the
   speculating modes, to speculation off at the same N, the mean accepted length, and the
@@ -29,6 +30,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import grpc
 
 from bench.prompts import CHAT_PROMPTS
 from bench.spec_vs_baseline import git_commit
@@ -75,6 +78,7 @@ def run(addr: str, n: int, max_new: int, settings: dict[str, Any], first: int = 
         client = GatewayClient(addr)
         req = make_request(CHAT_PROMPTS[(first + i) % len(CHAT_PROMPTS)], max_new_tokens=max_new, ignore_eos=True,
                            **settings)
+        grpc.channel_ready_future(client.channel).result(timeout=60)  # connected before the clock starts
         start.wait()
         t0 = time.perf_counter()
         try:
