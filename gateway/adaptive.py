@@ -10,7 +10,8 @@ not measured yet is priced by a line through the ones that were). A batch's sequ
 cycle, so one plan holds for them all: one sequence drafting deep makes every sequence wait for
 the deepest draft and the longest verify row. Zero steps is speculation off for that cycle: no
 draft call (the extends are put off to the next cycle that drafts, or until 32 tokens wait), the
-target verifies one row a sequence. Now and then the batch drafts PROBE_EXTRA steps past its
+target verifies one row a sequence (dormant ones several tokens a call: gateway.phases.decode_ahead,
+their cost priced a token). Now and then the batch drafts PROBE_EXTRA steps past its
 plan (a probe), so that the depths the plan does not reach stay measured: at most every
 PROBE_EVERY-th cycle (twice as often while most of the batch is in its first EARLY_CYCLES), and
 only while the time probes lose against the best plan stays within PROBE_SHARE of the time
