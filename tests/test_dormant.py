@@ -149,6 +149,23 @@ class LoggingDraft(InstantDraft):
         return await super().step(ops, timeout, meanwhile)
 
 
+def serve_one(req: GenerationRequest) -> tuple[list[int], LoggingTarget, LoggingDraft]:
+    """One request through a scheduler with the logging stubs: its tokens and what each was asked."""
+    async def main() -> tuple[list[int], LoggingTarget, LoggingDraft]:
+        target, draft = LoggingTarget(), LoggingDraft()
+        sched = Scheduler(target, draft, max_sequences=2, limits=Limits(max_queue=8))
+        sched.draft_restored()
+        sched.start()
+        seq = sched.submit(req)
+        tokens: list[int] = []
+        while not isinstance(ev := await seq.events.get(), Finished):
+            tokens += ev
+        await sched.stop()
+        return tokens, target, draft
+
+    return asyncio.run(main())
+
+
 def test_dormant_cycles_capture_nothing_and_call_no_draft_until_a_probe_wakes_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # fixed costs, whatever this machine's speed: a cycle without drafts 1 ms, a draft step 10 ms
@@ -158,19 +175,7 @@ def test_dormant_cycles_capture_nothing_and_call_no_draft_until_a_probe_wakes_th
     monkeypatch.setattr(CostModel, "resync_ms", lambda self, tokens: 60.0)
     monkeypatch.setattr(StepChooser, "starts_dormant", lambda self, s, batch: False)  # it rests after its cycles
 
-    async def main() -> tuple[list[int], LoggingTarget, LoggingDraft]:
-        target, draft = LoggingTarget(), LoggingDraft()
-        sched = Scheduler(target, draft, max_sequences=2, limits=Limits(max_queue=8))
-        sched.draft_restored()
-        sched.start()
-        seq = sched.submit(adaptive_request([5] * 40, max_new=1000))
-        tokens: list[int] = []
-        while not isinstance(ev := await seq.events.get(), Finished):
-            tokens += ev
-        await sched.stop()
-        return tokens, target, draft
-
-    tokens, target, draft = asyncio.run(main())
+    tokens, target, draft = serve_one(adaptive_request([5] * 40, max_new=1000))
     assert tokens == [9] * 1000
     dormant = [i for i, (kind, _, capture) in enumerate(target.log) if kind == "Verify" and not capture]
     recaptures = [i for i, (kind, _, _) in enumerate(target.log) if kind == "Recapture"]
@@ -193,19 +198,7 @@ def test_a_newcomer_starts_dormant_where_drafting_does_not_pay(monkeypatch: pyte
     monkeypatch.setattr(CostModel, "cycle_ms", lambda self, batch, shape: 1.0 + draft_step_ms * shape.steps)
     monkeypatch.setattr(CostModel, "resync_ms", lambda self, tokens: 60.0)
 
-    async def main() -> tuple[list[int], LoggingTarget, LoggingDraft]:
-        target, draft = LoggingTarget(), LoggingDraft()
-        sched = Scheduler(target, draft, max_sequences=2, limits=Limits(max_queue=8))
-        sched.draft_restored()
-        sched.start()
-        seq = sched.submit(adaptive_request([5] * 40, max_new=48))
-        tokens: list[int] = []
-        while not isinstance(ev := await seq.events.get(), Finished):
-            tokens += ev
-        await sched.stop()
-        return tokens, target, draft
-
-    tokens, target, draft = asyncio.run(main())
+    tokens, target, draft = serve_one(adaptive_request([5] * 40, max_new=48))
     assert tokens == [9] * 48
     prefill = [capture for kind, _, capture in target.log if kind == "Prefill"]
     if draft_step_ms > 1:
