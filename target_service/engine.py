@@ -239,13 +239,15 @@ class TargetEngine:
         return Work(i, op, seq, Row(self.runner.allocate(), 0, seq.tokens))  # Recapture: in a scratch slot
 
     def _run(self, work: list[Work], outcomes: list[Outcome | None]) -> None:
-        decodes = [w for w in work if type(w.op) is Verify and w.op.decode > 1]
-        if decodes:  # each number of tokens in a forward of its own
-            for k in sorted({w.op.decode for w in decodes}):  # type: ignore[union-attr]
-                group = [w for w in decodes if w.op.decode == k]  # type: ignore[union-attr]
+        decodes: dict[int, list[Work]] = {}  # verifies of several tokens, by how many: a forward each
+        for w in work:
+            if type(w.op) is Verify and w.op.decode > 1:
+                decodes.setdefault(w.op.decode, []).append(w)
+        if decodes:
+            for k, group in decodes.items():
                 for w, tokens in zip(group, self.runner.decode(Step([w.row for w in group]), k), strict=True):
                     outcomes[w.index] = self._decoded(w, tokens)
-            work = [w for w in work if not (type(w.op) is Verify and w.op.decode > 1)]
+            work = [w for w in work if type(w.op) is not Verify or w.op.decode == 1]
             if not work:
                 return
         capture = any(getattr(w.op, "capture", True) for w in work)
