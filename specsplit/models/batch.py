@@ -1,10 +1,12 @@
 """One step's metadata, read by every layer (nano-vllm's `Context`, SGLang's `ForwardBatch`).
 
-Two layouts:
+Three layouts:
 - ragged: sequences of their own lengths, tokens concatenated [N]; each attends to its own
-  KV slot (prefills and eager steps);
+  KV slot (eager steps);
 - padded: B sequences of T tokens, flattened [B*T], described by tensors only, so that one
-  CUDA graph serves every step of that shape.
+  CUDA graph serves every step of that shape;
+- prompts: B sequences from entry 0, each padded to T tokens [B*T]; each sees only its own
+  tokens, causally, so attention needs no mask and reads no cache (prefills, recomputes).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Batch:
     visible: torch.Tensor | None = None  # padded [B, T, ctx] bool: which keys each token sees
     capture: bool = False  # target: also return the capture layers' outputs
     hidden: torch.Tensor | None = None  # head: [N, 3H] target features or [N, H] its own pre-norm states
+    prompts: bool = False  # the prompts layout: slots [B], rows from entry 0, T = ctx tokens each
+    logits_at: torch.Tensor | None = None  # [R] the tokens whose logits the model computes (None: every token)
     _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -67,9 +71,21 @@ class Batch:
         return cls(positions.reshape(b * t), slots=slots, entries=entries, ctx=ctx, tree_mask=tree_mask,
                    visible=visible, capture=capture, hidden=None if hidden is None else hidden.reshape(b * t, -1))
 
+    @classmethod
+    def prompt_rows(cls, lengths: list[int], slots: torch.Tensor, t: int, capture: bool = False,
+                    hidden: torch.Tensor | None = None) -> Batch:
+        """B rows of the given lengths from entry 0 of their slots [B], each padded to t tokens:
+        logits for each row's last token only ([B, V]), features for every token. Padding
+        tokens write entries past their row that later steps overwrite."""
+        dev = slots.device
+        b = len(lengths)
+        ends = torch.tensor([i * t + n - 1 for i, n in enumerate(lengths)], device=dev)  # [B]
+        return cls(torch.arange(t, device=dev).repeat(b), slots=slots, ctx=t, capture=capture, hidden=hidden,
+                   prompts=True, logits_at=ends)
+
     @property
     def is_padded(self) -> bool:
-        return self.segments is None
+        return self.segments is None and not self.prompts
 
     def allowed(self) -> torch.Tensor:
         """[B, T, ctx] bool: the keys each token of a padded batch sees."""

@@ -51,15 +51,16 @@ class Eagle3Head(nn.Module):
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [N] and batch.hidden: target features [N, 3H] or the head's own previous
-        pre-norm states [N, H] -> draft-vocab logits [N, Vd] float32, pre-norm states [N, H]
-        (the next step's hidden input)."""
+        pre-norm states [N, H] -> draft-vocab logits [N, Vd] float32 ([R, Vd] for the R tokens
+        batch.logits_at names), pre-norm states [N, H] (the next step's hidden input)."""
         hidden = batch.hidden
         assert hidden is not None, "the head reads batch.hidden"
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden.to(self.fc.weight.dtype))
         rope = self.rotary.tables(batch.positions, hidden.dtype)
         prenorm = self.midlayer(self.embed_tokens(tokens), hidden, rope, cache, batch)
-        return self.lm_head(self.norm(prenorm)).float(), prenorm
+        last = prenorm if batch.logits_at is None else prenorm[batch.logits_at]
+        return self.lm_head(self.norm(last)).float(), prenorm
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

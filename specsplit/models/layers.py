@@ -94,6 +94,13 @@ class KVCache:
         self.v[layer, slot, start:end] = v
         return self.k[layer, slot, :end], self.v[layer, slot, :end]
 
+    def write_rows(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [B, T, kv_heads, head_dim] at entries [0, T) of each of the slots [B]."""
+        if k.shape[1] > self.max_len:
+            raise ValueError(f"sequence of {k.shape[1]} tokens exceeds the KV cache length {self.max_len}")
+        self.k[layer, slots, : k.shape[1]] = k
+        self.v[layer, slots, : k.shape[1]] = v
+
     def write_and_gather(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, T, kv_heads, head_dim] at a padded batch's entries; return keys and
@@ -120,6 +127,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
         allowed = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(t, device=q.device))[:, None]
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed)  # [Hq, T, D]
     return out.transpose(0, 1).reshape(t, -1)
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [B, T, Hq, D] against k, v [B, T, Hkv, D] of the same tokens, from entry 0, causal ->
+    [B*T, Hq*D]. No mask: the attention kernels' causal path (flash where the device has it)."""
+    b, t, hq, d = q.shape
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         enable_gqa=True)  # [B, Hq, T, D]
+    return out.transpose(1, 2).reshape(b * t, hq * d)
 
 
 def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -162,10 +178,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeTables, cache: KVCache, layer: int, batch: Batch) -> torch.Tensor:
         """x [N, in]: the tokens of every sequence, flattened. Projections run once for the
-        whole batch; attention runs per segment against its own KV slot, or for a static
-        batch in one padded call."""
+        whole batch; attention runs per segment against its own KV slot, or for a padded or
+        prompts batch in one call."""
         d = self.head_dim
         q, k, v = self.project(x, rope)
+        if batch.prompts:
+            assert batch.slots is not None
+            b, t = batch.slots.shape[0], batch.ctx
+            q, k, v = q.view(b, t, -1, d), k.view(b, t, -1, d), v.view(b, t, -1, d)
+            cache.write_rows(layer, batch.slots, k, v)
+            return self.o_proj(prompt_attention(q, k, v))
         if batch.segments is None:
             assert batch.entries is not None
             b, t = batch.entries.shape
@@ -175,7 +197,10 @@ class Attention(nn.Module):
         for seg in batch.segments:
             part = slice(off, off + seg.length)
             k_all, v_all = cache.write_and_read(layer, seg.slot, seg.start, k[part], v[part])
-            outs.append(causal_attention(q[part], k_all, v_all, seg.start, seg.visible))
+            if seg.start == 0 and seg.visible is None:  # a prompt: as the prompts layout computes it
+                outs.append(prompt_attention(q[part][None], k[part][None], v[part][None]))
+            else:
+                outs.append(causal_attention(q[part], k_all, v_all, seg.start, seg.visible))
             off += seg.length
         return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 

@@ -49,8 +49,8 @@ class LlamaModel(nn.Module):
         return KVCache(self.cfg.num_layers, slots, max_len, self.kv_heads_local, self.cfg.head_dim, p.dtype, p.device)
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens [N] -> logits [N, V] float32, and with batch.capture the outputs of the capture
-        layers [N, 3H] (else None)."""
+        """tokens [N] -> logits [N, V] float32 ([R, V] for the R tokens batch.logits_at names), and
+        with batch.capture the outputs of the capture layers [N, 3H] (else None)."""
         h = self.embed_tokens(tokens)  # [N, H]
         rope = self.rotary.tables(batch.positions, h.dtype)
         captured: dict[int, torch.Tensor] = {}
@@ -59,6 +59,8 @@ class LlamaModel(nn.Module):
             if batch.capture and i in self.aux_layer_ids:
                 captured[i] = h
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], -1) if batch.capture else None
+        if batch.logits_at is not None:
+            h = h[batch.logits_at]
         return self.lm_head(self.norm(h)).float(), aux
 
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -10,15 +10,18 @@ import torch
 
 from specsplit.runner.packing import Row
 
-RowOutput = tuple[torch.Tensor, torch.Tensor | None]  # logits [T, V]; captured features or pre-norm states [T, X]
+# logits [T, V] ([1, V], the last token's, for a row from entry 0); captured features or pre-norm states [T, X]
+RowOutput = tuple[torch.Tensor, torch.Tensor | None]
 
 
 class RowOutputs:
     """Each row's (logits [T_i, V], features [T_i, X]) of a step: views of its outputs [N, ·],
     sliced only when asked for (a greedy row accepted on the device needs neither)."""
 
-    def __init__(self, logits: torch.Tensor, extra: torch.Tensor | None, spans: list[tuple[int, int]]) -> None:
+    def __init__(self, logits: torch.Tensor, extra: torch.Tensor | None, spans: list[tuple[int, int]],
+                 logit_spans: list[tuple[int, int]] | None = None) -> None:
         self.logits, self.extra, self.spans = logits, extra, spans  # [N, V], [N, X]; each row's (start, end)
+        self.logit_spans = spans if logit_spans is None else logit_spans  # where logits are fewer (prompts: the last)
         self.replaced: dict[int, torch.Tensor] = {}  # rows whose features were computed apart
 
     def __len__(self) -> int:
@@ -31,7 +34,7 @@ class RowOutputs:
         return (self[i] for i in range(len(self.spans)))
 
     def row_logits(self, i: int) -> torch.Tensor:
-        start, end = self.spans[i]
+        start, end = self.logit_spans[i]
         return self.logits[start:end]
 
     def row_features(self, i: int) -> torch.Tensor | None:

@@ -8,10 +8,10 @@ graphs, and the execution path of each step:
   its row limit, from a graph per shape;
 - padded: the rows padded to (batch bucket, longest row, context bucket), from a graph per shape
   (on CUDA; eagerly on the same shapes without graphs, with identical results);
-- eager: ragged, each row as long as it is (prompts, long rows, CPU serving).
+- eager: ragged, each row as long as it is (long rows, CPU serving).
 
-A step that mixes prompts (rows from entry 0) with continuing rows runs as two: the prompts
-eagerly, the others on their own fast path.
+Rows from entry 0 (prompts, recomputed sequences) run apart, a forward per length bucket
+(specsplit.runner.prompts); a step that mixes them with continuing rows runs as two.
 
 On the CPU in fp32 the runner packs the model's projection weights for oneDNN once
 (specsplit.models.parallel.pack_for_cpu), unless it compiles the model.
@@ -40,6 +40,7 @@ from specsplit.runner.acceptance import verify_rows
 from specsplit.runner.graphs import GraphCache, HostInput, Outputs, bucket_up, compile_static, pow2_buckets
 from specsplit.runner.outputs import RowOutput, RowOutputs, Verified, accepted_row, row_outputs
 from specsplit.runner.packing import Row, pack_rows
+from specsplit.runner.prompts import run_prompts
 
 Model = LlamaModel | Eagle3Head  # logits with captured features, or with pre-norm states
 T = TypeVar("T")
@@ -108,11 +109,13 @@ class ModelRunner:
         return torch.no_grad() if self.compiled else torch.inference_mode()
 
     def run(self, step: Step) -> Sequence[RowOutput]:
-        """Each row's logits [T, V] and features [T, X] (views of graph outputs: valid until the
-        next step of the same shape)."""
+        """Each row's logits [T, V] (a row from entry 0: [1, V], its last token's) and features
+        [T, X] (views of graph outputs: valid until the next step of the same shape)."""
         split = self._split(step)
         if split is not None:
             return _merged(len(step.rows), split, [self.run(_part(step, rows)) for rows in split])
+        if step.rows[0].start == 0:
+            return [(v.logits, v.features) for v in self._prompts(step, False)]
         return self._step(step, False)[0]
 
     def verify(self, step: Step) -> list[Verified]:
@@ -122,6 +125,8 @@ class ModelRunner:
         split = self._split(step)
         if split is not None:
             return _merged(len(step.rows), split, [self.verify(_part(step, rows)) for rows in split])
+        if step.rows[0].start == 0:
+            return self._prompts(step, True)
         outputs, ints = self._step(step, True)
         assert ints is not None
         host = ints.tolist()
@@ -191,25 +196,26 @@ class ModelRunner:
         return out
 
     def _split(self, step: Step) -> tuple[list[int], list[int]] | None:
-        """Where a step mixes rows from entry 0 (prompts, recomputed sequences: they run eagerly)
-        with continuing rows that would take the fused or padded path on their own: the indices
-        of each, run as two steps. A newcomer then neither takes the running sequences off
-        their fast path nor changes the bits they compute."""
+        """Where a step mixes rows from entry 0 (prompts, recomputed sequences) with continuing
+        rows: the indices of each, run as two steps (see specsplit.runner.prompts). A newcomer
+        then neither takes the running sequences off their fast path nor changes the bits they
+        compute."""
         fresh = [i for i, r in enumerate(step.rows) if r.start == 0]
         if not fresh or len(fresh) == len(step.rows):
             return None
-        going = [i for i, r in enumerate(step.rows) if r.start > 0]
-        t = max(len(step.rows[i].tokens) for i in going)
-        fused = self.fused is not None and self.batch_bucket(len(going)) * t <= self.fused.max_rows
-        return (going, fresh) if fused or (self.padded and t <= self.padded_tokens) else None
+        return [i for i, r in enumerate(step.rows) if r.start > 0], fresh
+
+    def _prompts(self, step: Step, verify: bool) -> list[Verified]:
+        with self.mode():
+            return run_prompts(self.model, self.cache, step.rows, step.hidden, step.capture, verify)
 
     def _step(self, step: Step, verify: bool) -> tuple[RowOutputs, torch.Tensor | None]:
+        """Continuing rows, on the fused path where they fit it, else padded where short enough, else eagerly."""
         t = max(len(r.tokens) for r in step.rows)
-        continuing = all(r.start > 0 for r in step.rows)  # prompts (rows from entry 0) run eager
         with self.mode():
-            if continuing and self.fused is not None and self.batch_bucket(len(step.rows)) * t <= self.fused.max_rows:
+            if self.fused is not None and self.batch_bucket(len(step.rows)) * t <= self.fused.max_rows:
                 return self._run_fused(step, verify)
-            if continuing and self.padded and t <= self.padded_tokens:
+            if self.padded and t <= self.padded_tokens:
                 return self._run_padded(step, verify)
             return self._run_eager(step, verify)
 

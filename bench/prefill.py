@@ -1,0 +1,116 @@
+"""The target's prefill step of N chat prompts, side by side in one run: the prompts layout the
+runner takes (rows grouped by padded length, a forward a group, logits of each row's last token
+only) against the same rows through the ragged layout (a forward over all rows, attention a
+segment at a time, every token's logits). For each: milliseconds a step (the median of
+--repeats, synchronised on CUDA) and the torch operations it dispatches, all and those that are
+not views: on the GPU each of the latter is a kernel launch, the host cost of an eager step.
+One JSON line per (N, layout), with the ratio to the ragged layout.
+
+  python -m bench.prefill --prompts 1,8,32                                     (CPU, fp32)
+  python -m bench.prefill --model <GGUF> --device cuda:0 --dtype bfloat16 --prompts 1,8,32,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.prompts import CHAT_PROMPTS
+from bench.spec_vs_baseline import git_commit
+from specsplit.checkpoints.target_checkpoint import resolve_target_dir
+from specsplit.models.parallel import TensorParallel
+from specsplit.runner.runner import ModelRunner, Row, Step
+from specsplit.tokenizer import TextCodec
+from target_service.config import TargetConfig
+from target_service.runtime import TargetRuntime
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the torch operations dispatched while active: all, and those that are views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.views = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        self.views += func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def prompts_step(r: ModelRunner, rows: list[Row]) -> None:
+    r.verify(Step(rows, capture=True))
+
+
+def ragged_step(r: ModelRunner, rows: list[Row]) -> None:
+    with r.mode():
+        _, ints = r._run_eager(Step(rows, capture=True), True)
+        assert ints is not None
+        ints.tolist()
+
+
+def measure(r: ModelRunner, prompts: list[list[int]], n: int, step: Callable[[ModelRunner, list[Row]], None],
+            repeats: int) -> dict[str, Any]:
+    sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)
+
+    def once(count: OpCount | None = None) -> float:
+        rows = [Row(r.allocate(), 0, prompts[i % len(prompts)]) for i in range(n)]
+        try:
+            sync()
+            t0 = time.perf_counter()
+            if count is None:
+                step(r, rows)
+            else:
+                with count:
+                    step(r, rows)
+            sync()
+            return (time.perf_counter() - t0) * 1e3
+        finally:
+            for row in rows:
+                r.release(row.slot)
+
+    once()  # first use: allocations, kernel selection
+    ms = statistics.median(once() for _ in range(repeats))
+    count = OpCount()
+    once(count)
+    return {"ms": round(ms, 3), "ops": count.ops, "kernel_ops": count.ops - count.views}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prompts", default="1,8,32", help="prompts a step (comma-separated)")
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+    counts = [int(x) for x in a.prompts.split(",") if x]
+    codec = TextCodec.from_checkpoint(resolve_target_dir(a.model))
+    if codec is None:
+        raise SystemExit(f"{a.model}: no tokenizer")
+    prompts = [codec.encode(codec.render_chat(t)) for t in CHAT_PROMPTS]
+    cfg = TargetConfig(model=a.model, dtype=a.dtype, device=a.device, max_sequences=max(counts),
+                       fused_decode="off", hidden_backend="inline").validate()
+    runner = TargetRuntime(cfg, TensorParallel()).engine.runner
+    for n in counts:
+        got = {name: measure(runner, prompts, n, fn, a.repeats)
+               for name, fn in (("ragged", ragged_step), ("prompts", prompts_step))}
+        for name, m in got.items():
+            print(json.dumps({"bench": "prefill", "layout": name, "prompts": n, **m,
+                              "tokens": sum(len(prompts[i % len(prompts)]) for i in range(n)),
+                              "ms_vs_ragged": round(m["ms"] / got["ragged"]["ms"], 3),
+                              "kernel_ops_vs_ragged": round(m["kernel_ops"] / got["ragged"]["kernel_ops"], 3),
+                              "model": a.model, "device": a.device, "dtype": a.dtype,
+                              "host": platform.node(), "commit": git_commit()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
