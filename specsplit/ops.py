@@ -49,11 +49,16 @@ SparseDist = tuple[list[int], list[float]]
 
 @dataclass
 class Prefill:
+    """A prompt into a new sequence, or a part of it (chunked prefill): prompt_ids are its tokens
+    from `start` on; with `more`, the prompt goes on in a later Prefill and nothing is generated."""
+
     seq_id: int
     prompt_ids: list[int]
     sampling: Sampling = field(default_factory=Sampling)
     capture: bool = True
     trace: str = ""  # W3C traceparent of the cycle this op belongs to
+    start: int = 0  # prompt tokens earlier Prefills of this sequence hold (0: a new sequence)
+    more: bool = False
 
 
 @dataclass

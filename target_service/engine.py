@@ -1,4 +1,5 @@
-"""The target engine: prefill, verify (a chain or a tree of draft tokens in one forward), release.
+"""The target engine: prefill (a prompt whole or in parts), verify (a chain or a tree of draft
+tokens in one forward), release.
 
 Every tensor-parallel rank runs `execute` on the same plan and reaches the same state
 (logits are gathered, samplers are seeded alike); rank 0 alone owns the hidden-state
@@ -36,7 +37,7 @@ from target_service.config import TargetConfig
 class Sequence:
     slot: int  # -1: suspended (no KV entries)
     length: int  # tokens whose KV entries are in the cache
-    last_token: int  # emitted, not yet in the cache (-1 until the prefill has run)
+    last_token: int  # emitted, not yet in the cache (-1 until the whole prompt is in)
     sampling: Sampling
     generator: torch.Generator
     epoch: int  # the lease under which it was opened
@@ -100,21 +101,13 @@ class TargetEngine:
     # -- validation shared by rank 0 (before allocating ring rows) and every rank
     def check(self, op: TargetOp) -> None:
         if isinstance(op, Prefill):
-            if op.seq_id in self.seqs:
-                raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} is already open")
-            if not op.prompt_ids:
-                raise OpError(Code.INVALID_ARGUMENT, "empty prompt")
-            if len(op.prompt_ids) >= self.cfg.max_context:
-                raise OpError(Code.INVALID_ARGUMENT,
-                              f"prompt of {len(op.prompt_ids)} tokens does not fit the context of "
-                              f"{self.cfg.max_context}")
-            self._check_ids(op.prompt_ids)
-            if not self.runner.free_slots:
-                raise OpError(Code.RESOURCE_EXHAUSTED, "no free KV slot")
+            self._check_prefill(op)
         elif isinstance(op, (Verify, Recapture, Suspend, Resume)):
             seq = self.seqs.get(op.seq_id)
-            if seq is None or seq.last_token < 0:
+            if seq is None:
                 raise OpError(Code.NOT_FOUND, f"unknown sequence {op.seq_id}")
+            if seq.last_token < 0:
+                raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} has not had its whole prompt yet")
             if type(op) is Verify and seq.slot >= 0:
                 self._check_verify(op, seq)
                 return
@@ -132,6 +125,24 @@ class TargetEngine:
                 if not self.runner.free_slots:
                     raise OpError(Code.RESOURCE_EXHAUSTED, "no free KV slot to recompute features in")
                 return
+
+    def _check_prefill(self, op: Prefill) -> None:
+        if not op.prompt_ids:
+            raise OpError(Code.INVALID_ARGUMENT, "empty prompt")
+        end = op.start + len(op.prompt_ids)
+        if end >= self.cfg.max_context:
+            raise OpError(Code.INVALID_ARGUMENT, f"prompt of {end} tokens does not fit the context of "
+                                                 f"{self.cfg.max_context}")
+        self._check_ids(op.prompt_ids)
+        seq = self.seqs.get(op.seq_id)
+        if op.start == 0:
+            if seq is not None:
+                raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} is already open")
+            if not self.runner.free_slots:
+                raise OpError(Code.RESOURCE_EXHAUSTED, "no free KV slot")
+        elif seq is None or seq.last_token >= 0 or seq.slot < 0 or seq.length != op.start:
+            raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} holds no part of a prompt of "
+                                                 f"{op.start} tokens to go on from")
 
     def _check_verify(self, op: Verify, seq: Sequence) -> None:
         if len(op.draft_ids) > self.cfg.max_draft_tokens:
@@ -224,6 +235,9 @@ class TargetEngine:
 
     def _plan(self, i: int, op: TargetOp, ring_row: int) -> Work:
         if type(op) is Prefill:
+            if op.start:  # the next part of a prompt: only its last token's logits matter
+                seq = self.seqs[op.seq_id]
+                return Work(i, op, seq, Row(seq.slot, op.start, op.prompt_ids, last_only=True))
             gen = torch.Generator(device=self.device).manual_seed(op.sampling.seed)  # where the logits are
             seq = Sequence(self.runner.allocate(), 0, -1, op.sampling, gen, self.epoch)
             self.seqs[op.seq_id] = seq
@@ -290,10 +304,14 @@ class TargetEngine:
             rows = v.features
             return Outcome(result, None if rows is None else rows[: accepted + 1])
         rows = v.features if capture else None
-        if isinstance(op, Prefill):
-            first = v.best[-1] if seq.sampling.greedy else select_token(v.logits[-1], op.sampling, seq.generator)
-            seq.length, seq.last_token, seq.tokens = len(op.prompt_ids), first, list(op.prompt_ids)
-            return Outcome(TargetResult(op.seq_id, tokens=[first]), rows)
+        if isinstance(op, Prefill):  # (a part of a prompt with more to come: nothing generated)
+            seq.length = op.start + len(op.prompt_ids)
+            seq.tokens += op.prompt_ids
+            if op.more:
+                return Outcome(TargetResult(op.seq_id), rows)
+            seq.last_token = v.best[-1] if seq.sampling.greedy else select_token(v.logits[-1], seq.sampling,
+                                                                                 seq.generator)
+            return Outcome(TargetResult(op.seq_id, tokens=[seq.last_token]), rows)
         # Recapture, Resume: features of positions 0..length-1 pair with tokens 1..length (the last not cached yet)
         return Outcome(TargetResult(op.seq_id, tokens=[*seq.tokens[1:], seq.last_token]), rows)
 

@@ -258,3 +258,62 @@ def test_malformed_decodes_are_refused(tiny_target: Path) -> None:
         assert r.code == Code.OK and len(r.tokens) == 13 and rt.engine.seqs[1].length == 16
     finally:
         rt.close()
+
+
+def test_a_prompt_prefilled_in_parts_equals_it_whole(tiny_target: Path) -> None:
+    """A 30-token prompt in three parts (the last beside another sequence's verify, and one
+    part sampled) against the whole prompt at once: no token until the last part, then the same
+    first token, the same features and KV entries, and the same greedy tokens after."""
+    prompt = list(range(10, 40))
+    got = []
+    for parts in ([(0, 30)], [(0, 7), (7, 12), (12, 30)]):
+        rt = runtime(tiny_target, max_sequences=3, hidden_backend="inline")
+        try:
+            rt.step([Prefill(2, [4, 5, 6])], [])
+            features, tokens = [], []
+            for start, end in parts:
+                ops = [Prefill(1, prompt[start:end], start=start, more=end < len(prompt))]
+                ops += [Verify(2, capture=False)] if end == len(prompt) else []
+                res, _ = rt.step(ops, [])
+                assert all(r.code == Code.OK for r in res), [r.message for r in res]
+                assert res[0].hidden is not None and res[0].hidden.rows == end - start
+                assert len(res[0].tokens) == (1 if end == len(prompt) else 0)
+                features.append(torch.frombuffer(bytearray(res[0].hidden.inline), dtype=torch.float32))
+                tokens += res[0].tokens
+            for _ in range(4):
+                (r,), _ = rt.step([Verify(1, capture=False)], [])
+                tokens += r.tokens
+            cache = rt.engine.runner.cache
+            slot = rt.engine.seqs[1].slot
+            got.append((tokens, torch.cat(features), cache.k[:, slot, :30].clone(), cache.v[:, slot, :30].clone()))
+        finally:
+            rt.close()
+    (want, *whole), (tokens, *parted) = got
+    assert tokens == want
+    for a, b in zip(whole, parted, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_malformed_parts_of_prompts_are_refused(tiny_target: Path) -> None:
+    rt = runtime(tiny_target, max_context=32, max_sequences=2)
+    try:
+        (r,), _ = rt.step([Prefill(1, [1, 2, 3], capture=False, more=True)], [])
+        assert r.code == Code.OK and r.tokens == []
+        bad = {"holds no part of a prompt of 4": Prefill(1, [4], start=4, capture=False),
+               "holds no part of a prompt of 3 ": Prefill(9, [4], start=3, capture=False),
+               "does not fit the context": Prefill(1, [4] * 29, start=3, capture=False),
+               "has not had its whole prompt": Verify(1, capture=False),
+               "has not had its whole prompt ": Recapture(1)}
+        for why, op in bad.items():
+            (r,), _ = rt.step([op], [])
+            assert r.code == Code.INVALID_ARGUMENT and why.strip() in r.message, (why, r.message)
+        (r,), _ = rt.step([Prefill(1, [4, 5], start=3, capture=False)], [])
+        assert r.code == Code.OK and len(r.tokens) == 1 and rt.engine.seqs[1].length == 5
+        (r,), _ = rt.step([Prefill(1, [6], start=5, capture=False)], [])  # the prompt is whole: no more parts
+        assert r.code == Code.INVALID_ARGUMENT
+        free = rt.engine.runner.free_slots
+        rt.step([Prefill(2, [1, 2], capture=False, more=True)], [])
+        rt.step([Release(2)], [])  # a sequence released halfway through its prompt gives its slot back
+        assert rt.engine.runner.free_slots == free
+    finally:
+        rt.close()

@@ -29,6 +29,7 @@ TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 TARGET_OPS = [
     Prefill(1, [5, 6, 7], SAMPLED, True, TRACE),
     Prefill(2, [5], Sampling(), False),
+    Prefill(3, [8, 9], SAMPLED, True, TRACE, start=12, more=True),
     Verify(3),  # a decode: no drafts, nothing else set
     Verify(4, capture=False),
     Verify(5, [8, 9, 10], [([8, 11], [0.75, 0.25]), ([9], [1.0]), ([10, 2], [0.5, 0.5])], capture=True, trace=TRACE),

@@ -26,6 +26,7 @@ class Row:
     accept: bool = False  # verify: accept the drafts after tokens[0] greedily on the device
     ring_row: int = -1  # verify: where its features go in the runner's ring (-1: not written by the step)
     forced: int = -1  # with accept: accept this many down the deepest path (a benchmark mode)
+    last_only: bool = False  # eager: only its last token's logits (a part of a prompt)
 
 
 @dataclass

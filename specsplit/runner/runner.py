@@ -11,7 +11,8 @@ graphs, and the execution path of each step:
 - eager: ragged, each row as long as it is (long rows, CPU serving).
 
 Rows from entry 0 (prompts, recomputed sequences) run apart, a forward per length bucket
-(specsplit.runner.prompts); a step that mixes them with continuing rows runs as two.
+(specsplit.runner.prompts), and so do continuing rows too long for the fused and padded paths
+(the parts of a prompt prefilled in parts): the others keep their fast path.
 
 On the CPU in fp32 the runner packs the model's projection weights for oneDNN once
 (specsplit.models.parallel.pack_for_cpu), unless it compiles the model.
@@ -185,25 +186,31 @@ class ModelRunner:
         return got.tolist()
 
     def _eager_verified(self, step: Step, outputs: RowOutputs, host: list[int]) -> list[Verified]:
-        out, at = [], 0
-        for i, r in enumerate(step.rows):
-            out.append(Verified(outputs, i, [0], host[at : at + len(r.tokens)]))
-            at += len(r.tokens)
+        out = [Verified(outputs, i, [0], host[start:end]) for i, (start, end) in enumerate(outputs.logit_spans)]
+        at = outputs.logit_spans[-1][1] if out else 0
         accepting = [v for r, v in zip(step.rows, out, strict=True) if r.accept]
         width = (len(host) - at) // len(accepting) if accepting else 0  # 1 + 2T
         for j, v in enumerate(accepting):
             v.path, v.best = accepted_row(host[at + j * width : at + (j + 1) * width], v.logits.shape[0])
         return out
 
-    def _split(self, step: Step) -> tuple[list[int], list[int]] | None:
-        """Where a step mixes rows from entry 0 (prompts, recomputed sequences) with continuing
-        rows: the indices of each, run as two steps (see specsplit.runner.prompts). A newcomer
-        then neither takes the running sequences off their fast path nor changes the bits they
-        compute."""
-        fresh = [i for i, r in enumerate(step.rows) if r.start == 0]
-        if not fresh or len(fresh) == len(step.rows):
-            return None
-        return [i for i, r in enumerate(step.rows) if r.start > 0], fresh
+    def _split(self, step: Step) -> tuple[list[int], ...] | None:
+        """Where a step mixes rows from entry 0 (prompts, recomputed sequences: see
+        specsplit.runner.prompts), continuing rows too long for the fused and padded paths (parts
+        of prompts) and continuing rows short enough for one: the indices of each kind, run as
+        steps of their own. A newcomer then neither takes the running sequences off their fast
+        path nor changes the bits they compute."""
+        short: list[int] = []
+        long: list[int] = []
+        fresh: list[int] = []
+        for i, r in enumerate(step.rows):
+            (fresh if r.start == 0 else short if self._fast(len(r.tokens)) else long).append(i)
+        parts = tuple(p for p in (short, long, fresh) if p)
+        return parts if len(parts) > 1 else None
+
+    def _fast(self, t: int) -> bool:
+        """Whether a continuing row of t tokens fits the fused or the padded path."""
+        return (self.fused is not None and t <= self.fused.max_rows) or (self.padded and t <= self.padded_tokens)
 
     def _prompts(self, step: Step, verify: bool) -> list[Verified]:
         with self.mode():
@@ -263,12 +270,17 @@ class ModelRunner:
                     else Segment(r.slot, r.start, len(r.tokens)) for r in step.rows]
         tokens = torch.tensor([t for r in step.rows for t in r.tokens], dtype=torch.long, device=dev)
         hidden = None if step.hidden is None else torch.cat(step.hidden).to(dev)
-        logits, extra = self.model.forward(tokens, Batch.ragged(segments, dev, step.capture, hidden), self.cache)
-        spans, off = [], 0
+        batch = Batch.ragged(segments, dev, step.capture, hidden)
+        spans, logit_spans, wanted = [], [], []  # each row's tokens, its logits, the tokens with logits
         for r in step.rows:
+            off, at = spans[-1][1] if spans else 0, len(wanted)
             spans.append((off, off + len(r.tokens)))
-            off += len(r.tokens)
-        out = RowOutputs(logits, extra, spans)
+            wanted += [off + len(r.tokens) - 1] if r.last_only else range(off, off + len(r.tokens))
+            logit_spans.append((at, len(wanted)))
+        if len(wanted) < len(tokens):
+            batch.logits_at = torch.tensor(wanted, device=dev)
+        logits, extra = self.model.forward(tokens, batch, self.cache)
+        out = RowOutputs(logits, extra, spans, logit_spans)
         if not verify:
             return out, None
         # the verify rows padded to their longest, accepted as a padded step would; the others' argmax

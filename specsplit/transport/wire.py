@@ -95,6 +95,8 @@ def write_target_op(m: target_pb2.TargetOp, op: TargetOp) -> None:
         m.prefill.prompt_ids.extend(op.prompt_ids)
         write_sampling(m.prefill.sampling, op.sampling)
         m.prefill.capture_hidden = op.capture
+        m.prefill.start = op.start
+        m.prefill.more = op.more
     elif isinstance(op, Recapture):
         m.recapture.SetInParent()
     elif isinstance(op, Suspend):
@@ -110,7 +112,7 @@ def target_op_from_proto(p: target_pb2.TargetOp) -> TargetOp | None:
     kind = p.WhichOneof("op")
     if kind == "prefill":
         return Prefill(p.seq_id, list(p.prefill.prompt_ids), sampling_from_proto(p.prefill.sampling),
-                       p.prefill.capture_hidden, p.traceparent)
+                       p.prefill.capture_hidden, p.traceparent, p.prefill.start, p.prefill.more)
     if kind == "verify":
         return Verify(p.seq_id, list(p.verify.draft_ids), dists_from_proto(p.verify.draft_dists),
                       list(p.verify.draft_parents), p.verify.capture_hidden, p.traceparent,

@@ -42,14 +42,18 @@ class TargetInfo(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., max_sequences: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., hidden_store: _Optional[_Union[_common_pb2.HiddenStoreDescriptor, _Mapping]] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., step_socket: _Optional[str] = ...) -> None: ...
 
 class TargetPrefill(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "capture_hidden")
+    __slots__ = ("prompt_ids", "sampling", "capture_hidden", "start", "more")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     capture_hidden: bool
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., capture_hidden: _Optional[bool] = ...) -> None: ...
+    start: int
+    more: bool
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., capture_hidden: _Optional[bool] = ..., start: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class TargetVerify(_message.Message):
     __slots__ = ("draft_ids", "draft_dists", "capture_hidden", "draft_parents", "forced_accept", "decode_tokens")
