@@ -111,7 +111,9 @@ class InstantTarget:
             if isinstance(op, Verify) and op.decode > 1:  # decoded ahead: no drafts, nothing captured
                 out.append(TargetResult(op.seq_id, tokens=[9] * op.decode))
                 continue
-            tokens = [9] if isinstance(op, Prefill) or not self.accept else [*op.draft_ids, 9]
+            tokens = [*op.draft_ids, 9] if isinstance(op, Verify) and self.accept else [9]
+            if isinstance(op, Prefill) and op.more:  # a part of a prompt with more to come: no token yet
+                tokens = []
             out.append(TargetResult(op.seq_id, tokens=tokens, num_accepted=len(tokens) - 1,
                                     hidden=HiddenRef(0, len(tokens), self.generation)))
         return out, StepTiming()

@@ -96,7 +96,8 @@ async def connect(cfg: GatewayConfig, telemetry: Telemetry, on_target_state: Cal
         loop_draft = draft_wrap.wrap(draft, info.vocab_size)
         log.warning("benchmark mode: the draft's proposals are %s", draft_wrap.label)
     limits = Limits(cfg.max_queue, cfg.max_queued_per_client, cfg.step_timeout_s, cfg.draft_timeout_s,
-                    cfg.stream_buffer, cfg.unread_timeout_s, cfg.decode_ahead_ms, info.max_draft_tokens + 1)
+                    cfg.stream_buffer, cfg.unread_timeout_s, cfg.decode_ahead_ms, info.max_draft_tokens + 1,
+                    cfg.prefill_chunk)
     scheduler = Scheduler(target, loop_draft, info.max_sequences, limits, telemetry.spans,
                           GatewayMetrics.create(telemetry.meter), cfg.max_num_steps)
     scheduler.on_target_state.append(on_target_state)

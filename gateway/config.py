@@ -81,6 +81,9 @@ class GatewayConfig:
                                   "take, decodes as many tokens in one target call as its measured cost a token fits "
                                   "in this many ms (a power of two, at most the target's max draft tokens + 1); 0: "
                                   "one token a call")
+    prefill_chunk: int = flag(2048, "--prefill-chunk", "prompt tokens one target call prefills, over all its "
+                              "newcomers: a longer prompt is prefilled in parts over several calls, so that the "
+                              "running sequences go on between them (0: every prompt whole in one call)")
     step_sockets: bool = flag(True, "--no-step-sockets", "always send Steps over the gRPC streams, even where a "
                               "service offers a Unix step socket")
     loop_thread: bool = flag(True, "--no-loop-thread", "run the speculation loop on the server's event loop instead "
@@ -120,6 +123,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be within (0, 3600] seconds")
         if not 0.0 <= self.decode_ahead_ms <= 1000.0:
             raise ValueError("decode_ahead_ms must be within [0, 1000] ms")
+        if self.prefill_chunk < 0:
+            raise ValueError("prefill_chunk must be >= 0")
         if not 0.0 <= self.shutdown_grace_s <= 3600.0:
             raise ValueError("shutdown_grace_s must be within [0, 3600] seconds")
         if self.lease_s < 2 * self.liveness_timeout_s:

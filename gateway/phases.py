@@ -109,7 +109,7 @@ async def draft_phase(sched: Scheduler) -> None:
     candidates: list[Sequence] = []
     sleeping: list[Sequence] = []
     for s in sched.running:
-        if s.spec and not s.unread_since:
+        if s.spec and s.prefilled and not s.unread_since:  # (a prompt in parts: extended once whole)
             if s.pending is not None:
                 candidates.append(s)
             if s.dormant:
@@ -207,27 +207,37 @@ async def draft_phase(sched: Scheduler) -> None:
 
 
 async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
-    """Releases, prefills of the newcomers, recaptures and verifies: one call. A sequence whose
-    client leaves its stream unread waits."""
+    """Releases, prefills of the newcomers, recaptures and verifies: one call. Prompts are
+    prefilled oldest first, up to the limits' prefill_chunk tokens a call: a longer one in parts
+    over several calls, while the running sequences go on. A sequence whose client leaves its
+    stream unread waits."""
     ops: list[TargetOp] = [*(Release(i) for i in sched.target_releases), *(Suspend(i) for i in sched.target_suspends)]
     sched.target_releases, sched.target_suspends = [], []
     releases, sched.free_generations = sched.free_generations, []
     work: list[Sequence] = []
     speculating = sched.speculating
     prefilled = 0  # tokens prefilled or recomputed: what the chooser prices a dormant sequence's wake from
+    budget = sched.limits.prefill_chunk or sum(len(s.req.prompt_ids) for s in sched.running)  # prompt tokens
     for s in sched.running:
         if s in newcomers and s.suspended:
             ops.append(Resume(s.seq_id, capture=s.spec and speculating and not s.dormant, trace=s.trace))
             prefilled += s.committed
-        elif s in newcomers:
-            if s.req.adaptive and s.spec and speculating and sched.chooser.starts_dormant(s, len(sched.running)):
+        elif not s.prefilled:  # a newcomer's prompt, whole or its next part
+            if budget <= 0:
+                continue
+            start = s.prompt_done
+            if not start and s.req.adaptive and s.spec and speculating and sched.chooser.starts_dormant(
+                    s, len(sched.running)):
                 s.dormant = True  # its features are recomputed if a probe wakes it
                 if s.cycle_span.is_recording():
                     s.cycle_span.set_attribute("spec.adaptive.reason", "dormant")
-            ops.append(Prefill(s.seq_id, s.req.prompt_ids, s.req.sampling, capture=s.spec and speculating
-                               and not s.dormant, trace=s.trace))
-            prefilled += len(s.req.prompt_ids)
-        elif not s.prefilled or s.unread_since:
+            prompt = s.req.prompt_ids  # in at most MAX_EARLIER + 1 parts: the draft reads their features in one extend
+            part = prompt[start : start + max(budget, -(-len(prompt) // (MAX_EARLIER + 1)))]
+            budget -= len(part)
+            ops.append(Prefill(s.seq_id, part, s.req.sampling, capture=s.spec and speculating and not s.dormant,
+                               trace=s.trace, start=start, more=start + len(part) < len(prompt)))
+            prefilled += len(part)
+        elif s.unread_since:
             continue
         elif s.spec and speculating and not s.synced and s.pending is None and not s.dormant:
             ops.append(Recapture(s.seq_id, s.trace))  # resync a draft that lost this sequence, or a woken one
@@ -309,7 +319,7 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         return
     kind = type(op)
     if r.code == Code.RESOURCE_EXHAUSTED:  # no slot or ring space: state unchanged, retry
-        if kind is Prefill or kind is Resume:
+        if (kind is Prefill and not op.start) or kind is Resume:  # type: ignore[union-attr]
             sched.running.remove(s)
             sched.waiting.push_front(s)
         elif kind is Recapture:  # no scratch slot: go on target-only rather than stall
@@ -325,20 +335,28 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         s.pending = (r.tokens, [r.hidden], 0) if r.hidden is not None else None
         s.synced = r.hidden is not None
         return
-    prefill = kind is Prefill
+    prefill = kind is Prefill  # (the prompt whole, or a part of it)
     start = s.committed
-    s.committed = len(op.prompt_ids) if prefill else start + len(r.tokens)  # type: ignore[union-attr]
+    s.committed = start + len(op.prompt_ids if prefill else r.tokens)  # type: ignore[union-attr]
     if r.hidden is not None:
-        if s.spec and sched.speculating:
-            tokens = (s.req.prompt_ids[1:] + r.tokens) if prefill else r.tokens
+        # a prompt's features count from its first part on (a part captured after one that was not: none)
+        if s.spec and sched.speculating and (not prefill or not start or s.pending is not None):
+            # a prompt's position i pairs with the token after it, the next part's first or the generated one
+            tokens = (s.req.prompt_ids[start + 1 : s.committed + 1] + r.tokens) if prefill else r.tokens
             if s.pending is not None:  # the extend was put off: these rows follow the ones it holds
                 before, refs, at = s.pending
                 s.pending = (before + tokens, [*refs, r.hidden], at)
             else:
                 s.pending = (tokens, [r.hidden], start)
-            s.synced = s.synced or prefill
+            s.synced = s.synced or (prefill and not op.more)  # type: ignore[union-attr]
         else:
             sched.free_generations.append(r.hidden.generation)
+    elif prefill and s.pending is not None:  # a part without features: the earlier parts' are of no use
+        sched.free_generations += [ref.generation for ref in s.pending[1]]
+        s.pending = None
+    if prefill and op.more:  # type: ignore[union-attr]
+        s.prompt_done = s.committed  # the rest of the prompt in later calls; nothing generated yet
+        return
     if not prefill:  # a verify cycle (the prefill's first token is not a cycle; a decode of k tokens is k)
         drafted, decoded = s.sent_drafts, op.decode  # type: ignore[union-attr]
         s.stats.record_verify(len(r.tokens), ms, timing, drafted, r.num_accepted, s.shape if drafted else NO_DRAFT,

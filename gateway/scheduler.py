@@ -374,7 +374,7 @@ class Scheduler:
             self.target_releases.append(s.seq_id)
         if s in self.running:
             self.running.remove(s)
-            if s.prefilled and not self.target_down:
+            if (s.prefilled or s.prompt_done) and not self.target_down:  # (halfway through its prompt too)
                 self.target_releases.append(s.seq_id)
             if s.in_draft and not self.draft_down:  # a draft that is down is taken over by a new epoch
                 self.draft_releases.append(s.seq_id)

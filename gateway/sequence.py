@@ -121,7 +121,8 @@ class Sequence:
         self.generated: list[int] = []
         self.spec = req.num_steps > 0  # speculation asked for
         self.synced = False  # the draft holds this sequence's state up to the target's
-        self.prefilled = False
+        self.prefilled = False  # the target has its whole prompt (and sent its first token)
+        self.prompt_done = 0  # prompt tokens the target holds while it has them in parts
         self.committed = 0  # positions in the target's KV cache
         self.in_draft = False  # the draft may hold state for it
         # (tokens, their feature rows, position) not extended yet: more than one reference after cycles
@@ -171,6 +172,7 @@ class Limits:
     # (at most decode_most); 0: one token a call
     decode_ahead_ms: float = 0.0
     decode_most: int = 1  # the target's limit (its max_draft_tokens + 1)
+    prefill_chunk: int = 0  # prompt tokens a target call prefills, over all its prompts; 0: every prompt whole
 
 
 def first_sequence_id() -> int:

@@ -204,25 +204,30 @@ class ModelRunner:
         long: list[int] = []
         fresh: list[int] = []
         for i, r in enumerate(step.rows):
-            (fresh if r.start == 0 else short if self._fast(len(r.tokens)) else long).append(i)
+            (fresh if r.start == 0 else short if self._fast(r) else long).append(i)
         parts = tuple(p for p in (short, long, fresh) if p)
         return parts if len(parts) > 1 else None
 
-    def _fast(self, t: int) -> bool:
-        """Whether a continuing row of t tokens fits the fused or the padded path."""
-        return (self.fused is not None and t <= self.fused.max_rows) or (self.padded and t <= self.padded_tokens)
+    def _fast(self, r: Row) -> bool:
+        """Whether a continuing row fits the fused or the padded path (a part of a prompt never
+        does: its length, and the graph its shape would need, are its own)."""
+        t = len(r.tokens)
+        return not r.last_only and ((self.fused is not None and t <= self.fused.max_rows)
+                                    or (self.padded and t <= self.padded_tokens))
 
     def _prompts(self, step: Step, verify: bool) -> list[Verified]:
         with self.mode():
             return run_prompts(self.model, self.cache, step.rows, step.hidden, step.capture, verify)
 
     def _step(self, step: Step, verify: bool) -> tuple[RowOutputs, torch.Tensor | None]:
-        """Continuing rows, on the fused path where they fit it, else padded where short enough, else eagerly."""
+        """Continuing rows, on the fused path where they fit it, else padded where short enough, else
+        eagerly (and parts of prompts always)."""
         t = max(len(r.tokens) for r in step.rows)
+        fast = all(not r.last_only for r in step.rows)
         with self.mode():
-            if self.fused is not None and self.batch_bucket(len(step.rows)) * t <= self.fused.max_rows:
+            if fast and self.fused is not None and self.batch_bucket(len(step.rows)) * t <= self.fused.max_rows:
                 return self._run_fused(step, verify)
-            if self.padded and t <= self.padded_tokens:
+            if fast and self.padded and t <= self.padded_tokens:
                 return self._run_padded(step, verify)
             return self._run_eager(step, verify)
 
