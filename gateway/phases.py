@@ -234,8 +234,10 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
             prompt = s.req.prompt_ids  # in at most MAX_EARLIER + 1 parts: the draft reads their features in one extend
             part = prompt[start : start + max(budget, -(-len(prompt) // (MAX_EARLIER + 1)))]
             budget -= len(part)
-            ops.append(Prefill(s.seq_id, part, s.req.sampling, capture=s.spec and speculating and not s.dormant,
-                               trace=s.trace, start=start, more=start + len(part) < len(prompt)))
+            # (a part goes without features once an earlier part's are gone: recaptured when whole)
+            capture = s.spec and speculating and not s.dormant and (not start or s.pending is not None)
+            ops.append(Prefill(s.seq_id, part, s.req.sampling, capture=capture, trace=s.trace, start=start,
+                               more=start + len(part) < len(prompt)))
             prefilled += len(part)
         elif s.unread_since:
             continue
@@ -322,6 +324,9 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         if (kind is Prefill and not op.start) or kind is Resume:  # type: ignore[union-attr]
             sched.running.remove(s)
             sched.waiting.push_front(s)
+        elif kind is Prefill and s.pending is not None:  # no ring space for a part: its earlier parts' go too,
+            sched.free_generations += [ref.generation for ref in s.pending[1]]  # so that prompts in parts never
+            s.pending = None  # hold the ring between them; the rest goes without features
         elif kind is Recapture:  # no scratch slot: go on target-only rather than stall
             log.info("sequence %d cannot be resynced now (%s): target-only from here", s.seq_id, r.message)
             s.spec = False

@@ -14,7 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.scheduler import Finished, GenerationRequest, Limits, Scheduler
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
-from specsplit.ops import ExtendPropose, HiddenRef, Prefill, Sampling, TargetOp, Verify
+from specsplit.ops import Code, ExtendPropose, HiddenRef, Prefill, Recapture, Sampling, TargetOp, Verify
 
 
 class PartsTarget(InstantTarget):
@@ -66,7 +66,7 @@ class FeatureTarget(PartsTarget):
     async def step(self, ops: list[TargetOp], releases: list[int], timeout: float = 0.0, meanwhile: object = None
                    ) -> tuple[list, object]:
         results, timing = await super().step(ops, releases, timeout, meanwhile)
-        for op, r in zip([op for op in ops if isinstance(op, Prefill | Verify)], results, strict=True):
+        for op, r in zip([op for op in ops if isinstance(op, Prefill | Verify | Recapture)], results, strict=True):
             if isinstance(op, Prefill):
                 r.hidden = HiddenRef(op.start, len(op.prompt_ids), r.hidden.generation)
         return results, timing
@@ -156,3 +156,49 @@ def test_a_prompt_goes_in_at_most_as_many_parts_as_one_extend_reads() -> None:
 
     parts = [p for prefills, _ in asyncio.run(main()).log for p in prefills]
     assert [p[2] for p in parts] == [4] * 50 and parts[-1][3] is False
+
+
+class RingFullOnce(FeatureTarget):
+    """Refuses the first part after a prompt's first for want of ring space, once; logs each
+    prefill's capture and each recapture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = False
+        self.captures: list[tuple[int, bool]] = []
+        self.recaptures = 0
+
+    async def step(self, ops: list[TargetOp], releases: list[int], timeout: float = 0.0, meanwhile: object = None
+                   ) -> tuple[list, object]:
+        self.captures += [(op.start, op.capture) for op in ops if isinstance(op, Prefill)]
+        self.recaptures += sum(isinstance(op, Recapture) for op in ops)
+        results, timing = await super().step(ops, releases, timeout, meanwhile)
+        for op, r in zip([op for op in ops if isinstance(op, Prefill | Verify | Recapture)], results, strict=True):
+            if isinstance(op, Prefill) and op.start and not self.refused:
+                self.refused = True
+                r.code, r.message, r.tokens, r.hidden = Code.RESOURCE_EXHAUSTED, "hidden-state ring full", [], None
+        return results, timing
+
+
+@pytest.mark.quick
+def test_a_part_refused_for_ring_space_lets_the_prompt_s_features_go_and_it_is_recaptured_when_whole() -> None:
+    """Parts hold their features until the prompt is whole: a part refused for ring space frees
+    the earlier parts' rows and the rest of the prompt goes without features (so prompts in
+    parts never hold the ring against each other); once whole, the sequence is recaptured and
+    speculates."""
+    async def main() -> tuple[RingFullOnce, ExtendLog, list[int], int]:
+        target, draft = RingFullOnce(), ExtendLog()
+        sched = Scheduler(target, draft, max_sequences=2, limits=Limits(max_queue=8, prefill_chunk=8))
+        sched.draft_restored()
+        seq = sched.submit(GenerationRequest(list(range(10, 30)), 6, Sampling(), set(), 2))
+        sched.start()
+        tokens: list[int] = []
+        while not isinstance(ev := await seq.events.get(), Finished):
+            tokens += ev  # type: ignore[operator]
+        await sched.stop()
+        return target, draft, tokens, len(sched.free_generations)
+
+    target, draft, tokens, _ = asyncio.run(main())
+    assert target.captures == [(0, True), (8, True), (8, False), (16, False)]  # refused at 8, then retried without
+    assert target.recaptures == 1 and len(tokens) == 6
+    assert draft.extends and draft.extends[0].position == 0  # the recaptured features, from position 0
