@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from specsplit.models.batch import Batch
 from specsplit.models.parallel import (
@@ -114,18 +115,13 @@ class KVCache:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                      visible: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, Hq, D] at entries start..start+T-1 against k, v [S, Hkv, D], S = start+T: causal,
-    or as `visible` [T, S] says."""
+    """q [T, Hq, D] at entries start..start+T-1 against k, v [S, Hkv, D], S = start+T: causal
+    (each token sees the entries up to its own: the attention kernels' lower-right causal path, no
+    mask; from entry 0 the same as prompt_attention), or as `visible` [T, S] says."""
     t, s = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1)  # [Hq, T, D]
-    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
-    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
-    if visible is not None:
-        allowed = visible.to(q.device)
-    else:
-        allowed = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(t, device=q.device))[:, None]
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed)  # [Hq, T, D]
+    mask = causal_lower_right(t, s) if visible is None else visible.to(q.device)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, enable_gqa=True)[0]  # [Hq, T, D]
     return out.transpose(0, 1).reshape(t, -1)
 
 
@@ -197,10 +193,7 @@ class Attention(nn.Module):
         for seg in batch.segments:
             part = slice(off, off + seg.length)
             k_all, v_all = cache.write_and_read(layer, seg.slot, seg.start, k[part], v[part])
-            if seg.start == 0 and seg.visible is None:  # a prompt: as the prompts layout computes it
-                outs.append(prompt_attention(q[part][None], k[part][None], v[part][None]))
-            else:
-                outs.append(causal_attention(q[part], k_all, v_all, seg.start, seg.visible))
+            outs.append(causal_attention(q[part], k_all, v_all, seg.start, seg.visible))
             off += seg.length
         return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
