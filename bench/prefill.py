@@ -2,8 +2,9 @@
 runner takes (rows grouped by padded length, a forward a group, logits of each row's last token
 only) against the same rows through the ragged layout (a forward over all rows, attention a
 segment at a time, every token's logits). For each: milliseconds a step (the median of
---repeats, synchronised on CUDA) and the torch operations it dispatches, all and those that are
-not views: on the GPU each of the latter is a kernel launch, the host cost of an eager step.
+--repeats, synchronised on CUDA) and the torch operations it calls from Python (aten operations
+not inside another one, as the profiler records them), all and those that are not views: on the
+GPU each of the latter launches a kernel or more, the host cost of an eager step.
 One JSON line per (N, layout), with the ratio to the ragged layout.
 
   python -m bench.prefill --prompts 1,8,32                                     (CPU, fp32)
@@ -21,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.prompts import CHAT_PROMPTS
 from bench.spec_vs_baseline import git_commit
@@ -33,17 +33,20 @@ from target_service.config import TargetConfig
 from target_service.runtime import TargetRuntime
 
 
-class OpCount(TorchDispatchMode):
-    """Counts the torch operations dispatched while active: all, and those that are views."""
+def is_view(name: str) -> bool:
+    """Whether the aten operation of this profiler name returns a view (no kernel)."""
+    op = getattr(torch.ops.aten, name.removeprefix("aten::"), None)
+    return op is not None and any(getattr(op, o).is_view for o in op.overloads())
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = self.views = 0
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops += 1
-        self.views += func.is_view
-        return func(*args, **(kwargs or {}))
+def count_ops(fn: Callable[[], None]) -> tuple[int, int]:
+    """The torch operations fn calls from Python (aten operations not inside another one): all,
+    and those that are not views."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    names = [e.name for e in prof.events() if e.name.startswith("aten::")
+             and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    return len(names), sum(not is_view(n) for n in names)
 
 
 def prompts_step(r: ModelRunner, rows: list[Row]) -> None:
@@ -61,16 +64,12 @@ def measure(r: ModelRunner, prompts: list[list[int]], n: int, step: Callable[[Mo
             repeats: int) -> dict[str, Any]:
     sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)
 
-    def once(count: OpCount | None = None) -> float:
+    def once() -> float:
         rows = [Row(r.allocate(), 0, prompts[i % len(prompts)]) for i in range(n)]
         try:
             sync()
             t0 = time.perf_counter()
-            if count is None:
-                step(r, rows)
-            else:
-                with count:
-                    step(r, rows)
+            step(r, rows)
             sync()
             return (time.perf_counter() - t0) * 1e3
         finally:
@@ -79,9 +78,8 @@ def measure(r: ModelRunner, prompts: list[list[int]], n: int, step: Callable[[Mo
 
     once()  # first use: allocations, kernel selection
     ms = statistics.median(once() for _ in range(repeats))
-    count = OpCount()
-    once(count)
-    return {"ms": round(ms, 3), "ops": count.ops, "kernel_ops": count.ops - count.views}
+    ops, kernels = count_ops(once)
+    return {"ms": round(ms, 3), "ops": ops, "kernel_ops": kernels}
 
 
 def main() -> None:
