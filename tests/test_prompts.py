@@ -96,3 +96,33 @@ def test_head_prompt_rows_equal_ragged() -> None:
         logits, prenorm = head(ids, Batch.sequence(ids, slot=i, hidden=h), cache)
         torch.testing.assert_close(got[i][0], logits[-1:], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[i][1], prenorm, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_of_every_kind_of_row_runs_each_kind_on_its_own_path(tiny_target: Path) -> None:
+    """As on the GPU (the fused path stood in for by PaddedAsFused, padded rows on): one verify
+    step of two prompts, a long part of a prompt, a short part and two decodes. The prompts run
+    in their layout, the parts eagerly (never on the fused path), the decodes fused, by
+    themselves; every row gives what a CPU runner (everything eager) gives."""
+    from tests.test_fused_decode import PaddedAsFused
+
+    model = tiny_model(tiny_target)
+    fused = PaddedAsFused(model)
+    fast = ModelRunner(model, 8, 128, fused=fused, padded_tokens=4)  # type: ignore[arg-type]
+    fast.padded = True
+    eager = ModelRunner(model, 8, 128)
+    got, fused_steps = [], []
+    for r in (fast, eager):
+        for slot, p in ((2, [3] * 9), (3, [4] * 6), (4, [5] * 5), (5, [6] * 7)):
+            r.run(Step([Row(slot, 0, p)]))  # committed entries
+        fused.rows.clear()
+        got.append(r.verify(Step([Row(0, 0, PROMPTS[3]), Row(2, 9, list(range(20, 32)), last_only=True),
+                                  Row(3, 6, [7], accept=True), Row(1, 0, PROMPTS[0]),
+                                  Row(4, 5, [8, 9], last_only=True), Row(5, 7, [9], accept=True)], capture=True)))
+        fused_steps.append(list(fused.rows))
+    assert fused_steps == [[(2, 1)], []]  # the two decodes alone, as one fused step
+    for v, w in zip(*got, strict=True):
+        assert v.logits.shape == w.logits.shape and v.best == w.best and v.path == w.path
+        torch.testing.assert_close(v.logits, w.logits, rtol=1e-4, atol=1e-4)
+        assert v.features is not None and w.features is not None
+        torch.testing.assert_close(v.features, w.features, rtol=1e-4, atol=1e-4)
+    assert [v.logits.shape[0] for v in got[0]] == [1, 1, 1, 1, 1, 1]  # prompts and parts: their last token's
