@@ -79,9 +79,10 @@ class CycleSpans:
             if s.trace_ids is None:  # not sampled
                 continue
             trace_id, parent_id, head = s.trace_ids
+            prefill = s in newcomers or not s.prefilled  # (a prompt in parts: each of its cycles)
             span = s.cycle_span = CycleSpan(
-                self.log, "prefill" if s in newcomers else "cycle", trace_id, parent_id,
-                {"spec.cycle": 0 if s in newcomers else s.stats.cycles + 1, "spec.batch_size": len(running),
+                self.log, "prefill" if prefill else "cycle", trace_id, parent_id,
+                {"spec.cycle": 0 if prefill else s.stats.cycles + 1, "spec.batch_size": len(running),
                  "spec.num_steps": s.req.num_steps if s.spec else 0, "spec.seq_id": s.seq_id, "spec.topk": s.req.topk})
             s.trace = f"{head}{span.span_id:016x}-01"  # the W3C traceparent, sampled
             traced.append(s)

@@ -202,3 +202,22 @@ def test_a_part_refused_for_ring_space_lets_the_prompt_s_features_go_and_it_is_r
     assert target.captures == [(0, True), (8, True), (8, False), (16, False)]  # refused at 8, then retried without
     assert target.recaptures == 1 and len(tokens) == 6
     assert draft.extends and draft.extends[0].position == 0  # the recaptured features, from position 0
+
+
+def test_each_cycle_of_a_prompt_in_parts_is_a_prefill_span() -> None:
+    from gateway.observe import CycleSpans
+    from gateway.scheduler import Sequence
+
+    class Log:
+        records: list[tuple] = []
+
+        def record(self, rec: tuple) -> None:
+            self.records.append(rec)
+
+    spans = CycleSpans(Log())  # type: ignore[arg-type]
+    parted, running = (Sequence(i, GenerationRequest([1, 2], 4, Sampling(), set(), 0)) for i in (1, 2))
+    running.prefilled = True
+    for s in (parted, running):
+        s.trace_ids = (7, 8, "00-" + "0" * 31 + "7-")
+    spans.close(spans.open([parted, running], []))  # a later cycle: neither is a newcomer
+    assert [(r[0], r[8]["spec.cycle"]) for r in Log.records] == [("prefill", 0), ("cycle", 1)]
