@@ -39,7 +39,6 @@ class Sequence:
     length: int  # tokens whose KV entries are in the cache
     last_token: int  # emitted, not yet in the cache (-1 until the whole prompt is in)
     sampling: Sampling
-    generator: torch.Generator
     epoch: int  # the lease under which it was opened
     tokens: list[int] = field(default_factory=list)  # the `length` tokens in the cache
 
@@ -238,8 +237,7 @@ class TargetEngine:
             if op.start:  # the next part of a prompt: only its last token's logits matter
                 seq = self.seqs[op.seq_id]
                 return Work(i, op, seq, Row(seq.slot, op.start, op.prompt_ids, last_only=True))
-            gen = torch.Generator(device=self.device).manual_seed(op.sampling.seed)  # where the logits are
-            seq = Sequence(self.runner.allocate(), 0, -1, op.sampling, gen, self.epoch)
+            seq = Sequence(self.runner.allocate(), 0, -1, op.sampling, self.epoch)
             self.seqs[op.seq_id] = seq
             return Work(i, op, seq, Row(seq.slot, 0, op.prompt_ids))
         seq = self.seqs[op.seq_id]
@@ -291,7 +289,7 @@ class TargetEngine:
                 accepted = len(path) - 1
                 emitted = [*(op.draft_ids[i - 1] for i in path[1:]), v.best[accepted]]
             else:
-                accepted, emitted = verify_chain(v.logits, op.draft_ids, op.draft_dists, seq.sampling, seq.generator)
+                accepted, emitted = verify_chain(v.logits, op.draft_ids, op.draft_dists, seq.sampling, seq.length + 1)
             seq.tokens.append(seq.last_token)
             seq.tokens += emitted[:accepted]
             seq.length += accepted + 1  # last token and the accepted drafts are now in the cache
@@ -310,7 +308,7 @@ class TargetEngine:
             if op.more:
                 return Outcome(TargetResult(op.seq_id), rows)
             seq.last_token = v.best[-1] if seq.sampling.greedy else select_token(v.logits[-1], seq.sampling,
-                                                                                 seq.generator)
+                                                                                 seq.length)
             return Outcome(TargetResult(op.seq_id, tokens=[seq.last_token]), rows)
         # Recapture, Resume: features of positions 0..length-1 pair with tokens 1..length (the last not cached yet)
         return Outcome(TargetResult(op.seq_id, tokens=[*seq.tokens[1:], seq.last_token]), rows)

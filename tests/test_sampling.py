@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,8 @@ def test_probs_from_logits_filters() -> None:
 @pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=6),
                                       Sampling(temperature=1.0, top_p=0.8)])
 def test_verify_chain_first_token_follows_target(sampling: Sampling) -> None:
-    """Draft from a different distribution q; every emitted first token must follow p."""
+    """Draft from a different distribution q; every emitted first token must follow p (the
+    target's draws counter-based: a seed a trial)."""
     g = torch.Generator().manual_seed(0)
     vocab, k, n = 10, 3, 20000
     target_logits = torch.randn(k + 1, vocab, generator=g) * 1.5
@@ -60,10 +62,10 @@ def test_verify_chain_first_token_follows_target(sampling: Sampling) -> None:
     drafted = torch.zeros(vocab)  # negative control: the draft's own first tokens
     gen = torch.Generator().manual_seed(1)
     accepted_any = 0
-    for _ in range(n):
+    dists = [(list(range(vocab)), q[i].tolist()) for i in range(k)]
+    for trial in range(n):
         drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(k)]
-        dists = [(list(range(vocab)), q[i].tolist()) for i in range(k)]
-        a, tokens = verify_chain(target_logits, drafts, dists, sampling, gen)
+        a, tokens = verify_chain(target_logits, drafts, dists, replace(sampling, seed=trial), 7)
         counts[tokens[0]] += 1
         drafted[drafts[0]] += 1
         accepted_any += a > 0
@@ -115,3 +117,26 @@ def test_end_to_end_sampling_follows_target_distribution(tmp_path: Path) -> None
         assert chi_square_p(second, joint.sum(0)) > 1e-3
     finally:
         engines.close()
+
+
+def test_counter_based_draws_follow_the_distribution_and_depend_on_seed_and_position_only() -> None:
+    """pick: over 20,000 seeds a token follows p (and would not follow a wrong q); a (seed,
+    position) always gives the same token, batched or alone; the acceptance stream's uniforms
+    are uniform and independent of the tokens' stream."""
+    from specsplit.sampling import ACCEPT, pick, uniforms
+
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(1, 12, generator=g) * 1.5, -1)
+    counts = torch.zeros(12)
+    at = torch.tensor([3])
+    for seed in range(20000):
+        counts[int(pick(p, seed, at)[0])] += 1
+    assert chi_square_p(counts, p[0]) > 1e-3
+    assert chi_square_p(counts, torch.full((12,), 1 / 12)) < 1e-6
+    rows = p.expand(6, 12)
+    batched = pick(rows, 42, torch.arange(10, 16))
+    alone = torch.stack([pick(p, 42, torch.tensor([i]))[0] for i in range(10, 16)])
+    assert torch.equal(batched, alone) and torch.equal(pick(rows, 42, torch.arange(10, 16)), batched)
+    u = uniforms(9, torch.arange(20000), ACCEPT, 1)[:, 0]
+    assert float(u.min()) > 0 and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
+    assert chi_square_p(torch.histc(u.float(), 20, 0, 1), torch.full((20,), 0.05)) > 1e-3
