@@ -77,10 +77,9 @@ class GatewayConfig:
                                   "comma-separated rates of depths 1, 2, ...), the target started with the flag of the "
                                   "same name; the output is not the model's (gateway.forced)")
     decode_ahead_ms: float = flag(8.0, "--decode-ahead-ms", "a cycle that drafts nothing (speculation off, or not "
-                                  "paying), for greedy sequences only, with no waiting request a free slot could "
-                                  "take, decodes as many tokens in one target call as its measured cost a token fits "
-                                  "in this many ms (a power of two, at most the target's max draft tokens + 1); 0: "
-                                  "one token a call")
+                                  "paying), with no waiting request a free slot could take, decodes as many tokens "
+                                  "in one target call as its measured cost a token fits in this many ms (a power of "
+                                  "two, at most the target's max draft tokens + 1); 0: one token a call")
     prefill_chunk: int = flag(2048, "--prefill-chunk", "prompt tokens one target call prefills, over all its "
                               "newcomers: a longer prompt is prefilled in parts over several calls, so that the "
                               "running sequences go on between them (0: every prompt whole in one call)")

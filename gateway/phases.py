@@ -285,8 +285,8 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
 
 def decode_ahead(sched: Scheduler, ops: list[TargetOp], work: list[Sequence]) -> int:
     """How many tokens each verify of this target call decodes: where it drafts nothing for
-    anyone, captures nothing, prefills nothing and every sequence is greedy, and no waiting
-    request could take a free slot at the next cycle, as many as the limits' decode_ahead_ms holds
+    anyone, captures nothing and prefills nothing, and no waiting request could take a free
+    slot at the next cycle, as many as the limits' decode_ahead_ms holds
     at this batch's measured cost of a token (a power of two, at most decode_most and what any
     sequence has left); else one. The target runs them as one step, so a cycle's host work and
     transport are paid once for them."""
@@ -303,7 +303,7 @@ def decode_ahead(sched: Scheduler, ops: list[TargetOp], work: list[Sequence]) ->
             verifies += 1
         elif type(op) is not Release and type(op) is not Suspend:
             return 1
-    if verifies != len(work) or any(not s.req.sampling.greedy for s in work):
+    if verifies != len(work):
         return 1
     token_ms = sched.chooser.costs.token_ms(len(work))
     if not token_ms:

@@ -29,7 +29,7 @@ from specsplit.ops import (
     Verify,
 )
 from specsplit.runner.runner import ModelRunner, Row, Step, Verified
-from specsplit.sampling import select_token, verify_chain
+from specsplit.sampling import sampling_rows, select_token, verify_chain
 from target_service.config import TargetConfig
 
 
@@ -153,7 +153,7 @@ class TargetEngine:
         if op.draft_parents:
             self._check_tree(op, seq)
         if op.decode != 1:
-            self._check_decode(op, seq)
+            self._check_decode(op)
         if seq.length + len(op.draft_ids) + op.decode > self.cfg.max_context:
             raise OpError(Code.INVALID_ARGUMENT, f"sequence {op.seq_id} would exceed the context")
         if op.forced >= 0:
@@ -163,15 +163,13 @@ class TargetEngine:
             if not seq.sampling.greedy:
                 raise OpError(Code.INVALID_ARGUMENT, "forced acceptance is for greedy sequences")
 
-    def _check_decode(self, op: Verify, seq: Sequence) -> None:
+    def _check_decode(self, op: Verify) -> None:
         most = self.cfg.max_draft_tokens + 1
         if not 1 <= op.decode <= most:
             raise OpError(Code.INVALID_ARGUMENT, f"decode_tokens {op.decode} outside 1..{most}")
         if op.draft_ids or op.capture or op.forced >= 0:
             raise OpError(Code.INVALID_ARGUMENT, "a verify that decodes several tokens has no draft tokens, "
                                                  "captures no features and forces nothing")
-        if not seq.sampling.greedy:
-            raise OpError(Code.INVALID_ARGUMENT, "a sampled sequence decodes one token a step")
 
     @staticmethod
     def _check_tree(op: Verify, seq: Sequence) -> None:
@@ -257,7 +255,9 @@ class TargetEngine:
                 decodes.setdefault(w.op.decode, []).append(w)
         if decodes:
             for k, group in decodes.items():
-                for w, tokens in zip(group, self.runner.decode(Step([w.row for w in group]), k), strict=True):
+                sampled = any(not w.seq.sampling.greedy for w in group)
+                rows = sampling_rows([w.seq.sampling for w in group]) if sampled else None
+                for w, tokens in zip(group, self.runner.decode(Step([w.row for w in group]), k, rows), strict=True):
                     outcomes[w.index] = self._decoded(w, tokens)
             work = [w for w in work if type(w.op) is not Verify or w.op.decode == 1]
             if not work:
@@ -321,7 +321,7 @@ class TargetEngine:
         (into the ring's first rows where it is set, as served), accepted on the device; then the
         fused step's other tile heights (20 and 40 rows; two sequences); and, for every batch
         bucket, a one-token decode and decodes of 2, 4, ... tokens a call (decoding ahead) up to
-        max_draft_tokens + 1, the other rows on the padding slot. All on a scratch slot, freed
+        max_draft_tokens + 1, greedy and sampled, the other rows on the padding slot. All on a scratch slot, freed
         after. Returns the shapes run."""
         fused = self.runner.fused
         if fused is None:
@@ -347,11 +347,12 @@ class TargetEngine:
                 rows = [Row(slot, 8, [0], accept=True), *[Row(self.runner.pad_slot, 8, [0], accept=True)] * (b - 1)]
                 if b > 1:
                     self.runner.verify(Step(rows))
-                for k in ahead:
+                for k in ahead:  # greedy rows, and rows that sample
                     self.runner.decode(Step(rows), k)
+                    self.runner.decode(Step(rows), k, sampling_rows([Sampling(temperature=1.0)] * b))
         finally:
             self.runner.release(slot)
-        return len(steps) + len(batches) * (len(ahead) + 1) - 1
+        return len(steps) + len(batches) * (2 * len(ahead) + 1) - 1
 
     def hold(self, epoch: int) -> int:
         """Serve the lease `epoch` (0: none) from now on: every sequence opened under another is

@@ -66,11 +66,12 @@ def test_a_cycle_that_drafts_nothing_decodes_ahead_within_what_is_left() -> None
     assert len(tokens) == 29
     # the first verify measures a token's cost; then powers of two up to 8, never past max_new_tokens
     assert [call[0][1] for call in target.verifies] == [1, 8, 8, 8, 2, 1]
+    (greedy, sampled), target = serve([request(29), request(29, temperature=0.7)])  # sampled ones too
+    assert len(greedy) == len(sampled) == 29 and max(n for call in target.verifies for _, n in call) == 8
 
 
-def test_one_token_a_call_where_a_sequence_drafts_or_samples_or_decoding_ahead_is_off() -> None:
+def test_one_token_a_call_where_a_sequence_drafts_or_decoding_ahead_is_off() -> None:
     for requests, limits in (([request(20), request(20, steps=3)], AHEAD),
-                             ([request(20), request(20, temperature=0.7)], AHEAD),
                              ([request(20)], Limits(max_queue=8))):
         outs, target = serve(requests, limits)
         assert all(len(t) == 20 for t in outs)
@@ -102,7 +103,8 @@ def test_the_services_give_the_same_tokens_a_token_a_call_or_decoding_ahead(tiny
     """Greedy streams through the three services, speculation off: the same tokens and the same
     count of cycles (a token each) with --decode-ahead-ms 0 and 1000, the tokens coming in bursts
     when ahead; a stop token inside a burst ends the stream there, as it would a token a call;
-    a sampled stream gives the same tokens for its seed either way (a token a call)."""
+    a sampled stream gives the same tokens for its seed either way, in bursts too when ahead
+    (its draws are counter-based: the same whichever call chooses them)."""
     got = []
     for ms in ("0", "1000"):
         cfg = StackConfig.of(model=str(tiny_target), head=str(tiny_head), max_context=256, log_dir=tmp_path / ms,
@@ -120,12 +122,14 @@ def test_the_services_give_the_same_tokens_a_token_a_call_or_decoding_ahead(tiny
                 stop = runs[0][0][13]  # a token some way into the first stream
                 stopped = c.generate(make_request(token_ids=[5, 6, 7], max_new_tokens=40, ignore_eos=True,
                                                   speculation=False, stop_token_ids=[stop]))
+                bursts: list[int] = []
                 sampled = c.generate(make_request(token_ids=[5, 6, 7], max_new_tokens=24, ignore_eos=True,
-                                                  speculation=False, temperature=0.8, seed=11))
+                                                  speculation=False, temperature=0.8, seed=11),
+                                     on_chunk=lambda m, bursts=bursts: bursts.append(len(m.token_ids)))
             finally:
                 c.close()
-        got.append((runs, (stopped.token_ids, stopped.final.finish_reason), sampled.token_ids))
-    (runs, stopped, sampled), (ahead_runs, ahead_stopped, ahead_sampled) = got
+        got.append((runs, (stopped.token_ids, stopped.final.finish_reason), sampled.token_ids, max(bursts)))
+    (runs, stopped, sampled, one), (ahead_runs, ahead_stopped, ahead_sampled, ahead_one) = got
     for (tokens, cycles, _), (ahead_tokens, ahead_cycles, burst) in zip(runs, ahead_runs, strict=True):
         assert len(tokens) == 40 and tokens == ahead_tokens and cycles == ahead_cycles == 39
         assert burst >= 2
@@ -133,7 +137,7 @@ def test_the_services_give_the_same_tokens_a_token_a_call_or_decoding_ahead(tiny
     first = runs[0][0]
     assert stopped == ahead_stopped and stopped[1] == "stop"
     assert stopped[0] == first[: first.index(first[13])]  # up to the stop token (not streamed)
-    assert sampled == ahead_sampled and len(sampled) == 24
+    assert sampled == ahead_sampled and len(sampled) == 24 and one == 1 and ahead_one >= 2
 
 
 @pytest.mark.quick
@@ -143,10 +147,12 @@ def test_the_services_give_the_same_tokens_a_token_a_call_or_decoding_ahead(tiny
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoding_ahead_on_the_gpu_gives_the_tokens_of_one_token_calls(tiny_target: Path, fused: str,
                                                                         dtype: str) -> None:
-    """On the fused and the padded path, three sequences side by side decode 24 tokens 8 a call
-    from one graph, bit for bit the tokens of 24 one-token calls (the same kernels), in bf16 too;
-    the fused path's graphs for it were all captured before serving."""
+    """On the fused and the padded path, three sequences side by side (one of them sampled)
+    decode 24 tokens 8 a call from one graph, bit for bit the tokens of 24 one-token calls (the
+    same kernels, the same counter-based draws), in bf16 too; the fused path's graphs for it
+    were all captured before serving."""
     prompts = [[3, 1, 4, 1, 5], list(range(5, 40)), [7] * 9]
+    samplings = [Sampling(), Sampling(temperature=0.8, top_p=0.95, seed=3), Sampling()]
     got = []
     for k in (1, 8):
         cfg = TargetConfig(model=str(tiny_target), device="cuda", dtype=dtype, fused_decode=fused, max_context=256,
@@ -154,7 +160,7 @@ def test_decoding_ahead_on_the_gpu_gives_the_tokens_of_one_token_calls(tiny_targ
         rt = TargetRuntime(cfg, TensorParallel())
         warmed = set(rt.engine.runner.graphs.graphs)
         try:
-            rt.step([Prefill(i, p, capture=False) for i, p in enumerate(prompts)], [])
+            rt.step([Prefill(i, prompts[i], samplings[i], capture=False) for i in range(len(prompts))], [])
             tokens: list[list[int]] = [[] for _ in prompts]
             for _ in range(24 // k):
                 res, _ = rt.step([Verify(i, capture=False, decode=k) for i in range(len(prompts))], [])

@@ -127,16 +127,14 @@ def test_counter_based_draws_follow_the_distribution_and_depend_on_seed_and_posi
 
     g = torch.Generator().manual_seed(5)
     p = torch.softmax(torch.randn(1, 12, generator=g) * 1.5, -1)
-    counts = torch.zeros(12)
-    at = torch.tensor([3])
-    for seed in range(20000):
-        counts[int(pick(p, seed, at)[0])] += 1
+    seeds = torch.stack([torch.arange(20000), torch.full((20000,), 3)], 1)  # [N, 2]: low, high 32 bits
+    counts = torch.bincount(pick(p.expand(20000, 12), seeds, torch.full((20000,), 3)), minlength=12).float()
     assert chi_square_p(counts, p[0]) > 1e-3
     assert chi_square_p(counts, torch.full((12,), 1 / 12)) < 1e-6
-    rows = p.expand(6, 12)
-    batched = pick(rows, 42, torch.arange(10, 16))
-    alone = torch.stack([pick(p, 42, torch.tensor([i]))[0] for i in range(10, 16)])
-    assert torch.equal(batched, alone) and torch.equal(pick(rows, 42, torch.arange(10, 16)), batched)
-    u = uniforms(9, torch.arange(20000), ACCEPT, 1)[:, 0]
+    rows, seed = p.expand(6, 12), torch.tensor([[42, 0]])
+    batched = pick(rows, seed.expand(6, 2), torch.arange(10, 16))
+    alone = torch.stack([pick(p, seed, torch.tensor([i]))[0] for i in range(10, 16)])
+    assert torch.equal(batched, alone) and torch.equal(pick(rows, seed.expand(6, 2), torch.arange(10, 16)), batched)
+    u = uniforms(torch.tensor([[9, 0]]).expand(20000, 2), torch.arange(20000), ACCEPT, 1)[:, 0]
     assert float(u.min()) > 0 and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
     assert chi_square_p(torch.histc(u.float(), 20, 0, 1), torch.full((20,), 0.05)) > 1e-3

@@ -216,16 +216,17 @@ def test_a_newcomer_leaves_the_running_sequences_on_their_path(tiny_target: Path
 
 def test_a_decode_of_several_tokens_equals_as_many_one_token_verifies(tiny_target: Path) -> None:
     """Verify(decode=k) gives the tokens and the state k plain decodes give, for sequences of
-    different lengths side by side, eagerly and padded (the GPU's path, here without graphs),
-    and the sequence goes on from there as it would."""
+    different lengths side by side, one of them sampled (top-k and top-p), eagerly and padded
+    (the GPU's path, here without graphs), and the sequence goes on from there as it would."""
     prompts = [[3, 1, 4, 1, 5], list(range(5, 30)), [7] * 9]
+    samplings = [Sampling(), Sampling(temperature=0.9, top_p=0.9, top_k=50, seed=5), Sampling()]
     for padded in (False, True):
         got = []
         for k in (1, 4):
             rt = runtime(tiny_target, max_context=128, max_sequences=3)
             rt.engine.runner.padded = padded
             try:
-                rt.step([Prefill(i, p, capture=False) for i, p in enumerate(prompts)], [])
+                rt.step([Prefill(i, prompts[i], samplings[i], capture=False) for i in range(len(prompts))], [])
                 tokens: list[list[int]] = [[] for _ in prompts]
                 for _ in range(8 // k):
                     res, _ = rt.step([Verify(i, capture=False, decode=k) for i in range(len(prompts))], [])
@@ -249,7 +250,6 @@ def test_malformed_decodes_are_refused(tiny_target: Path) -> None:
                "outside 1..17 ": Verify(1, capture=False, decode=18),
                "no draft tokens": Verify(1, [5], capture=False, decode=2),
                "captures no features": Verify(1, decode=2),
-               "sampled sequence": Verify(2, capture=False, decode=2),
                "would exceed the context": Verify(1, capture=False, decode=14)}
         for why, op in bad.items():
             (r,), _ = rt.step([op], [])

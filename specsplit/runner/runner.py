@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from specsplit.models.batch import Batch, Segment, tree_segment
@@ -38,6 +39,7 @@ from specsplit.models.layers import KVCache
 from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import pack_for_cpu
 from specsplit.runner.acceptance import verify_rows
+from specsplit.runner.decoding import decode
 from specsplit.runner.graphs import GraphCache, HostInput, Outputs, bucket_up, compile_static, pow2_buckets
 from specsplit.runner.outputs import RowOutput, RowOutputs, Verified, accepted_row, row_outputs
 from specsplit.runner.packing import Row, pack_rows
@@ -137,53 +139,9 @@ class ModelRunner:
         return [Verified(outputs, i, *accepted_row(row, len(r.tokens)), ring and r.ring_row >= 0)
                 for i, (r, row) in enumerate(zip(step.rows, host, strict=False))]
 
-    def decode(self, step: Step, k: int) -> list[list[int]]:
-        """k greedy tokens for each row (continuing rows of one token, nothing captured): each
-        the argmax after the one before, fed back on the device. On the fused and padded paths
-        the k steps run from one graph and come back in one copy; they are the kernels of k
-        one-token verifies, so they give the same tokens."""
-        rows = step.rows
-        assert not step.capture and all(len(r.tokens) == 1 and r.start > 0 for r in rows)
-        b = self.batch_bucket(len(rows))
-        with self.mode():
-            if self.fused is not None and b <= self.fused.max_rows:
-                return self._decode_graphed(rows, b, k, None)[: len(rows)]
-            if self.padded and self.padded_tokens >= 1:
-                last = max(r.start for r in rows)
-                head = self.fused_head is not None and b <= self.fused_head.max_rows  # as _run_padded
-                ctxs = tuple(self.cache.max_len if head else self.ctx_bucket(last + j + 1) for j in range(k))
-                return self._decode_graphed(rows, b, k, ctxs)[: len(rows)]
-        out: list[list[int]] = [[] for _ in rows]
-        for j in range(k):  # eagerly (the CPU): k one-token verifies
-            got = self.verify(Step([Row(r.slot, r.start + j, [o[-1] if o else r.tokens[0]], accept=True)
-                                    for r, o in zip(rows, out, strict=True)]))
-            for o, v in zip(out, got, strict=True):
-                o.append(v.best[0])
-        return out
-
-    def _decode_graphed(self, rows: list[Row], b: int, k: int, ctxs: tuple[int, ...] | None) -> list[list[int]]:
-        """decode's k steps in one graph: fused (ctxs None) or padded (step j in context bucket ctxs[j])."""
-        fused = self.fused
-        packed, layout = pack_rows(rows + [Row(self.pad_slot, 0, [])] * (b - len(rows)), b, 1, ctxs is None, False)
-
-        def fn(packed: torch.Tensor) -> Outputs:
-            f = layout.unpack(packed)
-            tokens, out = f["tokens"], []  # [B, 1]
-            for j in range(k):
-                positions, entries = f["positions"] + j, f["entries"] + j
-                if ctxs is None:
-                    assert fused is not None
-                    batch = Batch.padded(positions, f["slots"], entries, 0, f["mask"])
-                    logits = fused.forward(tokens.reshape(-1), batch, self.cache)[0]  # [B, V]
-                else:
-                    logits = self.padded_forward(tokens, positions, f["slots"], entries, ctxs[j])[0][:, 0]
-                tokens = logits.argmax(-1)[:, None]
-                out.append(tokens)
-            return (torch.cat(out, 1),)  # [B, k]
-
-        got = self.graphs.run(("decode", b, k, ctxs), fn, packed=packed)[0]
-        assert got is not None
-        return got.tolist()
+    def decode(self, step: Step, k: int, sampling: np.ndarray | None = None) -> list[list[int]]:
+        """k tokens for each row, one step after another in one call (specsplit.runner.decoding)."""
+        return decode(self, step, k, sampling)
 
     def _eager_verified(self, step: Step, outputs: RowOutputs, host: list[int]) -> list[Verified]:
         out = [Verified(outputs, i, [0], host[start:end]) for i, (start, end) in enumerate(outputs.logit_spans)]
