@@ -1,6 +1,7 @@
 """The serving curve: N concurrent client streams through the services, for each N of --streams and
 each mode of --modes (speculation off, chains, trees, steps chosen per cycle), every stream
---max-new-tokens tokens (ignore_eos) of a chat prompt from bench/prompts.py, each client on a connection of its own.
+--max-new-tokens tokens (ignore_eos) of a chat prompt from bench/prompts.py (greedy, or sampled at --temperature,
+the prompt's index its seed), each client on a connection of its own.
 One JSON line per (mode, N):
   aggregate tokens/s over the wall time of the N streams (prefill included),
   time to first token p50 / p99 (ms from the call to the first token, the stream's connection
@@ -76,8 +77,9 @@ def run(addr: str, n: int, max_new: int, settings: dict[str, Any], first: int = 
 
     def one(i: int) -> None:
         client = GatewayClient(addr)
+        seed = {"seed": (first + i) % len(CHAT_PROMPTS)} if settings.get("temperature") else {}
         req = make_request(CHAT_PROMPTS[(first + i) % len(CHAT_PROMPTS)], max_new_tokens=max_new, ignore_eos=True,
-                           **settings)
+                           **seed, **settings)
         grpc.channel_ready_future(client.channel).result(timeout=60)  # connected before the clock starts
         start.wait()
         t0 = time.perf_counter()
@@ -126,6 +128,8 @@ def main() -> None:
     p.add_argument("--tree-topk", type=int, default=4)
     p.add_argument("--tree-tokens", type=int, default=16, help="a tree's size counting the root")
     p.add_argument("--threads", type=int, default=None, help="torch threads of each service (CPU)")
+    p.add_argument("--temperature", type=float, default=0.0, help="every request sampled at this temperature "
+                   "(stream i seeded i; 0: greedy)")
     p.add_argument("--decode-ahead-ms", default="", help="comma list of the gateway's --decode-ahead-ms, a stack "
                    "each (default: the gateway's own)")
     a = p.parse_args()
@@ -146,7 +150,7 @@ def main() -> None:
         with ServiceStack(cfg) as stack:
             addr = stack.addr("gateway")
             for mode in modes:
-                settings = mode_settings(mode, a)
+                settings = mode_settings(mode, a) | ({"temperature": a.temperature} if a.temperature else {})
                 solo = [run(addr, 1, a.max_new_tokens, settings, i)[0][0].ids
                         for i in range(min(max(streams), len(CHAT_PROMPTS)))]  # each prompt alone (warm too)
                 for n in streams:

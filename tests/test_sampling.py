@@ -138,3 +138,23 @@ def test_counter_based_draws_follow_the_distribution_and_depend_on_seed_and_posi
     u = uniforms(torch.tensor([[9, 0]]).expand(20000, 2), torch.arange(20000), ACCEPT, 1)[:, 0]
     assert float(u.min()) > 0 and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
     assert chi_square_p(torch.histc(u.float(), 20, 0, 1), torch.full((20,), 0.05)) > 1e-3
+
+
+def test_rows_of_different_samplings_choose_as_each_alone() -> None:
+    """choose over a batch of a greedy row and rows with their own temperature, top-k, top-p and
+    seed gives each row's select_token, bit for bit, and probs_rows each row's probs_from_logits."""
+    from specsplit.sampling import choose, probs_rows, sampling_rows, select_token
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 50, generator=g) * 3
+    samplings = [Sampling(), Sampling(temperature=0.7, top_k=5, seed=1), Sampling(temperature=1.3, top_p=0.6, seed=2),
+                 Sampling(temperature=1.0, top_k=20, top_p=0.9, seed=2**40 + 3)]
+    rows = torch.from_numpy(sampling_rows(samplings))
+    positions = torch.tensor([4, 9, 9, 17])
+    got = choose(logits, rows, positions).tolist()
+    assert got == [select_token(logits[i], s, int(positions[i])) for i, s in enumerate(samplings)]
+    assert got[0] == int(logits[0].argmax())
+    probs = probs_rows(logits, rows)
+    for i, s in enumerate(samplings[1:], 1):
+        assert torch.equal(probs[i], probs_from_logits(logits[i : i + 1], s)[0])
+    assert torch.count_nonzero(probs[1]) == 5 and float(probs[2].max()) > 0
