@@ -14,7 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.scheduler import Finished, GenerationRequest, Limits, Scheduler
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
-from specsplit.ops import Code, ExtendPropose, HiddenRef, Prefill, Recapture, Sampling, TargetOp, Verify
+from specsplit.ops import Code, ExtendPropose, HiddenRef, Prefill, Recapture, Release, Sampling, TargetOp, Verify
 
 
 class PartsTarget(InstantTarget):
@@ -221,3 +221,47 @@ def test_each_cycle_of_a_prompt_in_parts_is_a_prefill_span() -> None:
         s.trace_ids = (7, 8, "00-" + "0" * 31 + "7-")
     spans.close(spans.open([parted, running], []))  # a later cycle: neither is a newcomer
     assert [(r[0], r[8]["spec.cycle"]) for r in Log.records] == [("prefill", 0), ("cycle", 1)]
+
+
+class ReleaseLog(PartsTarget):
+    """Logs the releases; cancels `victim` once its first part is in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: list[int] = []
+        self.sched: Scheduler | None = None
+        self.victim = None
+
+    async def step(self, ops: list[TargetOp], releases: list[int], timeout: float = 0.0, meanwhile: object = None
+                   ) -> tuple[list, object]:
+        self.released += [op.seq_id for op in ops if isinstance(op, Release)]
+        out = await super().step(ops, releases, timeout, meanwhile)
+        if self.victim is not None and any(p[0] == self.victim.seq_id for p in self.log[-1][0]):
+            self.sched.cancel(self.victim)  # type: ignore[union-attr]
+            self.victim = None
+        return out
+
+
+@pytest.mark.quick
+def test_a_stream_cancelled_halfway_through_its_prompt_releases_its_slot() -> None:
+    async def main() -> tuple[ReleaseLog, int, list[int]]:
+        target = ReleaseLog()
+        sched = Scheduler(target, InstantDraft(), max_sequences=2, limits=Limits(max_queue=8, prefill_chunk=8))
+        target.sched = sched
+        seq = sched.submit(GenerationRequest(list(range(10, 40)), 4, Sampling(), set(), 0))
+        target.victim = seq
+        other = sched.submit(GenerationRequest([5, 6, 7], 6, Sampling(), set(), 0))
+        sched.start()
+        ends = []
+        for s in (seq, other):
+            while not isinstance(ev := await s.events.get(), Finished):
+                pass
+            ends.append(ev.reason)
+        for _ in range(5):  # the cancel's release goes with the next call
+            await asyncio.sleep(0.01)
+        await sched.stop()
+        return target, seq.seq_id, ends
+
+    target, victim, ends = asyncio.run(main())
+    assert ends == ["abort", "length"] and victim in target.released
+    assert [p[1:] for prefills, _ in target.log for p in prefills if p[0] == victim] == [(0, 8, True)]
