@@ -29,6 +29,9 @@ def test_tiny_tp2_equals_tp1(tiny_target: Path, tiny_head: Path, tmp_path: Path)
     tp1 = run_stack(StackConfig.of(**base), reqs)
     tp2 = run_stack(StackConfig.of(**base, tp_size=2), reqs)
     assert tp1 == tp2 and all(len(t) > 0 for t in tp1)
+    # every rank goes on with a prompt in parts (the 40-token one in three)
+    parts = run_stack(StackConfig.of(**base, tp_size=2, extra_gateway_args=["--prefill-chunk", "16"]), reqs)
+    assert parts == tp1
 
 
 @pytest.mark.slow
