@@ -5,13 +5,14 @@ test_target_engine."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from bench.scheduler_cpu import InstantDraft, InstantTarget
 from gateway.config import GatewayConfig
-from gateway.scheduler import Finished, GenerationRequest, Limits, Scheduler
+from gateway.scheduler import Finished, GenerationRequest, Limits, Scheduler, Sequence
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.ops import Code, ExtendPropose, HiddenRef, Prefill, Recapture, Release, Sampling, TargetOp, Verify
@@ -31,28 +32,41 @@ class PartsTarget(InstantTarget):
         return await super().step(ops, releases, timeout, meanwhile)  # type: ignore[arg-type]
 
 
+def serve(target: InstantTarget, draft: InstantDraft, requests: list[GenerationRequest], chunk: int, slots: int = 4,
+          prepare: Callable[[Scheduler, list[Sequence]], None] | None = None
+          ) -> tuple[list[tuple[list[int], str]], list[Sequence]]:
+    """The requests through a scheduler on these stubs, `chunk` prompt tokens a call -> each one's
+    tokens and finish reason, and its sequence (`prepare` sees them before the loop starts)."""
+    async def main() -> tuple[list[tuple[list[int], str]], list[Sequence]]:
+        sched = Scheduler(target, draft, max_sequences=slots, limits=Limits(max_queue=8, prefill_chunk=chunk))
+        sched.draft_restored()
+        seqs = [sched.submit(r) for r in requests]
+        if prepare is not None:
+            prepare(sched, seqs)
+        sched.start()
+        out = []
+        for seq in seqs:
+            tokens: list[int] = []
+            while not isinstance(ev := await seq.events.get(), Finished):
+                tokens += ev  # type: ignore[operator]
+            out.append((tokens, ev.reason))
+        await asyncio.sleep(0.05)  # what the last cycle left (a release) goes with the next call
+        await sched.stop()
+        return out, seqs
+
+    return asyncio.run(main())
+
+
 @pytest.mark.quick
 def test_a_long_prompt_goes_in_parts_while_the_running_sequences_go_on() -> None:
     """8 prompt tokens a call: a 3-token prompt and a 30-token one admitted together take 3 + 5,
     then the long one 8, 8, 8 and 1 over four more calls, each beside the short one's verify; its
     first token comes with its last part."""
-    async def main() -> tuple[list[list[int]], PartsTarget, list[int]]:
-        target = PartsTarget()
-        sched = Scheduler(target, InstantDraft(), max_sequences=4, limits=Limits(max_queue=8, prefill_chunk=8))
-        sched.draft_restored()
-        short = sched.submit(GenerationRequest([5, 6, 7], 12, Sampling(), set(), 0))
-        long = sched.submit(GenerationRequest(list(range(10, 40)), 4, Sampling(), set(), 0))
-        sched.start()
-        out = []
-        for seq in (short, long):
-            tokens: list[int] = []
-            while not isinstance(ev := await seq.events.get(), Finished):
-                tokens += ev  # type: ignore[operator]
-            out.append(tokens)
-        await sched.stop()
-        return out, target, [short.seq_id, long.seq_id]
-
-    (short_tokens, long_tokens), target, (short, long) = asyncio.run(main())
+    target = PartsTarget()
+    ((short_tokens, _), (long_tokens, _)), seqs = serve(
+        target, InstantDraft(), [GenerationRequest([5, 6, 7], 12, Sampling(), set(), 0),
+                                 GenerationRequest(list(range(10, 40)), 4, Sampling(), set(), 0)], chunk=8)
+    short, long = (seq.seq_id for seq in seqs)
     assert len(short_tokens) == 12 and len(long_tokens) == 4
     parts = [(p, verifies) for prefills, verifies in target.log for p in prefills if p[0] == long]
     assert [p[1:] for p, _ in parts] == [(0, 5, True), (5, 8, True), (13, 8, True), (21, 8, True), (29, 1, False)]
@@ -87,19 +101,9 @@ def test_the_draft_extends_a_prompt_in_parts_once_whole_with_each_position_paire
     """A 20-token prompt in parts of 8, 8 and 4, speculating: no extend until the last part; then
     one extend from position 0 of the prompt's tokens 1..19 and the first generated token, reading
     the three parts' features in order."""
-    async def main() -> tuple[ExtendLog, list[int]]:
-        draft = ExtendLog()
-        sched = Scheduler(FeatureTarget(), draft, max_sequences=2, limits=Limits(max_queue=8, prefill_chunk=8))
-        sched.draft_restored()
-        seq = sched.submit(GenerationRequest(list(range(10, 30)), 3, Sampling(), set(), 2))
-        sched.start()
-        tokens: list[int] = []
-        while not isinstance(ev := await seq.events.get(), Finished):
-            tokens += ev  # type: ignore[operator]
-        await sched.stop()
-        return draft, tokens
-
-    draft, tokens = asyncio.run(main())
+    draft = ExtendLog()
+    ((tokens, _),), _ = serve(FeatureTarget(), draft, [GenerationRequest(list(range(10, 30)), 3, Sampling(), set(), 2)],
+                              chunk=8, slots=2)
     first = draft.extends[0]
     assert first.tokens == [*range(11, 30), tokens[0]] and first.position == 0
     assert [(r.offset, r.rows) for r in [*first.earlier, first.hidden]] == [(0, 8), (8, 8), (16, 4)]
@@ -144,17 +148,9 @@ def test_the_services_give_the_same_tokens_for_a_prompt_in_parts(tiny_target: Pa
 @pytest.mark.quick
 def test_a_prompt_goes_in_at_most_as_many_parts_as_one_extend_reads() -> None:
     """One token a call would make 200 parts of a 200-token prompt: parts of ceil(200 / 65) = 4."""
-    async def main() -> PartsTarget:
-        target = PartsTarget()
-        sched = Scheduler(target, InstantDraft(), max_sequences=2, limits=Limits(max_queue=8, prefill_chunk=1))
-        seq = sched.submit(GenerationRequest(list(range(1, 201)), 2, Sampling(), set(), 0))
-        sched.start()
-        while not isinstance(await seq.events.get(), Finished):
-            pass
-        await sched.stop()
-        return target
-
-    parts = [p for prefills, _ in asyncio.run(main()).log for p in prefills]
+    target = PartsTarget()
+    serve(target, InstantDraft(), [GenerationRequest(list(range(1, 201)), 2, Sampling(), set(), 0)], chunk=1, slots=2)
+    parts = [p for prefills, _ in target.log for p in prefills]
     assert [p[2] for p in parts] == [4] * 50 and parts[-1][3] is False
 
 
@@ -186,19 +182,9 @@ def test_a_part_refused_for_ring_space_lets_the_prompt_s_features_go_and_it_is_r
     the earlier parts' rows and the rest of the prompt goes without features (so prompts in
     parts never hold the ring against each other); once whole, the sequence is recaptured and
     speculates."""
-    async def main() -> tuple[RingFullOnce, ExtendLog, list[int], int]:
-        target, draft = RingFullOnce(), ExtendLog()
-        sched = Scheduler(target, draft, max_sequences=2, limits=Limits(max_queue=8, prefill_chunk=8))
-        sched.draft_restored()
-        seq = sched.submit(GenerationRequest(list(range(10, 30)), 6, Sampling(), set(), 2))
-        sched.start()
-        tokens: list[int] = []
-        while not isinstance(ev := await seq.events.get(), Finished):
-            tokens += ev  # type: ignore[operator]
-        await sched.stop()
-        return target, draft, tokens, len(sched.free_generations)
-
-    target, draft, tokens, _ = asyncio.run(main())
+    target, draft = RingFullOnce(), ExtendLog()
+    ((tokens, _),), _ = serve(target, draft, [GenerationRequest(list(range(10, 30)), 6, Sampling(), set(), 2)],
+                              chunk=8, slots=2)
     assert target.captures == [(0, True), (8, True), (8, False), (16, False)]  # refused at 8, then retried without
     assert target.recaptures == 1 and len(tokens) == 6
     assert draft.extends and draft.extends[0].position == 0  # the recaptured features, from position 0
@@ -206,7 +192,6 @@ def test_a_part_refused_for_ring_space_lets_the_prompt_s_features_go_and_it_is_r
 
 def test_each_cycle_of_a_prompt_in_parts_is_a_prefill_span() -> None:
     from gateway.observe import CycleSpans
-    from gateway.scheduler import Sequence
 
     class Log:
         records: list[tuple] = []
@@ -244,24 +229,14 @@ class ReleaseLog(PartsTarget):
 
 @pytest.mark.quick
 def test_a_stream_cancelled_halfway_through_its_prompt_releases_its_slot() -> None:
-    async def main() -> tuple[ReleaseLog, int, list[int]]:
-        target = ReleaseLog()
-        sched = Scheduler(target, InstantDraft(), max_sequences=2, limits=Limits(max_queue=8, prefill_chunk=8))
-        target.sched = sched
-        seq = sched.submit(GenerationRequest(list(range(10, 40)), 4, Sampling(), set(), 0))
-        target.victim = seq
-        other = sched.submit(GenerationRequest([5, 6, 7], 6, Sampling(), set(), 0))
-        sched.start()
-        ends = []
-        for s in (seq, other):
-            while not isinstance(ev := await s.events.get(), Finished):
-                pass
-            ends.append(ev.reason)
-        for _ in range(5):  # the cancel's release goes with the next call
-            await asyncio.sleep(0.01)
-        await sched.stop()
-        return target, seq.seq_id, ends
+    target = ReleaseLog()
 
-    target, victim, ends = asyncio.run(main())
+    def prepare(sched: Scheduler, seqs: list[Sequence]) -> None:
+        target.sched, target.victim = sched, seqs[0]
+
+    out, seqs = serve(target, InstantDraft(), [GenerationRequest(list(range(10, 40)), 4, Sampling(), set(), 0),
+                                               GenerationRequest([5, 6, 7], 6, Sampling(), set(), 0)],
+                      chunk=8, slots=2, prepare=prepare)
+    ends, victim = [end for _, end in out], seqs[0].seq_id
     assert ends == ["abort", "length"] and victim in target.released
     assert [p[1:] for prefills, _ in target.log for p in prefills if p[0] == victim] == [(0, 8, True)]
