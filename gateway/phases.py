@@ -217,7 +217,7 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
     work: list[Sequence] = []
     speculating = sched.speculating
     prefilled = 0  # tokens prefilled or recomputed: what the chooser prices a dormant sequence's wake from
-    budget = sched.limits.prefill_chunk or sum(len(s.req.prompt_ids) for s in sched.running)  # prompt tokens
+    budget = sched.limits.prefill_chunk or 1 << 62  # prompt tokens this call (0: no limit)
     for s in sched.running:
         if s in newcomers and s.suspended:
             ops.append(Resume(s.seq_id, capture=s.spec and speculating and not s.dormant, trace=s.trace))

@@ -28,11 +28,18 @@ def _rows(s: Sampling, n: int, device: torch.device | str) -> torch.Tensor:
     return torch.from_numpy(sampling_rows([s])).to(device).expand(n, 5)
 
 
-def probs_rows(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _filtered(s: Sampling) -> bool:
+    return s.top_k > 0 or s.top_p < 1.0
+
+
+def probs_rows(logits: torch.Tensor, rows: torch.Tensor, filtered: bool = True) -> torch.Tensor:
     """logits [B, V] -> probabilities [B, V] after each row's temperature, top-k and top-p (rows
-    [B, 5], see sampling_rows). No host synchronisation: capturable."""
+    [B, 5], see sampling_rows). No host synchronisation: capturable. `filtered` False: no row has
+    top-k or top-p (the same numbers, without the sorts)."""
     v = logits.shape[-1]
     x = logits.float() / rows[:, 0:1].float().clamp(min=1e-6)
+    if not filtered:
+        return torch.softmax(x, dim=-1)
     top_k = rows[:, 2:3].long()
     kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (top_k - 1).clamp(0, v - 1))  # [B, 1]
     x = torch.where((top_k > 0) & (top_k < v) & (x < kth), float("-inf"), x)
@@ -46,7 +53,7 @@ def probs_rows(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def probs_from_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] after temperature, top-k and top-p."""
-    return probs_rows(logits, _rows(s, logits.shape[0], logits.device))
+    return probs_rows(logits, _rows(s, logits.shape[0], logits.device), _filtered(s))
 
 
 def sample(probs: torch.Tensor, gen: torch.Generator) -> int:
@@ -79,18 +86,20 @@ def pick(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> t
     return torch.argmax(torch.log(probs.double()) + gumbel, dim=-1)
 
 
-def choose(logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def choose(logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, filtered: bool = True) -> torch.Tensor:
     """Each row's token at its position [B] from the logits [B, V] after the token before it:
     greedy rows' argmax, the others' draw from their filtered distribution (rows [B, 5], see
-    sampling_rows) -> [B] long. Capturable."""
-    sampled = pick(probs_rows(logits, rows), rows[:, 3:5], positions)
+    sampling_rows; `filtered` as probs_rows takes it) -> [B] long. Capturable."""
+    sampled = pick(probs_rows(logits, rows, filtered), rows[:, 3:5], positions)
     return torch.where(rows[:, 0] > 0, sampled, torch.argmax(logits, dim=-1))
 
 
 def select_token(logits: torch.Tensor, s: Sampling, position: int) -> int:
     """The token at `position` from the logits [V] after the one before it."""
+    if s.greedy:
+        return int(torch.argmax(logits))
     at = torch.tensor([position], device=logits.device)
-    return int(choose(logits[None], _rows(s, 1, logits.device), at)[0])
+    return int(choose(logits[None], _rows(s, 1, logits.device), at, _filtered(s))[0])
 
 
 def dense(dist: SparseDist, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -113,7 +122,7 @@ def verify_chain(logits: torch.Tensor, draft_ids: list[int], draft_dists: list[S
         return 0, [select_token(logits[0], s, position)]
     dev = logits.device
     rows = _rows(s, k + 1, dev)
-    p = probs_rows(logits, rows)  # [k+1, V]
+    p = probs_rows(logits, rows, _filtered(s))  # [k+1, V]
     at = torch.arange(position, position + k + 1, device=dev)  # each row's next token's position
     q = torch.stack([dense(d, p.shape[-1], dev) for d in draft_dists])  # [k, V]
     x = torch.tensor(draft_ids, device=dev)[:, None]

@@ -46,7 +46,8 @@ def decode(r: ModelRunner, step: Step, k: int, sampling: np.ndarray | None = Non
         else:
             logits = torch.cat([lg[-1:] for lg, _ in r.run(Step(ones))])  # [B, V]
             at = torch.tensor([row.start + 1 for row in ones], device=logits.device)
-            got = choose(logits, torch.from_numpy(sampling).to(logits.device), at).tolist()
+            filtered = bool((sampling[:, 2] > 0).any() or (sampling[:, 1] < 1).any())  # any top-k or top-p
+            got = choose(logits, torch.from_numpy(sampling).to(logits.device), at, filtered).tolist()
         for o, t in zip(out, got, strict=True):
             o.append(t)
     return out
