@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--tree-tokens", type=int, default=16, help="a tree's size counting the root")
     p.add_argument("--threads", type=int, default=None, help="torch threads of each service (CPU)")
     p.add_argument("--temperature", type=float, default=0.0, help="every request sampled at this temperature "
-                   "(stream i seeded i; 0: greedy)")
+                   "(each stream seeded by its prompt's index; 0: greedy)")
     p.add_argument("--decode-ahead-ms", default="", help="comma list of the gateway's --decode-ahead-ms, a stack "
                    "each (default: the gateway's own)")
     a = p.parse_args()

@@ -286,9 +286,9 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
 def decode_ahead(sched: Scheduler, ops: list[TargetOp], work: list[Sequence]) -> int:
     """How many tokens each verify of this target call decodes: where it drafts nothing for
     anyone, captures nothing and prefills nothing, and no waiting request could take a free
-    slot at the next cycle, as many as the limits' decode_ahead_ms holds
-    at this batch's measured cost of a token (a power of two, at most decode_most and what any
-    sequence has left); else one. The target runs them as one step, so a cycle's host work and
+    slot at the next cycle, as many as the limits' decode_ahead_ms holds at this batch's
+    measured cost of a token (a power of two, at most decode_most and what any sequence has
+    left); else one. The target runs them as one step, so a cycle's host work and
     transport are paid once for them."""
     limits = sched.limits
     if limits.decode_ahead_ms <= 0 or limits.decode_most < 2 or not work:

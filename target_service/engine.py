@@ -2,8 +2,8 @@
 tokens in one forward), release.
 
 Every tensor-parallel rank runs `execute` on the same plan and reaches the same state
-(logits are gathered, samplers are seeded alike); rank 0 alone owns the hidden-state
-ring and answers the gateway.
+(logits are gathered, sampled tokens drawn counter-based: specsplit.sampling); rank 0 alone
+owns the hidden-state ring and answers the gateway.
 """
 
 from __future__ import annotations
@@ -321,8 +321,8 @@ class TargetEngine:
         (into the ring's first rows where it is set, as served), accepted on the device; then the
         fused step's other tile heights (20 and 40 rows; two sequences); and, for every batch
         bucket, a one-token decode and decodes of 2, 4, ... tokens a call (decoding ahead) up to
-        max_draft_tokens + 1, greedy and sampled, the other rows on the padding slot. All on a scratch slot, freed
-        after. Returns the shapes run."""
+        max_draft_tokens + 1, greedy and sampled, the other rows on the padding slot. All on a
+        scratch slot, freed after. Returns the shapes run."""
         fused = self.runner.fused
         if fused is None:
             return 0
