@@ -10,7 +10,8 @@ A cycle, for every sequence of the batch at once:
 2. propose: greedy chains and trees grow with tensors only (draft_service.tree, one graph per
    topk); sampled chains draw each token on the host, one model step per draft token.
 When every sequence is greedy with one topk and its extend is short (the usual cycle), 1 and 2
-are one function in one CUDA graph, fed by one host copy and read back once.
+are one function in one CUDA graph, fed by one host copy and read back once. Drafting ahead (the
+next cycle's proposal while the target verifies): draft_service.ahead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from draft_service.ahead import check_ahead, draft_ahead
 from draft_service.tree import fused_top_k, grow_trees, unpack_trees
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.fused_head import fused_head, level_kernel
@@ -87,6 +89,7 @@ class Proposal:
     ids: list[int] = field(default_factory=list)  # target token ids
     dists: list[SparseDist] = field(default_factory=list)  # sampled chains: q of each token
     parents: list[int] = field(default_factory=list)  # trees: each token's parent (-1: the sequence)
+    bonus: int = -1  # drafting ahead: the guessed target token the proposal grows from (draft_service.ahead)
 
 
 class DraftEngine:
@@ -113,6 +116,10 @@ class DraftEngine:
         self.level = level_kernel(head) if self.runner.fused_head is not None else None
         self.vocab = head.cfg.vocab_size
         self.epoch = 0  # the lease new sequences belong to (0: none)
+        # each slot's pre-norm state at its last committed entry, kept by every extend: where drafting ahead
+        # starts (draft_service.ahead) [slots + 1, H]
+        p = head.fc.weight
+        self.last_hidden = torch.zeros(max_sequences + 1, head.cfg.hidden_size, dtype=p.dtype, device=p.device)
 
     @property
     def step_path(self) -> str:
@@ -156,7 +163,8 @@ class DraftEngine:
                 raise
             for w, p in zip(work, proposals, strict=True):
                 results[w.index] = DraftResult(w.op.seq_id, draft_ids=p.ids, draft_dists=p.dists,
-                                               consumed_generation=w.op.hidden.generation, draft_parents=p.parents)
+                                               consumed_generation=w.op.hidden.generation, draft_parents=p.parents,
+                                               ahead_bonus=p.bonus)
         ended = time.time_ns()
         for r in results:
             assert r is not None
@@ -181,12 +189,16 @@ class DraftEngine:
             raise OpError(Code.INVALID_ARGUMENT, f"{len(op.earlier)} earlier feature references exceed {MAX_EARLIER}")
         refs = [*op.earlier, op.hidden] if op.earlier else [op.hidden]
         rows = sum(r.rows for r in refs) if op.earlier else op.hidden.rows
-        if rows != len(op.tokens) or rows == 0 or (op.earlier and any(r.rows == 0 for r in refs)):
+        if rows != len(op.tokens) or (rows == 0 and not op.ahead) or (op.earlier and any(r.rows == 0 for r in refs)):
             raise OpError(Code.INVALID_ARGUMENT, f"{len(op.tokens)} tokens for {rows} feature rows")
         if op.num_steps > self.max_steps:
             raise OpError(Code.INVALID_ARGUMENT, f"num_steps {op.num_steps} exceeds the limit {self.max_steps}")
-        if min(op.tokens) < 0 or max(op.tokens) >= self.vocab:
+        if min(op.tokens + op.ahead) < 0 or max(op.tokens + op.ahead) >= self.vocab:
             raise OpError(Code.INVALID_ARGUMENT, "token id outside the vocabulary")
+        if op.ahead:
+            check_ahead(op, self.seqs.get(op.seq_id), self.max_steps)
+            if not op.tokens:
+                return None, []
         if not 1 <= op.topk <= self.max_topk:
             raise OpError(Code.INVALID_ARGUMENT, f"topk {op.topk} is outside 1..{self.max_topk}")
         if op.topk > 1 and op.num_steps > 0:
@@ -212,10 +224,21 @@ class DraftEngine:
         except ValueError as e:
             raise OpError(Code.INVALID_ARGUMENT, f"bad hidden-state reference: {e}") from e
 
+    def keep_last(self, prenorm: torch.Tensor, slots: list[int]) -> None:
+        """The pre-norm states [n, H] of the slots' last committed entries."""
+        self.last_hidden[torch.tensor(slots, device=self.device)] = prenorm.to(self.last_hidden.dtype)
+
     def extend_and_propose(self, work: list[Work], ring: torch.Tensor | None) -> list[Proposal]:
         """Extend each entry's sequence by its tokens and propose from it (`ring`: where its
-        features are read from, for entries with ring rows)."""
+        features are read from, for entries with ring rows); those drafting ahead apart."""
         out = [Proposal() for _ in work]
+        if any(w.op.ahead for w in work):
+            rest = [i for i, w in enumerate(work) if not w.op.ahead]
+            for i, p in zip(rest, self.extend_and_propose([work[i] for i in rest], ring) if rest else [], strict=True):
+                out[i] = p
+            ahead = [i for i, w in enumerate(work) if w.op.ahead]
+            draft_ahead(self, [work[i] for i in ahead], ring, [out[i] for i in ahead])
+            return out
         shapes = {i: w.greedy_shape for i, w in enumerate(work) if w.greedy_shape is not None}
         sampled = [i for i, w in enumerate(work) if w.op.num_steps > 0 and not w.seq.sampling.greedy]
         rows = [Row(w.seq.slot, w.seq.length, w.op.tokens) for w in work]
@@ -230,10 +253,11 @@ class DraftEngine:
             extended = self.runner.run(Step(rows, hidden=[w.read(ring) for w in work]))
             last_logits = torch.stack([logits[-1] for logits, _ in extended])  # [n, Vd]
             hidden = torch.stack([prenorm[-1] for _, prenorm in extended if prenorm is not None])  # [n, H]
+            self.keep_last(hidden, [r.slot for r in rows])
             if sampled:
                 self._sampled_chains([work[i] for i in sampled], last_logits[sampled], hidden[sampled],
                                      [ends[i] for i in sampled], [out[i] for i in sampled])
-            grown = self._grow(shapes, last_logits, hidden, ends, [r.slot for r in rows]) if shapes else {}
+            grown = self.grow(shapes, last_logits, hidden, ends, [r.slot for r in rows]) if shapes else {}
         for i, (ids, parents) in grown.items():
             out[i].ids = ids
             if shapes[i][0] > 1:  # a chain is sent without its parents
@@ -278,13 +302,14 @@ class DraftEngine:
                 feats = ring[ints[:, 2 * t + 3 :]]  # [B, T, 3H]
             logits, prenorm = r.padded_forward(ints[:, :t], positions, slots, positions, ctx, hidden=feats)
             rows_ = torch.arange(b, device=feats.device)
+            self.last_hidden[slots] = prenorm[rows_, last]  # (padding rows: the padding slot's)
             return self._grow_fn(logits[rows_, last], prenorm[rows_, last], lengths, slots, topk, steps, ctx)
 
         (packed,) = r.graphed(("extend+grow", b, t, width, topk, steps, ctx, source), fn, **inputs)
         assert packed is not None
         return unpack_trees(packed, shapes, topk)
 
-    def _grow(self, shapes: dict[int, tuple[int, int, int]], logits: torch.Tensor, hidden: torch.Tensor,
+    def grow(self, shapes: dict[int, tuple[int, int, int]], logits: torch.Tensor, hidden: torch.Tensor,
               ends: list[int], slots: list[int]) -> dict[int, tuple[list[int], list[int]]]:
         """The greedy rows' proposals grown on the device: one graph per topk for the whole
         batch, padded to its bucket (rows of other topks and padding rows grow too; their extra

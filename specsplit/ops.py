@@ -142,6 +142,10 @@ class ExtendPropose:
     topk: int = 1  # > 1: propose a tree (greedy only), num_steps deep, branching topk per expanded node
     num_draft_tokens: int = 0  # a tree's size counting the root (SGLang's meaning): keeps num_draft_tokens - 1 drafts
     earlier: list[HiddenRef] = field(default_factory=list)  # rows before `hidden`'s, in order (extends put off)
+    # drafting ahead (greedy): after the extend (`tokens` may then be empty), assume these drafts, being verified
+    # now, are accepted; guess the target's token after them and propose the next cycle's drafts from it, with
+    # the head's own states for the assumed tokens. Nothing past the extend is committed.
+    ahead: list[int] = field(default_factory=list)
 
 
 DraftOp = ExtendPropose | Release
@@ -172,6 +176,7 @@ class DraftResult:
     draft_dists: list[SparseDist] = field(default_factory=list)
     consumed_generation: int = 0
     draft_parents: list[int] = field(default_factory=list)  # a tree (as in Verify); empty: a chain
+    ahead_bonus: int = -1  # drafting ahead: the guessed token after ExtendPropose.ahead (-1: no pre-draft made)
     started_ns: int = 0
     ended_ns: int = 0
 

@@ -2,7 +2,7 @@
 draft.proto: ExtendProposeColumns, DraftResultColumns): a few calls encode or decode the ops
 and results of any number of sequences, against a dozen per sequence as messages of their own
 (specsplit.transport.wire, which still carries what columns do not: draft distributions,
-inline rows, failures, the other ops). The readers raise ValueError when columns do not line
+inline rows, failures, drafting ahead, the other ops). The readers raise ValueError when columns do not line
 up."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def target_results_from_proto(m: target_pb2.TargetStepResponse) -> list[TargetRe
 
 # -- draft
 def _columned(op: DraftOp) -> bool:
-    return (type(op) is ExtendPropose and not op.hidden.inline  # type: ignore[union-attr]
+    return (type(op) is ExtendPropose and not op.hidden.inline and not op.ahead  # type: ignore[union-attr]
             and (not op.earlier or not any(r.inline for r in op.earlier)))  # type: ignore[union-attr]
 
 
@@ -177,7 +177,8 @@ def draft_step_ops(m: draft_pb2.DraftStepRequest) -> list[DraftOp]:
 def write_draft_results(m: draft_pb2.DraftStepResponse, results: list[DraftResult]) -> None:
     """A step's results into m: successful ones without distributions as columns where there
     are DRAFT_COLUMNS_FROM of them, the others one message each."""
-    ok, rest = _sort_out(results, lambda r: r.code == Code.OK and not r.draft_dists, DRAFT_COLUMNS_FROM)
+    ok, rest = _sort_out(results, lambda r: r.code == Code.OK and not r.draft_dists and r.ahead_bonus < 0,
+                         DRAFT_COLUMNS_FROM)
     for r in rest:
         write_draft_result(m.results.add(), r)
     if not ok:

@@ -155,6 +155,7 @@ def write_draft_op(m: draft_pb2.DraftOp, op: DraftOp) -> None:
         write_sampling(e.sampling, op.sampling)
         for r in op.earlier:
             write_ref(e.earlier.add(), r)
+        e.ahead.extend(op.ahead)
     else:
         m.release.SetInParent()
 
@@ -165,7 +166,7 @@ def draft_op_from_proto(p: draft_pb2.DraftOp) -> DraftOp | None:
         e = p.extend_propose
         return ExtendPropose(p.seq_id, list(e.tokens), ref_from_proto(e.hidden), e.num_steps,
                              sampling_from_proto(e.sampling), p.traceparent, e.position, max(e.topk, 1),
-                             e.num_draft_tokens, [ref_from_proto(r) for r in e.earlier])
+                             e.num_draft_tokens, [ref_from_proto(r) for r in e.earlier], list(e.ahead))
     if kind == "release":
         return Release(p.seq_id, p.traceparent)
     return None
@@ -178,8 +179,11 @@ def write_draft_result(m: draft_pb2.DraftResult, r: DraftResult) -> None:
     if r.draft_dists:
         m.draft_dists.extend(dists_to_proto(r.draft_dists))
     m.draft_parents.extend(r.draft_parents)
+    if r.ahead_bonus >= 0:
+        m.ahead_bonus = r.ahead_bonus
 
 
 def draft_result_from_proto(p: draft_pb2.DraftResult) -> DraftResult:
     return DraftResult(p.seq_id, code_from_proto(p.status.code), p.status.message, list(p.draft_ids),
-                       dists_from_proto(p.draft_dists), p.consumed_generation, draft_parents=list(p.draft_parents))
+                       dists_from_proto(p.draft_dists), p.consumed_generation, draft_parents=list(p.draft_parents),
+                       ahead_bonus=p.ahead_bonus if p.HasField("ahead_bonus") else -1)

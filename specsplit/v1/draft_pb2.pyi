@@ -38,7 +38,7 @@ class DraftInfo(_message.Message):
     def __init__(self, head_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., attached: _Optional[bool] = ..., max_steps: _Optional[int] = ..., max_context: _Optional[int] = ..., max_sequences: _Optional[int] = ..., step_socket: _Optional[str] = ..., max_topk: _Optional[int] = ...) -> None: ...
 
 class DraftExtendPropose(_message.Message):
-    __slots__ = ("tokens", "hidden", "num_steps", "sampling", "position", "topk", "num_draft_tokens", "earlier")
+    __slots__ = ("tokens", "hidden", "num_steps", "sampling", "position", "topk", "num_draft_tokens", "earlier", "ahead")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class DraftExtendPropose(_message.Message):
     TOPK_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EARLIER_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     hidden: _common_pb2.HiddenRef
     num_steps: int
@@ -55,7 +56,8 @@ class DraftExtendPropose(_message.Message):
     topk: int
     num_draft_tokens: int
     earlier: _containers.RepeatedCompositeFieldContainer[_common_pb2.HiddenRef]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenRef, _Mapping]] = ..., num_steps: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., position: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., earlier: _Optional[_Iterable[_Union[_common_pb2.HiddenRef, _Mapping]]] = ...) -> None: ...
+    ahead: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenRef, _Mapping]] = ..., num_steps: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., position: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., earlier: _Optional[_Iterable[_Union[_common_pb2.HiddenRef, _Mapping]]] = ..., ahead: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftRelease(_message.Message):
     __slots__ = ()
@@ -128,20 +130,22 @@ class DraftStepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[DraftOp, _Mapping]]] = ..., epoch: _Optional[int] = ..., extend_proposes: _Optional[_Union[ExtendProposeColumns, _Mapping]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("seq_id", "status", "draft_ids", "draft_dists", "consumed_generation", "draft_parents")
+    __slots__ = ("seq_id", "status", "draft_ids", "draft_dists", "consumed_generation", "draft_parents", "ahead_bonus")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTS_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_BONUS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     status: _common_pb2.EntryStatus
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_dists: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftDistribution]
     consumed_generation: int
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.EntryStatus, _Mapping]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., consumed_generation: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    ahead_bonus: int
+    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.EntryStatus, _Mapping]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., consumed_generation: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ..., ahead_bonus: _Optional[int] = ...) -> None: ...
 
 class DraftResultColumns(_message.Message):
     __slots__ = ("seq_ids", "draft_counts", "draft_ids", "tree", "draft_parents", "consumed_generations")

@@ -1,0 +1,94 @@
+"""Drafting ahead in the draft engine: the next cycle's proposal from assumed drafts, nothing
+past the extend committed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specsplit.ops import Code, ExtendPropose, HiddenRef, Sampling
+from tests.test_draft import make_runtime, put
+
+
+def _setup(tiny_target: Path, tiny_head: Path, seed: int = 0):  # noqa: ANN202
+    rt, writer = make_runtime(tiny_target, tiny_head)
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(24, writer.descriptor.width, generator=g)
+    tokens = torch.randint(0, 512, (24,), generator=g).tolist()
+    return rt, writer, feats, tokens
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_ahead_of_a_chain_continues_the_greedy_chain(tiny_target: Path, tiny_head: Path, padded: bool) -> None:
+    """Assuming a greedy chain's drafts accepted, the guessed token and the next drafts are the
+    chain's own continuation: a chain of 3 drafted ahead by 3 equals the first 7 of a chain of 7
+    (the CPU's path, and the GPU's padded one whose extend and proposal are one function)."""
+    rt, writer, feats, tokens = _setup(tiny_target, tiny_head)
+    rt.engine.runner.padded = padded
+    try:
+        (long,) = rt.engine.execute([ExtendPropose(1, tokens[:16], put(writer, feats[:16]), 7)])
+        (short,) = rt.engine.execute([ExtendPropose(2, tokens[:16], put(writer, feats[:16]), 3)])
+        assert long.code == short.code == Code.OK and short.ahead_bonus == -1
+        assert short.draft_ids == long.draft_ids[:3]
+        (ahead,) = rt.engine.execute([ExtendPropose(2, [], HiddenRef(0, 0, 0), 3, position=16,
+                                                    ahead=short.draft_ids)])
+        assert ahead.code == Code.OK
+        assert [ahead.ahead_bonus, *ahead.draft_ids] == long.draft_ids[3:7]
+        assert rt.engine.seqs[2].length == 16  # nothing past the extend committed
+    finally:
+        writer.close()
+
+
+def test_ahead_commits_its_extend_only(tiny_target: Path, tiny_head: Path) -> None:
+    """An extend that drafts ahead commits its tokens and nothing more: the next extend from
+    there proposes what it would have without the ahead (the assumed entries overwritten)."""
+    rt, writer, feats, tokens = _setup(tiny_target, tiny_head, seed=1)
+    try:
+        rt.engine.execute([ExtendPropose(1, tokens[:12], put(writer, feats[:12]), 3),
+                           ExtendPropose(2, tokens[:12], put(writer, feats[:12]), 3)])
+        (a,) = rt.engine.execute([ExtendPropose(1, tokens[12:16], put(writer, feats[12:16]), 4, position=12,
+                                                ahead=[5, 6, 7], topk=2, num_draft_tokens=6)])
+        (b,) = rt.engine.execute([ExtendPropose(2, tokens[12:16], put(writer, feats[12:16]), 4, position=12)])
+        assert a.code == b.code == Code.OK and a.ahead_bonus >= 0 and len(a.draft_ids) == 5 and a.draft_parents
+        assert rt.engine.seqs[1].length == rt.engine.seqs[2].length == 16
+        (a2,) = rt.engine.execute([ExtendPropose(1, tokens[16:20], put(writer, feats[16:20]), 4, position=16)])
+        (b2,) = rt.engine.execute([ExtendPropose(2, tokens[16:20], put(writer, feats[16:20]), 4, position=16)])
+        assert a2.draft_ids == b2.draft_ids
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(("op", "why"), [
+    (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=8, ahead=[1, 2]), "nothing extended"),
+    (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[1, 2]), "nothing extended"),
+    (ExtendPropose(1, [], HiddenRef(0, 0, 0), 0, position=12, ahead=[1, 2]), "within 1.."),
+    (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[1] * 9), "within 1.."),
+    (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[512]), "outside the vocabulary"),
+    (ExtendPropose(3, [1], HiddenRef(0, 1, 0), 3, Sampling(temperature=0.7), ahead=[1]), "greedy sequences only"),
+])
+def test_bad_ahead_is_refused(tiny_target: Path, tiny_head: Path, op: ExtendPropose, why: str) -> None:
+    rt, writer, feats, tokens = _setup(tiny_target, tiny_head)
+    try:
+        rt.engine.execute([ExtendPropose(2, tokens[:12], put(writer, feats[:12]), 3)])  # sequence 1: none yet
+        if op.seq_id != 1 or "within" in why or "vocabulary" in why:
+            rt.engine.execute([ExtendPropose(1, tokens[:12], put(writer, feats[:12]), 3)])
+        (r,) = rt.engine.execute([op])
+        assert r.code == Code.INVALID_ARGUMENT and why in r.message, r.message
+    finally:
+        writer.close()
+
+
+def test_ahead_near_the_context_end_makes_no_proposal(tiny_target: Path, tiny_head: Path) -> None:
+    """Without room for the assumed drafts before the context's end, the extend is made and no
+    proposal (ahead_bonus -1): the gateway counts it as a miss."""
+    rt, writer = make_runtime(tiny_target, tiny_head)
+    try:
+        n = rt.engine.max_context - 2
+        feats = torch.randn(n, writer.descriptor.width)
+        (r,) = rt.engine.execute([ExtendPropose(1, [3] * n, put(writer, feats), 2, ahead=[4, 5])])
+        assert r.code == Code.OK and r.ahead_bonus == -1 and r.draft_ids == []
+        assert rt.engine.seqs[1].length == n
+    finally:
+        writer.close()
