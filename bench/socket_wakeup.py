@@ -30,7 +30,8 @@ from typing import Any
 
 from specsplit.ops import StepTiming, TargetResult, Verify
 from specsplit.transport import wire
-from specsplit.transport.step_socket import BlockingSocketStream, StepSocketServer
+from specsplit.transport.step_client import BlockingSocketStream
+from specsplit.transport.step_socket import StepSocketServer
 from specsplit.transport.step_stream import StepCodec, answer_step
 from specsplit.v1 import target_pb2
 

@@ -17,7 +17,7 @@ import grpc
 from specsplit.ops import DraftOp, DraftResult, StepTiming, TargetOp, TargetResult
 from specsplit.transport import columns
 from specsplit.transport.serving import channel_options
-from specsplit.transport.step_socket import BlockingSocketStream, SocketStream
+from specsplit.transport.step_client import BlockingSocketStream, SocketStream
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 # A client whose steps enforce the timeout they are given (its stream does), or never suspend (in
@@ -40,6 +40,10 @@ class DraftClient(Protocol):
 class StepStream(Protocol):
     async def exchange(self, request: Any, timeout: float | None = None, meanwhile: Meanwhile = None) -> Any: ...
 
+    async def send(self, request: Any) -> None: ...  # exchange in two halves: the request, then (receive)
+
+    async def receive(self, request: Any, timeout: float | None = None) -> Any: ...  # its reply
+
     def reset(self) -> None: ...
 
     def interrupt(self) -> None: ...
@@ -54,13 +58,26 @@ class _BidiStream:
         self.interrupted = False
 
     async def exchange(self, request: Any, timeout: float | None = None, meanwhile: Meanwhile = None) -> Any:
+        await self.send(request)
+        if meanwhile is not None:
+            meanwhile()
+        return await self.receive(request, timeout)
+
+    async def send(self, request: Any) -> None:
         if self.call is None:
             self.call, self.loop, self.interrupted = self.open_call(), asyncio.get_running_loop(), False
         try:
+            await self.call.write(request)
+        except BaseException:
+            self.reset()
+            raise
+
+    async def receive(self, request: Any, timeout: float | None = None) -> Any:
+        """The reply to `request`, sent before (send)."""
+        if self.call is None:
+            raise ConnectionError("stream reset before its reply")
+        try:
             async with asyncio.timeout(timeout):  # not wait_for: no task per call, never swallows a cancel
-                await self.call.write(request)
-                if meanwhile is not None:
-                    meanwhile()
                 reply = await self.call.read()
         except asyncio.CancelledError:
             self.reset()
@@ -172,10 +189,25 @@ class GrpcDraft:
 
     async def step(self, ops: list[DraftOp], timeout: float, meanwhile: Meanwhile = None
                    ) -> tuple[list[DraftResult], StepTiming]:
-        req = draft_pb2.DraftStepRequest(step_id=next(self.ids), epoch=self.epoch)
-        columns.write_draft_step(req, ops)
+        req = self._request(ops)
         reply = await self.stream.exchange(req, timeout, meanwhile)
         return columns.draft_results_from_proto(reply), StepTiming(reply.timing.compute_ms, reply.timing.total_ms)
+
+    async def send(self, ops: list[DraftOp]) -> Any:
+        """A step in two halves (the draft computes while the caller does something else): the
+        request sent; `receive` it before any other step."""
+        req = self._request(ops)
+        await self.stream.send(req)
+        return req
+
+    async def receive(self, sent: Any, timeout: float) -> tuple[list[DraftResult], StepTiming]:
+        reply = await self.stream.receive(sent, timeout)
+        return columns.draft_results_from_proto(reply), StepTiming(reply.timing.compute_ms, reply.timing.total_ms)
+
+    def _request(self, ops: list[DraftOp]) -> draft_pb2.DraftStepRequest:
+        req = draft_pb2.DraftStepRequest(step_id=next(self.ids), epoch=self.epoch)
+        columns.write_draft_step(req, ops)
+        return req
 
     def interrupt(self) -> None:
         """Cut the step in flight short (any thread): it fails with ConnectionError."""
@@ -215,3 +247,9 @@ class LocalDraft:
         if meanwhile is not None:
             meanwhile()
         return self.runtime.step(ops)
+
+    async def send(self, ops: list[DraftOp]) -> list[DraftOp]:
+        return ops  # computed when received: nothing overlaps in one process
+
+    async def receive(self, sent: list[DraftOp], timeout: float = 0.0) -> tuple[list[DraftResult], StepTiming]:
+        return self.runtime.step(sent)

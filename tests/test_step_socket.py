@@ -18,14 +18,8 @@ from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.ops import StepTiming, TargetResult, Verify
 from specsplit.transport import step_socket, wire
-from specsplit.transport.step_socket import (
-    MAGIC,
-    BlockingSocketStream,
-    SocketStream,
-    StepSocketError,
-    StepSocketServer,
-    check_step_socket,
-)
+from specsplit.transport.step_client import BlockingSocketStream, SocketStream
+from specsplit.transport.step_socket import MAGIC, StepSocketError, StepSocketServer, check_step_socket
 from specsplit.transport.step_stream import MAX_OPS_PER_STEP, StepCodec, answer_step
 from specsplit.v1 import target_pb2
 
