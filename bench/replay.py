@@ -48,6 +48,8 @@ class Replayer:
         return position < len(hits) and hits[position]
 
     def rewrite(self, op: ExtendPropose, draft_ids: list[int]) -> list[int]:
+        """An extend-and-propose's drafts as replayed; drafting ahead (op.ahead), the guessed
+        token then the drafts, positions past the assumed ones."""
         if op.position == 0:
             index = next((i for i, r in enumerate(self.references) if r[1 : 1 + len(op.tokens)] == op.tokens), None)
             if index is None:
@@ -62,7 +64,7 @@ class Replayer:
         self.by_seq[op.seq_id] = (index, n)
         out = []
         for i in range(len(draft_ids)):
-            at = n + 1 + i
+            at = n + 1 + len(op.ahead) + i
             true = ref[at] if at < len(ref) else 0
             out.append(true if self._hit(index, at) else (true + 1) % self.vocab)
         return out
@@ -80,15 +82,32 @@ class ReplayDraft:
     async def step(self, ops: list[DraftOp], timeout: float = 0.0, meanwhile: Meanwhile = None
                    ) -> tuple[list[DraftResult], StepTiming]:
         results, timing = await self.inner.step(ops, timeout, meanwhile)
+        self._rewrite(ops, results)
+        return results, timing
+
+    async def send(self, ops: list[DraftOp]) -> tuple[list[DraftOp], object]:
+        return ops, await self.inner.send(ops)  # type: ignore[attr-defined]
+
+    async def receive(self, sent: tuple[list[DraftOp], object], timeout: float
+                      ) -> tuple[list[DraftResult], StepTiming]:
+        results, timing = await self.inner.receive(sent[1], timeout)  # type: ignore[attr-defined]
+        self._rewrite(sent[0], results)
+        return results, timing
+
+    def _rewrite(self, ops: list[DraftOp], results: list[DraftResult]) -> None:
         by_op = {op.seq_id: op for op in ops if isinstance(op, ExtendPropose)}
         for r in results:
             op = by_op.get(r.seq_id)
             if op is None:
                 self.replayer.forget(r.seq_id)
             elif r.draft_ids:  # a tree is replaced by a chain as deep as the tree
-                r.draft_ids = self.replayer.rewrite(op, r.draft_ids[: op.num_steps] if r.draft_parents else r.draft_ids)
+                ids = r.draft_ids[: op.num_steps] if r.draft_parents else r.draft_ids
+                if op.ahead and r.ahead_bonus >= 0:  # the guessed token is replayed too
+                    r.ahead_bonus, *ids = self.replayer.rewrite(op, [r.ahead_bonus, *ids])
+                    r.draft_ids = ids
+                else:
+                    r.draft_ids = self.replayer.rewrite(op, ids)
                 r.draft_parents = []
-        return results, timing
 
     def __getattr__(self, name: str) -> object:  # stream, attach, close: the inner client's
         return getattr(self.inner, name)

@@ -29,6 +29,7 @@ class LocalEngines:
         self.target = TargetRuntime(target_cfg.validate(), TensorParallel())
         self.draft = None
         self.forced: ForcedAcceptance | None = None  # a benchmark mode: the target must allow it (gateway.forced)
+        self.draft_ahead = False  # (gateway.ahead)
         if draft_cfg is not None:
             self.draft = DraftRuntime(draft_cfg.validate())
             assert self.target.writer is not None
@@ -44,7 +45,8 @@ class LocalEngines:
                         ) -> list[LocalResult]:
         draft = draft_client or (LocalDraft(self.draft) if self.draft is not None else None)
         sched = Scheduler(LocalTarget(self.target), draft, self.target.cfg.max_sequences,
-                          Limits(max_queue=10_000, max_queued_per_client=10_000, stream_buffer=1 << 30),
+                          Limits(max_queue=10_000, max_queued_per_client=10_000, stream_buffer=1 << 30,
+                                 draft_ahead=self.draft_ahead),
                           max_steps=self.draft.cfg.max_steps if self.draft is not None else 8)
         sched.forced = self.forced
         self.scheduler = sched  # for tests that inject faults

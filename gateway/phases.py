@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from gateway import ahead
 from gateway.costs import NO_DRAFT, Shape
 from gateway.sequence import Sequence
 from specsplit.ops import (
@@ -110,7 +111,7 @@ async def draft_phase(sched: Scheduler) -> None:
     sleeping: list[Sequence] = []
     for s in sched.running:
         if s.spec and s.prefilled and not s.unread_since:  # (a prompt in parts: extended once whole)
-            if s.pending is not None:
+            if s.pending is not None and not s.drafts:  # (drafts already: drafted ahead, extended with the next)
                 candidates.append(s)
             if s.dormant:
                 sleeping.append(s)
@@ -263,11 +264,18 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
             if type(op) is Verify:
                 op.decode = decoded
     sched.cycle_decoded = decoded
+    drafting = ahead.plan(sched, ops, work)  # the next cycle's drafts, proposed meanwhile (gateway.ahead)
+    await ahead.send(sched, drafting)
     t0 = time.perf_counter()
-    async with bounded(sched.target, sched.step_timeout_s):
-        results, timing = await sched.target.step(ops, releases, sched.step_timeout_s,
-                                                  meanwhile=sched.outbox.deliver)
-    ms = (time.perf_counter() - t0) * 1e3
+    try:
+        async with bounded(sched.target, sched.step_timeout_s):
+            results, timing = await sched.target.step(ops, releases, sched.step_timeout_s,
+                                                      meanwhile=sched.outbox.deliver)
+    finally:
+        ms = (time.perf_counter() - t0) * 1e3
+        await ahead.receive(sched, drafting)
+    if drafting.ops:
+        sched.cycle_ms["ahead"] = drafting.wait_ms  # a cycle of another kind: not priced as one that drafts
     if prefilled:
         sched.chooser.costs.record_prefill(prefilled, ms)
     verifies = [op for op in ops if isinstance(op, Verify)]
@@ -281,6 +289,8 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
     kinds = {op.seq_id: op for op in ops if not isinstance(op, (Release, Suspend))}
     for s in work:
         apply_result(sched, s, by_id.get(s.seq_id), kinds[s.seq_id], ms, timing)
+    if drafting.ops:
+        ahead.settle(sched, drafting, {r.seq_id: r.tokens for r in results if r.code == Code.OK})
 
 
 def decode_ahead(sched: Scheduler, ops: list[TargetOp], work: list[Sequence]) -> int:

@@ -64,6 +64,12 @@ class SeqStats:
     draft_tokens: int = 0  # draft tokens sent to verify
     accepted_drafts: int = 0  # of those, accepted
     shapes: Counter[Shape] = field(default_factory=Counter)  # verify cycles by what they drafted
+    ahead_hits: int = 0  # drafted ahead (gateway.ahead), and the verify's outcome was the one assumed
+    ahead_misses: int = 0
+
+    def record_ahead(self, hit: bool) -> None:
+        self.ahead_hits += hit
+        self.ahead_misses += not hit
 
     @property
     def steps_histogram(self) -> list[int]:
@@ -100,6 +106,12 @@ class LoopTotals:
     draft_tokens: int = 0
     accepted_drafts: int = 0
     output_tokens: int = 0
+    ahead_hits: int = 0
+    ahead_misses: int = 0
+
+    def record_ahead(self, hit: bool) -> None:
+        self.ahead_hits += hit
+        self.ahead_misses += not hit
 
     def record_verify(self, emitted: int, drafts: int, accepted: int, decoded: int = 1) -> None:
         self.verify_cycles += decoded  # a decode of several tokens: a cycle of one token each
@@ -173,6 +185,7 @@ class Limits:
     decode_ahead_ms: float = 0.0
     decode_most: int = 1  # the target's limit (its max_draft_tokens + 1)
     prefill_chunk: int = 0  # prompt tokens a target call prefills, over all its prompts; 0: every prompt whole
+    draft_ahead: bool = False  # greedy sequences' next drafts proposed while the target verifies (gateway.ahead)
 
 
 def first_sequence_id() -> int:

@@ -8,8 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.replay import ReplayDraft, Replayer
+from gateway.clients import LocalDraft
+from gateway.local import LocalEngines
+from gateway.sequence import GenerationRequest
 from specsplit.ops import Code, ExtendPropose, HiddenRef, Sampling
 from tests.test_draft import make_runtime, put
+from tests.test_lossless import TINY_PROMPTS, request
 
 
 def _setup(tiny_target: Path, tiny_head: Path, seed: int = 0):  # noqa: ANN202
@@ -92,3 +97,31 @@ def test_ahead_near_the_context_end_makes_no_proposal(tiny_target: Path, tiny_he
         assert rt.engine.seqs[1].length == n
     finally:
         writer.close()
+
+
+@pytest.mark.parametrize(("topk", "rate"), [(1, 1.0), (1, 0.8), (4, 0.8), (1, None), (4, None)])
+def test_drafting_ahead_is_lossless(tiny_engines: LocalEngines, topk: int, rate: float | None) -> None:
+    """Greedy output with drafting ahead equals target-only output, chains and trees, with hits
+    (replayed acceptance: every draft and guess right at rate 1.0) and misses (the random head)."""
+    base = tiny_engines.generate([request(p, 0, 40, {511}) for p in TINY_PROMPTS])
+    draft = None
+    if rate is not None:
+        refs = [p + b.tokens for p, b in zip(TINY_PROMPTS, base, strict=True)]
+        draft = ReplayDraft(LocalDraft(tiny_engines.draft), Replayer(refs, rate, 512))
+    tiny_engines.draft_ahead = True
+    try:
+        reqs = [GenerationRequest(p, 40, Sampling(), {511}, 4, topk, 8 if topk > 1 else 0) for p in TINY_PROMPTS]
+        spec = tiny_engines.generate(reqs, draft)
+    finally:
+        tiny_engines.draft_ahead = False
+    assert [s.tokens for s in spec] == [b.tokens for b in base]
+    hits = sum(s.stats.ahead_hits for s in spec)
+    misses = sum(s.stats.ahead_misses for s in spec)
+    if rate == 1.0:
+        assert misses <= len(TINY_PROMPTS) and hits > 5 * len(TINY_PROMPTS)  # a miss at most where a stream ends
+    elif rate is not None:
+        assert hits > 0 and misses > 0
+    else:
+        assert misses > 0
+    assert tiny_engines.target.stats()["ring_rows_in_use"] == 0
+    assert tiny_engines.draft.stats()["active_sequences"] == 0
