@@ -14,6 +14,7 @@ from draft_service.runtime import DraftRuntime
 from specsplit.observability.spans import record_entry
 from specsplit.observability.telemetry import Telemetry
 from specsplit.ops import DraftOp, DraftResult, ExtendPropose, StepTiming
+from specsplit.placement import device_identity
 from specsplit.transport import columns, wire
 from specsplit.transport.handoff.base import Descriptor
 from specsplit.transport.lease import Leases
@@ -37,7 +38,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                    target_vocab_size=c.vocab_size, aux_layer_ids=c.aux_layer_ids or [],
                                    attached=rt.descriptor is not None, max_steps=rt.cfg.max_steps,
                                    max_context=rt.cfg.max_context, max_sequences=rt.cfg.max_sequences,
-                                   step_socket=rt.cfg.step_socket, max_topk=rt.cfg.max_topk)
+                                   step_socket=rt.cfg.step_socket, max_topk=rt.cfg.max_topk,
+                                   device=device_identity(rt.cfg.device))
 
     async def Describe(self, request: draft_pb2.DraftDescribeRequest, context: grpc.aio.ServicerContext
                        ) -> draft_pb2.DraftInfo:

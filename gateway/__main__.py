@@ -102,7 +102,7 @@ async def connect(cfg: GatewayConfig, telemetry: Telemetry, on_target_state: Cal
                           GatewayMetrics.create(telemetry.meter), cfg.max_num_steps)
     scheduler.on_target_state.append(on_target_state)
     recovery = Recovery(scheduler, target, draft, info.hidden_store, list(info.aux_layer_ids), cfg.max_num_steps,
-                        cfg.draft_retry_s, cfg.step_sockets, cfg.max_topk, watches)
+                        cfg.draft_retry_s, cfg.step_sockets, cfg.max_topk, watches, cfg.draft_ahead, info.device)
     if draft is not None:
         if await recovery.attach_draft():
             scheduler.draft_restored()

@@ -9,6 +9,7 @@ from pathlib import Path
 from gateway.forced import ForcedAcceptance
 from specsplit.checkpoints import EMBEDDED_DEFAULT, EMBEDDED_NAME
 from specsplit.flags import flag
+from specsplit.placement import DRAFT_AHEAD
 
 STEP_TIMEOUT_HELP = "seconds: a target step slower than this ends the streams with UNAVAILABLE"
 DRAFT_TIMEOUT_HELP = ("seconds: the longest a draft step may take (a slower one suspends speculation, streams go on "
@@ -83,6 +84,9 @@ class GatewayConfig:
     prefill_chunk: int = flag(2048, "--prefill-chunk", "prompt tokens one target call prefills, over all its "
                               "newcomers: a longer prompt is prefilled in parts over several calls, so that the "
                               "running sequences go on between them (0: every prompt whole in one call)")
+    draft_ahead: str = flag("auto", "--draft-ahead", "propose greedy sequences' next drafts while the target "
+                            "verifies (gateway.ahead); auto: on when the draft computes on a GPU of its own",
+                            choices=DRAFT_AHEAD)
     step_sockets: bool = flag(True, "--no-step-sockets", "always send Steps over the gRPC streams, even where a "
                               "service offers a Unix step socket")
     loop_thread: bool = flag(True, "--no-loop-thread", "run the speculation loop on the server's event loop instead "

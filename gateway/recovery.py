@@ -11,6 +11,7 @@ import logging
 from gateway.clients import GrpcDraft, GrpcTarget
 from gateway.liveness import Watches
 from gateway.scheduler import Scheduler
+from specsplit.placement import draft_ahead_on
 
 log = logging.getLogger("specsplit.gateway")
 
@@ -18,11 +19,13 @@ log = logging.getLogger("specsplit.gateway")
 class Recovery:
     def __init__(self, scheduler: Scheduler, target: GrpcTarget, draft: GrpcDraft | None, store: object,
                  target_aux_ids: list[int], max_num_steps: int, retry_s: float, step_sockets: bool = True,
-                 max_topk: int = 1, watches: Watches | None = None) -> None:
+                 max_topk: int = 1, watches: Watches | None = None, draft_ahead: str = "off",
+                 target_device: str = "") -> None:
         self.scheduler, self.target, self.draft, self.watches = scheduler, target, draft, watches
         self.store, self.target_aux_ids, self.retry_s = store, target_aux_ids, retry_s
         self.max_num_steps, self.max_topk, self.draft_name = max_num_steps, max_topk, ""
         self.step_sockets = step_sockets  # use a service's Unix step socket when it offers one
+        self.draft_ahead, self.target_device = draft_ahead, target_device  # (specsplit.placement)
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -67,6 +70,11 @@ class Recovery:
         log.info("draft steps over %s", transport)
         self.scheduler.max_sequences = min(self.scheduler.max_sequences, info.max_sequences)
         self.draft_name = info.head_name
+        ahead = draft_ahead_on(self.draft_ahead, self.target_device, info.device)
+        if ahead != self.scheduler.limits.draft_ahead:
+            log.info("drafting ahead %s (--draft-ahead %s; target on %s, draft on %s)", "on" if ahead else "off",
+                     self.draft_ahead, self.target_device or "?", info.device or "?")
+        self.scheduler.limits.draft_ahead = ahead
         return True
 
     async def _run(self) -> None:
@@ -82,6 +90,7 @@ class Recovery:
                 except Exception:  # noqa: BLE001 - still down
                     continue
                 self.store = info.hidden_store  # a new process has a new ring
+                self.target_device = info.device
                 log.info("target steps over %s",
                          self.target.use_step_transport(info.step_socket if self.step_sockets else ""))
                 s.draft_failed("the target restarted")

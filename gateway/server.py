@@ -60,7 +60,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             verify_ms=st.verify_ms, draft_compute_ms=st.draft_compute_ms, verify_compute_ms=st.verify_compute_ms,
             draft_service_ms=st.draft_service_ms, verify_service_ms=st.verify_service_ms,
             topk=shape.topk if shape.steps else 0, num_draft_tokens=shape.tokens, adaptive=seq.req.adaptive,
-            num_steps_histogram=st.steps_histogram)
+            num_steps_histogram=st.steps_histogram, draft_ahead_hits=st.ahead_hits,
+            draft_ahead_misses=st.ahead_misses)
         final = gateway_pb2.Final(
             finish_reason=end.reason,
             usage=gateway_pb2.Usage(prompt_tokens=len(seq.req.prompt_ids), completion_tokens=len(seq.generated)),

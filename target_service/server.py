@@ -11,6 +11,7 @@ import grpc
 from specsplit.observability.spans import record_entry
 from specsplit.observability.telemetry import Telemetry
 from specsplit.ops import Prefill, StepTiming, TargetOp, TargetResult, Verify
+from specsplit.placement import device_identity
 from specsplit.transport import columns, wire
 from specsplit.transport.lease import Leases
 from specsplit.transport.step_stream import Answered, StepAfter, answer_step, serve_steps
@@ -36,7 +37,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             max_context=rt.cfg.max_context, max_sequences=rt.cfg.max_sequences, eos_token_ids=m.eos_token_ids,
             aux_layer_ids=rt.model.aux_layer_ids, hidden_store=wire.descriptor_to_proto(rt.writer.descriptor),
             tp_size=rt.tp.world_size, dtype=rt.cfg.dtype, max_draft_tokens=rt.cfg.max_draft_tokens,
-            step_socket=rt.cfg.step_socket)
+            step_socket=rt.cfg.step_socket, device=device_identity(rt.cfg.device))
 
     async def Step(self, request_iterator: AsyncIterator[target_pb2.TargetStepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[target_pb2.TargetStepResponse]:

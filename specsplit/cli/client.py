@@ -66,6 +66,7 @@ class Generation:
             "accepted_length_histogram": list(s.accepted_length_histogram),
             "draft_ms": round(s.draft_ms, 3), "verify_ms": round(s.verify_ms, 3),
             "draft_compute_ms": round(s.draft_compute_ms, 3), "verify_compute_ms": round(s.verify_compute_ms, 3),
+            "draft_ahead_hits": s.draft_ahead_hits, "draft_ahead_misses": s.draft_ahead_misses,
         }
 
 

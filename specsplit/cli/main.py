@@ -83,6 +83,9 @@ def _summary_line(s: dict) -> str:
     if s["speculation"] and s.get("adaptive"):  # cycles by the steps chosen for them
         chosen = ", ".join(f"{k}: {n}" for k, n in enumerate(s["num_steps_histogram"]) if n)
         spec = f"speculation, steps chosen per cycle ({chosen}){tree}"
+    ahead = s.get("draft_ahead_hits", 0) + s.get("draft_ahead_misses", 0)
+    if ahead:  # drafting ahead: how often the next cycle's drafts were ready
+        spec += f", drafted ahead {s['draft_ahead_hits']} hits of {ahead}"
     return (f"[{spec}] {s['completion_tokens']} tokens in {s['elapsed_ms'] / 1e3:.2f} s = "
             f"{s['tokens_per_s']:.1f} tok/s | cycles {s['cycles']} | mean accepted length "
             f"{s['mean_accepted_length']:.2f} | draft {s['draft_ms']:.0f} ms, verify {s['verify_ms']:.0f} ms | "

@@ -12,7 +12,7 @@ class DraftDescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("head_name", "hidden_size", "draft_vocab_size", "target_vocab_size", "aux_layer_ids", "attached", "max_steps", "max_context", "max_sequences", "step_socket", "max_topk")
+    __slots__ = ("head_name", "hidden_size", "draft_vocab_size", "target_vocab_size", "aux_layer_ids", "attached", "max_steps", "max_context", "max_sequences", "step_socket", "max_topk", "device")
     HEAD_NAME_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class DraftInfo(_message.Message):
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
     MAX_TOPK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     head_name: str
     hidden_size: int
     draft_vocab_size: int
@@ -35,7 +36,8 @@ class DraftInfo(_message.Message):
     max_sequences: int
     step_socket: str
     max_topk: int
-    def __init__(self, head_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., attached: _Optional[bool] = ..., max_steps: _Optional[int] = ..., max_context: _Optional[int] = ..., max_sequences: _Optional[int] = ..., step_socket: _Optional[str] = ..., max_topk: _Optional[int] = ...) -> None: ...
+    device: str
+    def __init__(self, head_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., attached: _Optional[bool] = ..., max_steps: _Optional[int] = ..., max_context: _Optional[int] = ..., max_sequences: _Optional[int] = ..., step_socket: _Optional[str] = ..., max_topk: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class DraftExtendPropose(_message.Message):
     __slots__ = ("tokens", "hidden", "num_steps", "sampling", "position", "topk", "num_draft_tokens", "earlier", "ahead")

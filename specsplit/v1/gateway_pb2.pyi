@@ -68,7 +68,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("enabled", "num_steps", "cycles", "mean_accepted_length", "accepted_length_histogram", "draft_ms", "verify_ms", "draft_compute_ms", "verify_compute_ms", "topk", "num_draft_tokens", "adaptive", "num_steps_histogram", "draft_service_ms", "verify_service_ms")
+    __slots__ = ("enabled", "num_steps", "cycles", "mean_accepted_length", "accepted_length_histogram", "draft_ms", "verify_ms", "draft_compute_ms", "verify_compute_ms", "topk", "num_draft_tokens", "adaptive", "num_steps_histogram", "draft_service_ms", "verify_service_ms", "draft_ahead_hits", "draft_ahead_misses")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     CYCLES_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,8 @@ class SpeculationStats(_message.Message):
     NUM_STEPS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     num_steps: int
     cycles: int
@@ -99,7 +101,9 @@ class SpeculationStats(_message.Message):
     num_steps_histogram: _containers.RepeatedScalarFieldContainer[int]
     draft_service_ms: float
     verify_service_ms: float
-    def __init__(self, enabled: _Optional[bool] = ..., num_steps: _Optional[int] = ..., cycles: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., num_steps_histogram: _Optional[_Iterable[int]] = ..., draft_service_ms: _Optional[float] = ..., verify_service_ms: _Optional[float] = ...) -> None: ...
+    draft_ahead_hits: int
+    draft_ahead_misses: int
+    def __init__(self, enabled: _Optional[bool] = ..., num_steps: _Optional[int] = ..., cycles: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., num_steps_histogram: _Optional[_Iterable[int]] = ..., draft_service_ms: _Optional[float] = ..., verify_service_ms: _Optional[float] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "usage", "speculation", "elapsed_ms", "first_token_ms", "matched_stop_token")

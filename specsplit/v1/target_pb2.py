@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/target.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x17\n\x15TargetDescribeRequest\"\xc1\x02\n\nTargetInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x15\n\rmax_sequences\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x15\n\raux_layer_ids\x18\x08 \x03(\r\x12\x39\n\x0chidden_store\x18\t \x01(\x0b\x32#.specsplit.v1.HiddenStoreDescriptor\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x18\n\x10max_draft_tokens\x18\x0c \x01(\r\x12\x13\n\x0bstep_socket\x18\r \x01(\t\"\x88\x01\n\rTargetPrefill\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x16\n\x0e\x63\x61pture_hidden\x18\x03 \x01(\x08\x12\r\n\x05start\x18\x04 \x01(\r\x12\x0c\n\x04more\x18\x05 \x01(\x08\"\xe2\x01\n\x0cTargetVerify\x12\x11\n\tdraft_ids\x18\x01 \x03(\r\x12\x34\n\x0b\x64raft_dists\x18\x02 \x03(\x0b\x32\x1f.specsplit.v1.DraftDistribution\x12\x16\n\x0e\x63\x61pture_hidden\x18\x03 \x01(\x08\x12\x15\n\rdraft_parents\x18\x04 \x03(\x05\x12\x1a\n\rforced_accept\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rdecode_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x10\n\x0e_forced_acceptB\x10\n\x0e_decode_tokens\"\x0f\n\rTargetRelease\"\x11\n\x0fTargetRecapture\"\x0f\n\rTargetSuspend\"&\n\x0cTargetResume\x12\x16\n\x0e\x63\x61pture_hidden\x18\x01 \x01(\x08\"\xd5\x02\n\x08TargetOp\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12.\n\x07prefill\x18\x02 \x01(\x0b\x32\x1b.specsplit.v1.TargetPrefillH\x00\x12,\n\x06verify\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.TargetVerifyH\x00\x12.\n\x07release\x18\x04 \x01(\x0b\x32\x1b.specsplit.v1.TargetReleaseH\x00\x12\x32\n\trecapture\x18\x06 \x01(\x0b\x32\x1d.specsplit.v1.TargetRecaptureH\x00\x12.\n\x07suspend\x18\x07 \x01(\x0b\x32\x1b.specsplit.v1.TargetSuspendH\x00\x12,\n\x06resume\x18\x08 \x01(\x0b\x32\x1a.specsplit.v1.TargetResumeH\x00\x12\x13\n\x0btraceparent\x18\x05 \x01(\tB\x04\n\x02op\"\xca\x01\n\rVerifyColumns\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x16\n\x0e\x63\x61pture_hidden\x18\x02 \x03(\x08\x12\x14\n\x0c\x64raft_counts\x18\x03 \x03(\r\x12\x11\n\tdraft_ids\x18\x04 \x03(\r\x12\x0c\n\x04tree\x18\x05 \x03(\x08\x12\x15\n\rdraft_parents\x18\x06 \x03(\x11\x12\x15\n\rforced_accept\x18\x07 \x03(\x11\x12\x14\n\x0ctraceparents\x18\x08 \x03(\t\x12\x15\n\rdecode_tokens\x18\t \x03(\r\"\xa4\x01\n\x11TargetStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x03ops\x18\x02 \x03(\x0b\x32\x16.specsplit.v1.TargetOp\x12\x1b\n\x13release_generations\x18\x03 \x03(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12-\n\x08verifies\x18\x05 \x01(\x0b\x32\x1b.specsplit.v1.VerifyColumns\"\x98\x01\n\x0cTargetResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12)\n\x06status\x18\x02 \x01(\x0b\x32\x19.specsplit.v1.EntryStatus\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\'\n\x06hidden\x18\x05 \x01(\x0b\x32\x17.specsplit.v1.HiddenRef\"\xa5\x01\n\rResultColumns\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x14\n\x0ctoken_counts\x18\x02 \x03(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x03(\r\x12\x13\n\x0bhidden_rows\x18\x05 \x03(\r\x12\x16\n\x0ehidden_offsets\x18\x06 \x03(\x04\x12\x1a\n\x12hidden_generations\x18\x07 \x03(\x04\"\xa7\x01\n\x12TargetStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x07results\x18\x02 \x03(\x0b\x32\x1a.specsplit.v1.TargetResult\x12*\n\x06timing\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.ServerTiming\x12\'\n\x02ok\x18\x04 \x01(\x0b\x32\x1b.specsplit.v1.ResultColumns\"\x14\n\x12TargetStatsRequest\"w\n\x0bTargetStats\x12\x18\n\x10\x61\x63tive_sequences\x18\x01 \x01(\r\x12\x15\n\rfree_kv_slots\x18\x02 \x01(\r\x12\x18\n\x10ring_rows_in_use\x18\x03 \x01(\x04\x12\x1d\n\x15ring_live_allocations\x18\x04 \x01(\r2\xae\x02\n\rTargetService\x12I\n\x08\x44\x65scribe\x12#.specsplit.v1.TargetDescribeRequest\x1a\x18.specsplit.v1.TargetInfo\x12M\n\x04Step\x12\x1f.specsplit.v1.TargetStepRequest\x1a .specsplit.v1.TargetStepResponse(\x01\x30\x01\x12\x44\n\x05Stats\x12 .specsplit.v1.TargetStatsRequest\x1a\x19.specsplit.v1.TargetStats\x12=\n\x05Lease\x12\x1a.specsplit.v1.LeaseRequest\x1a\x18.specsplit.v1.LeaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/target.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x17\n\x15TargetDescribeRequest\"\xd1\x02\n\nTargetInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x15\n\rmax_sequences\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x15\n\raux_layer_ids\x18\x08 \x03(\r\x12\x39\n\x0chidden_store\x18\t \x01(\x0b\x32#.specsplit.v1.HiddenStoreDescriptor\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x18\n\x10max_draft_tokens\x18\x0c \x01(\r\x12\x13\n\x0bstep_socket\x18\r \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\"\x88\x01\n\rTargetPrefill\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x16\n\x0e\x63\x61pture_hidden\x18\x03 \x01(\x08\x12\r\n\x05start\x18\x04 \x01(\r\x12\x0c\n\x04more\x18\x05 \x01(\x08\"\xe2\x01\n\x0cTargetVerify\x12\x11\n\tdraft_ids\x18\x01 \x03(\r\x12\x34\n\x0b\x64raft_dists\x18\x02 \x03(\x0b\x32\x1f.specsplit.v1.DraftDistribution\x12\x16\n\x0e\x63\x61pture_hidden\x18\x03 \x01(\x08\x12\x15\n\rdraft_parents\x18\x04 \x03(\x05\x12\x1a\n\rforced_accept\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rdecode_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x10\n\x0e_forced_acceptB\x10\n\x0e_decode_tokens\"\x0f\n\rTargetRelease\"\x11\n\x0fTargetRecapture\"\x0f\n\rTargetSuspend\"&\n\x0cTargetResume\x12\x16\n\x0e\x63\x61pture_hidden\x18\x01 \x01(\x08\"\xd5\x02\n\x08TargetOp\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12.\n\x07prefill\x18\x02 \x01(\x0b\x32\x1b.specsplit.v1.TargetPrefillH\x00\x12,\n\x06verify\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.TargetVerifyH\x00\x12.\n\x07release\x18\x04 \x01(\x0b\x32\x1b.specsplit.v1.TargetReleaseH\x00\x12\x32\n\trecapture\x18\x06 \x01(\x0b\x32\x1d.specsplit.v1.TargetRecaptureH\x00\x12.\n\x07suspend\x18\x07 \x01(\x0b\x32\x1b.specsplit.v1.TargetSuspendH\x00\x12,\n\x06resume\x18\x08 \x01(\x0b\x32\x1a.specsplit.v1.TargetResumeH\x00\x12\x13\n\x0btraceparent\x18\x05 \x01(\tB\x04\n\x02op\"\xca\x01\n\rVerifyColumns\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x16\n\x0e\x63\x61pture_hidden\x18\x02 \x03(\x08\x12\x14\n\x0c\x64raft_counts\x18\x03 \x03(\r\x12\x11\n\tdraft_ids\x18\x04 \x03(\r\x12\x0c\n\x04tree\x18\x05 \x03(\x08\x12\x15\n\rdraft_parents\x18\x06 \x03(\x11\x12\x15\n\rforced_accept\x18\x07 \x03(\x11\x12\x14\n\x0ctraceparents\x18\x08 \x03(\t\x12\x15\n\rdecode_tokens\x18\t \x03(\r\"\xa4\x01\n\x11TargetStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x03ops\x18\x02 \x03(\x0b\x32\x16.specsplit.v1.TargetOp\x12\x1b\n\x13release_generations\x18\x03 \x03(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12-\n\x08verifies\x18\x05 \x01(\x0b\x32\x1b.specsplit.v1.VerifyColumns\"\x98\x01\n\x0cTargetResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12)\n\x06status\x18\x02 \x01(\x0b\x32\x19.specsplit.v1.EntryStatus\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\'\n\x06hidden\x18\x05 \x01(\x0b\x32\x17.specsplit.v1.HiddenRef\"\xa5\x01\n\rResultColumns\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x14\n\x0ctoken_counts\x18\x02 \x03(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x03(\r\x12\x13\n\x0bhidden_rows\x18\x05 \x03(\r\x12\x16\n\x0ehidden_offsets\x18\x06 \x03(\x04\x12\x1a\n\x12hidden_generations\x18\x07 \x03(\x04\"\xa7\x01\n\x12TargetStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x07results\x18\x02 \x03(\x0b\x32\x1a.specsplit.v1.TargetResult\x12*\n\x06timing\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.ServerTiming\x12\'\n\x02ok\x18\x04 \x01(\x0b\x32\x1b.specsplit.v1.ResultColumns\"\x14\n\x12TargetStatsRequest\"w\n\x0bTargetStats\x12\x18\n\x10\x61\x63tive_sequences\x18\x01 \x01(\r\x12\x15\n\rfree_kv_slots\x18\x02 \x01(\r\x12\x18\n\x10ring_rows_in_use\x18\x03 \x01(\x04\x12\x1d\n\x15ring_live_allocations\x18\x04 \x01(\r2\xae\x02\n\rTargetService\x12I\n\x08\x44\x65scribe\x12#.specsplit.v1.TargetDescribeRequest\x1a\x18.specsplit.v1.TargetInfo\x12M\n\x04Step\x12\x1f.specsplit.v1.TargetStepRequest\x1a .specsplit.v1.TargetStepResponse(\x01\x30\x01\x12\x44\n\x05Stats\x12 .specsplit.v1.TargetStatsRequest\x1a\x19.specsplit.v1.TargetStats\x12=\n\x05Lease\x12\x1a.specsplit.v1.LeaseRequest\x1a\x18.specsplit.v1.LeaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,35 +35,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TARGETDESCRIBEREQUEST']._serialized_start=70
   _globals['_TARGETDESCRIBEREQUEST']._serialized_end=93
   _globals['_TARGETINFO']._serialized_start=96
-  _globals['_TARGETINFO']._serialized_end=417
-  _globals['_TARGETPREFILL']._serialized_start=420
-  _globals['_TARGETPREFILL']._serialized_end=556
-  _globals['_TARGETVERIFY']._serialized_start=559
-  _globals['_TARGETVERIFY']._serialized_end=785
-  _globals['_TARGETRELEASE']._serialized_start=787
-  _globals['_TARGETRELEASE']._serialized_end=802
-  _globals['_TARGETRECAPTURE']._serialized_start=804
-  _globals['_TARGETRECAPTURE']._serialized_end=821
-  _globals['_TARGETSUSPEND']._serialized_start=823
-  _globals['_TARGETSUSPEND']._serialized_end=838
-  _globals['_TARGETRESUME']._serialized_start=840
-  _globals['_TARGETRESUME']._serialized_end=878
-  _globals['_TARGETOP']._serialized_start=881
-  _globals['_TARGETOP']._serialized_end=1222
-  _globals['_VERIFYCOLUMNS']._serialized_start=1225
-  _globals['_VERIFYCOLUMNS']._serialized_end=1427
-  _globals['_TARGETSTEPREQUEST']._serialized_start=1430
-  _globals['_TARGETSTEPREQUEST']._serialized_end=1594
-  _globals['_TARGETRESULT']._serialized_start=1597
-  _globals['_TARGETRESULT']._serialized_end=1749
-  _globals['_RESULTCOLUMNS']._serialized_start=1752
-  _globals['_RESULTCOLUMNS']._serialized_end=1917
-  _globals['_TARGETSTEPRESPONSE']._serialized_start=1920
-  _globals['_TARGETSTEPRESPONSE']._serialized_end=2087
-  _globals['_TARGETSTATSREQUEST']._serialized_start=2089
-  _globals['_TARGETSTATSREQUEST']._serialized_end=2109
-  _globals['_TARGETSTATS']._serialized_start=2111
-  _globals['_TARGETSTATS']._serialized_end=2230
-  _globals['_TARGETSERVICE']._serialized_start=2233
-  _globals['_TARGETSERVICE']._serialized_end=2535
+  _globals['_TARGETINFO']._serialized_end=433
+  _globals['_TARGETPREFILL']._serialized_start=436
+  _globals['_TARGETPREFILL']._serialized_end=572
+  _globals['_TARGETVERIFY']._serialized_start=575
+  _globals['_TARGETVERIFY']._serialized_end=801
+  _globals['_TARGETRELEASE']._serialized_start=803
+  _globals['_TARGETRELEASE']._serialized_end=818
+  _globals['_TARGETRECAPTURE']._serialized_start=820
+  _globals['_TARGETRECAPTURE']._serialized_end=837
+  _globals['_TARGETSUSPEND']._serialized_start=839
+  _globals['_TARGETSUSPEND']._serialized_end=854
+  _globals['_TARGETRESUME']._serialized_start=856
+  _globals['_TARGETRESUME']._serialized_end=894
+  _globals['_TARGETOP']._serialized_start=897
+  _globals['_TARGETOP']._serialized_end=1238
+  _globals['_VERIFYCOLUMNS']._serialized_start=1241
+  _globals['_VERIFYCOLUMNS']._serialized_end=1443
+  _globals['_TARGETSTEPREQUEST']._serialized_start=1446
+  _globals['_TARGETSTEPREQUEST']._serialized_end=1610
+  _globals['_TARGETRESULT']._serialized_start=1613
+  _globals['_TARGETRESULT']._serialized_end=1765
+  _globals['_RESULTCOLUMNS']._serialized_start=1768
+  _globals['_RESULTCOLUMNS']._serialized_end=1933
+  _globals['_TARGETSTEPRESPONSE']._serialized_start=1936
+  _globals['_TARGETSTEPRESPONSE']._serialized_end=2103
+  _globals['_TARGETSTATSREQUEST']._serialized_start=2105
+  _globals['_TARGETSTATSREQUEST']._serialized_end=2125
+  _globals['_TARGETSTATS']._serialized_start=2127
+  _globals['_TARGETSTATS']._serialized_end=2246
+  _globals['_TARGETSERVICE']._serialized_start=2249
+  _globals['_TARGETSERVICE']._serialized_end=2551
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ class TargetDescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "hidden_size", "num_layers", "max_context", "max_sequences", "eos_token_ids", "aux_layer_ids", "hidden_store", "tp_size", "dtype", "max_draft_tokens", "step_socket")
+    __slots__ = ("model_name", "vocab_size", "hidden_size", "num_layers", "max_context", "max_sequences", "eos_token_ids", "aux_layer_ids", "hidden_store", "tp_size", "dtype", "max_draft_tokens", "step_socket", "device")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class TargetInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     hidden_size: int
@@ -39,7 +40,8 @@ class TargetInfo(_message.Message):
     dtype: str
     max_draft_tokens: int
     step_socket: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., max_sequences: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., hidden_store: _Optional[_Union[_common_pb2.HiddenStoreDescriptor, _Mapping]] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., step_socket: _Optional[str] = ...) -> None: ...
+    device: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., max_sequences: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., hidden_store: _Optional[_Union[_common_pb2.HiddenStoreDescriptor, _Mapping]] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., step_socket: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class TargetPrefill(_message.Message):
     __slots__ = ("prompt_ids", "sampling", "capture_hidden", "start", "more")
