@@ -120,7 +120,8 @@ def shape(a: argparse.Namespace, steps: int) -> dict[str, int]:
     return {"topk": tree_topk(a), "num_draft_tokens": tree_size(a)} if steps and tree_topk(a) > 1 else {}
 
 
-VARIANTS = ("thread", "one-loop", "spin", "traced")  # the stack's control path: see --variants
+# the stack's control path (see --variants); "-ahead": with drafting ahead, the others without
+VARIANTS = ("thread", "one-loop", "spin", "traced", "spin-ahead", "thread-ahead")
 
 
 def client_side(gens: list[Generation]) -> dict[str, Any]:
@@ -142,11 +143,13 @@ def variant_args(variant: str, spin_us: float) -> tuple[list[str], list[str]]:
     speculation loop on its own thread with blocking step sockets and no spinning, `one-loop`
     the gateway on one event loop (--no-loop-thread), `spin` `thread` with every step socket
     polled for spin_us before a blocking read (gateway and both services; on GPU stacks the
-    default, 20000 µs), `traced` `spin` with every request traced (traced_env)."""
+    default, 20000 µs), `traced` `spin` with every request traced (traced_env); `spin-ahead` and
+    `thread-ahead` theirs with the gateway's --draft-ahead on (every other one with it off)."""
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
-    spin = spin_us if variant in ("spin", "traced") else 0.0
+    spin = spin_us if variant in ("spin", "traced", "spin-ahead") else 0.0
     gateway = ["--no-loop-thread"] if variant == "one-loop" else ["--step-spin-us", str(spin)]
+    gateway += ["--draft-ahead", "on" if variant.endswith("-ahead") else "off"]
     return gateway, ["--step-socket-spin-us", str(spin)]
 
 
@@ -227,6 +230,9 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                 # encoding, this less draft_us / verify_us the service's host work around its engine
                 rows[steps]["draft_service_us"] = round(sum(x.draft_service_ms for x in s) * 1e3 / cycles, 1)
                 rows[steps]["verify_service_us"] = round(sum(x.verify_service_ms for x in s) * 1e3 / cycles, 1)
+                ahead = sum(x.draft_ahead_hits + x.draft_ahead_misses for x in s)
+                if ahead:  # cycles whose next drafts were ready at once
+                    rows[steps]["draft_ahead_hit_rate"] = round(sum(x.draft_ahead_hits for x in s) / ahead, 3)
         finally:
             client.close()
     if variant == "traced":  # the stack has stopped: every span is written
@@ -239,7 +245,8 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
 def add_variant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default="spin", help="comma list of (ii)'s control path: spin (every step socket "
                    "polled --spin-us before blocking: the GPU default), thread (no spinning), one-loop (also the "
-                   "gateway's --no-loop-thread), traced (spin, every request traced to jsonl files)")
+                   "gateway's --no-loop-thread), traced (spin, every request traced to jsonl files), spin-ahead "
+                   "and thread-ahead (spin and thread with the gateway's --draft-ahead on; the others: off)")
     p.add_argument("--spin-us", type=float, default=20_000.0)
 
 

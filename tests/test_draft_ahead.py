@@ -3,6 +3,7 @@ past the extend committed."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,13 @@ from bench.replay import ReplayDraft, Replayer
 from gateway.clients import LocalDraft
 from gateway.local import LocalEngines
 from gateway.sequence import GenerationRequest
+from specsplit.cli.client import GatewayClient, make_request
+from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.ops import Code, ExtendPropose, HiddenRef, Sampling
 from tests.test_draft import make_runtime, put
+from tests.test_faults import PROMPT, stack_cfg
 from tests.test_lossless import TINY_PROMPTS, request
+from tests.test_services import wait_idle
 
 
 def _setup(tiny_target: Path, tiny_head: Path, seed: int = 0):  # noqa: ANN202
@@ -125,3 +130,71 @@ def test_drafting_ahead_is_lossless(tiny_engines: LocalEngines, topk: int, rate:
         assert misses > 0
     assert tiny_engines.target.stats()["ring_rows_in_use"] == 0
     assert tiny_engines.draft.stats()["active_sequences"] == 0
+
+
+CODE_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+
+
+@pytest.fixture(scope="module")
+def ahead_stack(tmp_path_factory: pytest.TempPathFactory) -> ServiceStack:
+    """SmolLM2 and its shipped head as three processes, drafting ahead."""
+    cfg = StackConfig.of(model="smollm2", max_context=512, max_sequences=4, dtype="float32",
+                         log_dir=tmp_path_factory.mktemp("logs"), extra_gateway_args=["--draft-ahead", "on"])
+    with ServiceStack(cfg) as s:
+        yield s
+
+
+@pytest.mark.parametrize("shape", [{"num_steps": 3}, {"num_steps": 4, "topk": 4, "num_draft_tokens": 8}])
+def test_services_drafting_ahead_equal_target_only(ahead_stack: ServiceStack, shape: dict[str, int]) -> None:
+    """Through the services: the tokens of speculation off, two streams at once, with hits."""
+    client = GatewayClient(ahead_stack.addr("gateway"))
+    try:
+        prompts = [CODE_PROMPT, "List the first ten prime numbers, separated by commas."]
+        base = [client.generate(make_request(p, max_new_tokens=48, speculation=False)) for p in prompts]
+        with ThreadPoolExecutor(2) as pool:
+            spec = list(pool.map(lambda p: client.generate(make_request(p, max_new_tokens=48, **shape)), prompts))
+        assert [list(s.token_ids) for s in spec] == [list(b.token_ids) for b in base]
+        stats = [s.final.speculation for s in spec]
+        assert sum(s.draft_ahead_hits for s in stats) > 0 and sum(s.draft_ahead_misses for s in stats) > 0
+        assert all(s.draft_ahead_hits + s.draft_ahead_misses <= s.cycles for s in stats)
+    finally:
+        client.close()
+    t, d = wait_idle(ahead_stack)
+    assert t.active_sequences == t.ring_rows_in_use == d.active_sequences == 0
+
+
+def test_a_stream_cancelled_while_drafting_ahead_is_released(ahead_stack: ServiceStack) -> None:
+    client = GatewayClient(ahead_stack.addr("gateway"))
+    try:
+        call = client.stub.Generate(make_request(CODE_PROMPT, max_new_tokens=400, ignore_eos=True, num_steps=3))
+        next(call)
+        next(call)
+        call.cancel()
+    finally:
+        client.close()
+    t, d = wait_idle(ahead_stack)
+    assert t.active_sequences == t.ring_rows_in_use == d.active_sequences == 0
+
+
+def test_drafting_ahead_survives_the_draft_dying(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
+    """The draft killed while drafting ahead: the stream goes on target-only with the same
+    tokens, and speculation (ahead too) resumes once the draft is back."""
+    cfg = stack_cfg(tiny_target, tiny_head, tmp_path)
+    cfg.extra_gateway_args += ["--draft-ahead", "on"]
+    with ServiceStack(cfg) as stack:
+        client = GatewayClient(stack.addr("gateway"))
+        n = 3000
+        base = client.generate(make_request(token_ids=PROMPT, max_new_tokens=n, ignore_eos=True, speculation=False))
+        call = client.stub.Generate(make_request(token_ids=PROMPT, max_new_tokens=n, ignore_eos=True, num_steps=3))
+        tokens = list(next(call).token_ids)
+        stack.kill("draft")
+        stack.restart("draft")
+        for msg in call:
+            tokens += msg.token_ids
+            if msg.HasField("final"):
+                final = msg.final
+        assert tokens == base.token_ids and final.finish_reason == "length"
+        after = client.generate(make_request(token_ids=PROMPT, max_new_tokens=40, ignore_eos=True, num_steps=3))
+        assert after.token_ids == base.token_ids[:40] and after.final.speculation.draft_ahead_misses > 0
+        client.close()
+    assert "speculation suspended" in (tmp_path / "gateway.log").read_text()

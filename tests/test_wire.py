@@ -52,6 +52,7 @@ DRAFT_OPS = [
     ExtendPropose(2, [5], HiddenRef(0, 1, 4), 0),
     ExtendPropose(3, [5, 6, 7], HiddenRef(20, 1, 9), 5, Sampling(), "", 50, 4, 16,
                   [HiddenRef(12, 1, 7), HiddenRef(14, 1, 8, b"\x00")]),
+    ExtendPropose(5, [], HiddenRef(0, 0, 0), 3, position=30, ahead=[8, 9, 10]),  # drafting ahead, no extend
     Release(4, TRACE),
 ]
 DRAFT_RESULTS = [
@@ -59,6 +60,7 @@ DRAFT_RESULTS = [
     DraftResult(2, draft_ids=[8, 9, 10, 11], draft_parents=[-1, -1, 0, 1], consumed_generation=4),
     DraftResult(3, draft_ids=[8, 9], draft_dists=[([8, 2], [0.5, 0.5]), ([9], [1.0])], consumed_generation=5),
     DraftResult(4, Code.INVALID_ARGUMENT, "token id outside the vocabulary", consumed_generation=6),
+    DraftResult(5, draft_ids=[3, 4], ahead_bonus=0),  # drafted ahead from the guessed token 0
 ]
 # (message holding a list of them, that list's field, writer, reader)
 CODECS = {
@@ -175,8 +177,8 @@ def test_a_draft_step_of_many_ops_round_trips_with_its_extends_as_columns(ops: l
     back = draft_pb2.DraftStepRequest.FromString(req.SerializeToString())
     got = [wire.draft_op_from_proto(p) for p in back.ops] + columns.draft_step_ops(back)
     assert len(got) == len(ops) and _by_id(got) == _by_id(ops)
-    sent = [op for op in ops if isinstance(op, ExtendPropose) and not op.hidden.inline
-            and not any(r.inline for r in op.earlier)]  # not a release, nor inline rows
+    sent = [op for op in ops if isinstance(op, ExtendPropose) and not op.hidden.inline and not op.ahead
+            and not any(r.inline for r in op.earlier)]  # not a release, nor inline rows, nor drafting ahead
     assert len(back.extend_proposes.seq_ids) == (len(sent) if len(sent) >= columns.DRAFT_COLUMNS_FROM else 0)
 
 
@@ -189,7 +191,7 @@ def test_a_draft_step_of_many_results_round_trips_with_the_successful_ones_as_co
     back = draft_pb2.DraftStepResponse.FromString(m.SerializeToString())
     got = columns.draft_results_from_proto(back)
     assert len(got) == len(results) and _by_id(got) == _by_id(results)
-    assert len(back.results) == 2  # the failure, and the sampled proposal
+    assert len(back.results) == 3  # the failure, the sampled proposal and the one drafted ahead
 
 
 @pytest.mark.parametrize("break_it", [
