@@ -77,11 +77,12 @@ def measure(engines: LocalEngines, prompt: list[int], reference: list[int], shap
             (ahead,), _ = draft.step([ExtendPropose(3, tokens[1 : start + 1], ref(start), k, **extra,
                                                     ahead=tokens[start + 1 : start + 1 + k])])
             draft.step([Release(2), Release(3)])
-            if ahead.ahead_bonus != tokens[c]:
+            whole = next((o for o in ahead.ahead if o.accepted == k), None)  # the whole path's outcome
+            if whole is None or whole.bonus != tokens[c]:
                 continue  # a miss: no pre-draft would be used
             truth = tokens[c + 1 : c + 1 + k]
             out.append((accepted(wait.draft_ids, wait.draft_parents, truth),
-                        accepted(ahead.draft_ids, ahead.draft_parents, truth)))
+                        accepted(whole.draft_ids, whole.draft_parents, truth)))
     finally:
         target.step([Release(1)], [feats.generation])
     return out

@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 from gateway.clients import DraftClient, Meanwhile
-from specsplit.ops import DraftOp, DraftResult, ExtendPropose, StepTiming
+from specsplit.ops import Code, DraftOp, DraftResult, ExtendPropose, StepTiming
 
 LABEL = "replayed acceptance"
 
@@ -40,16 +40,20 @@ class Replayer:
             raise ValueError(f"{path}: expected a JSON list of token-id lists")
         return cls([[int(t) for t in r] for r in refs], accept_rate, vocab)
 
-    def _hit(self, index: int, position: int) -> bool:
-        if index not in self.hits:
-            rng = random.Random(self.seed * 1_000_003 + index)
-            self.hits[index] = [rng.random() < self.accept_rate for _ in self.references[index]]
-        hits = self.hits[index]
+    def _hit(self, index: int, position: int, stream: int = 0) -> bool:
+        key = index + stream * len(self.references)  # stream 1: guesses that depart from a drafted path
+        if key not in self.hits:
+            rng = random.Random(self.seed * 1_000_003 + key)
+            self.hits[key] = [rng.random() < self.accept_rate for _ in self.references[index]]
+        hits = self.hits[key]
         return position < len(hits) and hits[position]
 
-    def rewrite(self, op: ExtendPropose, draft_ids: list[int]) -> list[int]:
-        """An extend-and-propose's drafts as replayed; drafting ahead (op.ahead), the guessed
-        token then the drafts, positions past the assumed ones."""
+    def rewrite(self, op: ExtendPropose, draft_ids: list[int], outcomes: list[tuple[int, list[int]]] | None = None
+                ) -> list[int]:
+        """An extend-and-propose's drafts as replayed. Drafting ahead (op.ahead), `outcomes`
+        (accepted path tokens, guessed token then drafts) are rewritten in place, each from the
+        position after its accepted tokens; an outcome that departs from the path guesses right
+        at the same rate, by a draw of its own."""
         if op.position == 0:
             index = next((i for i, r in enumerate(self.references) if r[1 : 1 + len(op.tokens)] == op.tokens), None)
             if index is None:
@@ -59,14 +63,19 @@ class Replayer:
         if op.seq_id not in self.by_seq:
             return draft_ids
         index, seen = self.by_seq[op.seq_id]
-        ref = self.references[index]
         n = seen + len(op.tokens)  # the draft has seen tokens 1..n; the next true token is ref[n + 1]
         self.by_seq[op.seq_id] = (index, n)
-        out = []
-        for i in range(len(draft_ids)):
-            at = n + 1 + len(op.ahead) + i
+        for accepted, ids in outcomes or []:
+            departs = accepted < len(op.ahead)  # (the path's own draw at that position said: rejected)
+            ids[:] = self._replayed(index, n + 1 + accepted, len(ids), departs)
+        return self._replayed(index, n + 1, len(draft_ids))
+
+    def _replayed(self, index: int, start: int, count: int, departs: bool = False) -> list[int]:
+        ref, out = self.references[index], []
+        for at in range(start, start + count):
             true = ref[at] if at < len(ref) else 0
-            out.append(true if self._hit(index, at) else (true + 1) % self.vocab)
+            hit = self._hit(index, at, 1) if departs and at == start else self._hit(index, at)
+            out.append(true if hit else (true + 1) % self.vocab)
         return out
 
     def forget(self, seq_id: int) -> None:
@@ -100,14 +109,17 @@ class ReplayDraft:
             op = by_op.get(r.seq_id)
             if op is None:
                 self.replayer.forget(r.seq_id)
-            elif r.draft_ids:  # a tree is replaced by a chain as deep as the tree
-                ids = r.draft_ids[: op.num_steps] if r.draft_parents else r.draft_ids
-                if op.ahead and r.ahead_bonus >= 0:  # the guessed token is replayed too
-                    r.ahead_bonus, *ids = self.replayer.rewrite(op, [r.ahead_bonus, *ids])
-                    r.draft_ids = ids
-                else:
-                    r.draft_ids = self.replayer.rewrite(op, ids)
-                r.draft_parents = []
+                continue
+            if r.code != Code.OK:  # nothing extended
+                continue
+            # a tree is replaced by a chain as deep as the tree; drafting ahead, each outcome's guess is replayed too
+            outcomes = [(o.accepted, [o.bonus, *(o.draft_ids[: op.num_steps] if o.draft_parents else o.draft_ids)])
+                        for o in r.ahead]
+            ids = self.replayer.rewrite(op, r.draft_ids[: op.num_steps] if r.draft_parents else r.draft_ids, outcomes)
+            if r.draft_ids:
+                r.draft_ids, r.draft_parents = ids, []
+            for o, (_, replayed) in zip(r.ahead, outcomes, strict=True):
+                o.bonus, o.draft_ids, o.draft_parents = replayed[0], replayed[1:], []
 
     def __getattr__(self, name: str) -> object:  # stream, attach, close: the inner client's
         return getattr(self.inner, name)

@@ -27,6 +27,8 @@ class DraftConfig:
     max_context: int = flag(2048, "--max-context", "tokens per sequence")
     max_sequences: int = flag(8, "--max-sequences", "preallocated KV slots")
     max_steps: int = flag(8, "--max-steps", "draft tokens proposed per cycle (a chain), or levels of a tree, at most")
+    ahead_slots: int = flag(8, "--ahead-slots", "KV slots for drafting ahead: each holds one more outcome of a verify "
+                            "than the whole path accepted, proposed for (0: that one only)")
     max_topk: int = flag(8, "--max-topk", "widest tree branching proposed (KV room: max-steps * max-topk entries)")
     host: str = flag("127.0.0.1", "--host", "address to serve on")
     port: int = flag(50062, "--port", "port to serve on")
@@ -59,6 +61,8 @@ class DraftConfig:
 
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
+        if not 0 <= self.ahead_slots <= 256:
+            raise ValueError("ahead_slots must be within 0..256")
         for name in ("max_context", "max_sequences", "max_steps", "max_topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from draft_service.ahead import check_ahead, draft_ahead
+from draft_service.ahead import check_ahead, draft_ahead, keep_last
 from draft_service.tree import fused_top_k, grow_trees, unpack_trees
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.fused_head import fused_head, level_kernel
 from specsplit.ops import (
     MAX_EARLIER,
     PUT_OFF_TOKENS,
+    AheadOutcome,
     Code,
     DraftOp,
     DraftResult,
@@ -89,13 +90,15 @@ class Proposal:
     ids: list[int] = field(default_factory=list)  # target token ids
     dists: list[SparseDist] = field(default_factory=list)  # sampled chains: q of each token
     parents: list[int] = field(default_factory=list)  # trees: each token's parent (-1: the sequence)
-    bonus: int = -1  # drafting ahead: the guessed target token the proposal grows from (draft_service.ahead)
+    ahead: list[AheadOutcome] = field(default_factory=list)  # drafting ahead's (draft_service.ahead)
 
 
 class DraftEngine:
     def __init__(self, head: Eagle3Head, max_sequences: int, max_context: int, max_steps: int,
-                 cuda_graphs: bool = True, compile: bool = False, max_topk: int = 8, fused: str = "auto") -> None:
+                 cuda_graphs: bool = True, compile: bool = False, max_topk: int = 8, fused: str = "auto",
+                 ahead_slots: int = 0) -> None:
         self.head, self.max_steps, self.max_context, self.max_topk = head, max_steps, max_context, max_topk
+        self.max_sequences = max_sequences
         # extends of up to max_steps + 1 tokens (a cycle's) or PUT_OFF_TOKENS (those put off, gateway.phases) run
         # padded, from graphs on CUDA; room for them, chains and trees past the context
         longest = max(max_steps + 1, PUT_OFF_TOKENS)
@@ -105,7 +108,8 @@ class DraftEngine:
         cuda = next(head.parameters()).device.type == "cuda"
         whole = compile and cuda_graphs and cuda
         fused_step = fused_head(head, fused) if cuda and not compile else None  # compiled: the padded path
-        self.runner = ModelRunner(head, max_sequences, max_context + room, cuda_graphs=cuda_graphs,
+        slots = max_sequences + ahead_slots  # (draft_service.ahead: its outcomes' scratch slots)
+        self.runner = ModelRunner(head, slots, max_context + room, cuda_graphs=cuda_graphs,
                                   compile=compile and not whole, compile_graphs=whole, padded_tokens=longest,
                                   row_bucket=extend_bucket, fused_head=fused_step)
         self.seqs: dict[int, DraftSequence] = {}
@@ -119,7 +123,7 @@ class DraftEngine:
         # each slot's pre-norm state at its last committed entry, kept by every extend: where drafting ahead
         # starts (draft_service.ahead) [slots + 1, H]
         p = head.fc.weight
-        self.last_hidden = torch.zeros(max_sequences + 1, head.cfg.hidden_size, dtype=p.dtype, device=p.device)
+        self.last_hidden = torch.zeros(slots + 1, head.cfg.hidden_size, dtype=p.dtype, device=p.device)
 
     @property
     def step_path(self) -> str:
@@ -164,7 +168,7 @@ class DraftEngine:
             for w, p in zip(work, proposals, strict=True):
                 results[w.index] = DraftResult(w.op.seq_id, draft_ids=p.ids, draft_dists=p.dists,
                                                consumed_generation=w.op.hidden.generation, draft_parents=p.parents,
-                                               ahead_bonus=p.bonus)
+                                               ahead=p.ahead)
         ended = time.time_ns()
         for r in results:
             assert r is not None
@@ -172,7 +176,7 @@ class DraftEngine:
         return results  # type: ignore[return-value]
 
     def _open(self, op: ExtendPropose) -> DraftSequence:
-        if not self.runner.free_slots:
+        if len(self.seqs) >= self.max_sequences or not self.runner.free_slots:
             raise OpError(Code.RESOURCE_EXHAUSTED, "no free draft KV slot")
         gen = torch.Generator(device=self.device).manual_seed((op.sampling.seed ^ _DRAFT_SEED_SALT) & (2**63 - 1))
         seq = DraftSequence(self.runner.allocate(), 0, op.sampling, gen, self.epoch)
@@ -224,10 +228,6 @@ class DraftEngine:
         except ValueError as e:
             raise OpError(Code.INVALID_ARGUMENT, f"bad hidden-state reference: {e}") from e
 
-    def keep_last(self, prenorm: torch.Tensor, slots: list[int]) -> None:
-        """The pre-norm states [n, H] of the slots' last committed entries."""
-        self.last_hidden[torch.tensor(slots, device=self.device)] = prenorm.to(self.last_hidden.dtype)
-
     def extend_and_propose(self, work: list[Work], ring: torch.Tensor | None) -> list[Proposal]:
         """Extend each entry's sequence by its tokens and propose from it (`ring`: where its
         features are read from, for entries with ring rows); those drafting ahead apart."""
@@ -253,7 +253,7 @@ class DraftEngine:
             extended = self.runner.run(Step(rows, hidden=[w.read(ring) for w in work]))
             last_logits = torch.stack([logits[-1] for logits, _ in extended])  # [n, Vd]
             hidden = torch.stack([prenorm[-1] for _, prenorm in extended if prenorm is not None])  # [n, H]
-            self.keep_last(hidden, [r.slot for r in rows])
+            keep_last(self, hidden, [r.slot for r in rows])
             if sampled:
                 self._sampled_chains([work[i] for i in sampled], last_logits[sampled], hidden[sampled],
                                      [ends[i] for i in sampled], [out[i] for i in sampled])

@@ -50,7 +50,7 @@ class DraftRuntime:
         self.cfg = cfg
         self.head = head or build_head(cfg)
         self.engine = DraftEngine(self.head, cfg.max_sequences, cfg.max_context, cfg.max_steps, cfg.cuda_graphs,
-                                  cfg.compile, cfg.max_topk, cfg.fused_head)
+                                  cfg.compile, cfg.max_topk, cfg.fused_head, cfg.ahead_slots)
         self.descriptor: Descriptor | None = None
         self.opens = 0  # hidden-store mappings opened: once per target, never per cycle
         self.warm_topk = cfg.warm_topk or list(WARM_TOPK)
@@ -95,7 +95,8 @@ class DraftRuntime:
         return self.engine.hold(epoch)
 
     def stats(self) -> dict[str, int]:
-        return {"active_sequences": len(self.engine.seqs), "free_kv_slots": self.engine.runner.free_slots}
+        seqs = len(self.engine.seqs)
+        return {"active_sequences": seqs, "free_kv_slots": self.engine.max_sequences - seqs}
 
 
 def reads_ring(key: tuple[object, ...]) -> bool:

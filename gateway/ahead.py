@@ -1,13 +1,13 @@
 """Drafting ahead (gateway.phases' target call): while the target verifies a cycle's drafts, the
-draft proposes the next cycle's, assuming the most likely outcome: the drafts' best path
-accepted, then the target's token after it as the head guesses it (draft_service.ahead).
+draft proposes the next cycle's for outcomes of that verify: the drafts' best path accepted, or
+its first few, then the target's token after them as the head guesses it (draft_service.ahead).
 
 The call goes out before the target's and its reply is read after it, so the two services
 compute at once. The same draft call extends the sequence by the tokens the last verify
-confirmed, with the target's features (the extend a hit put off). When the verify accepts
-exactly the assumed path and the guessed token (a hit), the next cycle verifies the
-pre-drafted proposal at once, without a draft call before it; otherwise (a miss) the proposal
-is dropped and the next cycle drafts as usual. The draft commits nothing past its extend, and
+confirmed, with the target's features (the extend a hit put off). When the verify's tokens are
+one of the outcomes proposed for (a hit), the next cycle verifies that outcome's proposal at
+once, without a draft call before it; otherwise (a miss) the proposals are dropped and the
+next cycle drafts as usual. The draft commits nothing past its extend, and
 the target decides every token: the output is the same either way. Greedy sequences only (a
 sampled proposal would draw from the draft's generator for a path that may not happen)."""
 
@@ -130,11 +130,13 @@ def settle(sched: Scheduler, ahead: Ahead, verified: dict[int, list[int]]) -> No
             s.synced, s.drafts, s.parents = False, [], []
             continue
         s.draft_failures = 0
-        hit = r.ahead_bonus >= 0 and bool(r.draft_ids) and verified.get(s.seq_id) == [*op.ahead, r.ahead_bonus]
-        if hit:
-            s.drafts, s.dists, s.parents = r.draft_ids, [], r.draft_parents
-        s.stats.record_ahead(hit)
-        sched.totals.record_ahead(hit)
+        tokens = verified.get(s.seq_id)
+        hit = next((o for o in r.ahead if o.draft_ids and tokens == [*op.ahead[: o.accepted], o.bonus]), None)
+        if hit is not None:
+            s.drafts, s.dists, s.parents = hit.draft_ids, [], hit.draft_parents
+        s.stats.record_ahead(hit is not None)
+        sched.totals.record_ahead(hit is not None)
         if s.cycle_span.is_recording():
-            s.cycle_span.set_attributes({"spec.draft_ahead": "hit" if hit else "miss",
+            s.cycle_span.set_attributes({"spec.draft_ahead": "miss" if hit is None else "hit",
+                                         "spec.draft_ahead_outcomes": len(r.ahead),
                                          "spec.draft_ahead_wait_ms": ahead.wait_ms})

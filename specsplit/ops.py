@@ -142,8 +142,8 @@ class ExtendPropose:
     topk: int = 1  # > 1: propose a tree (greedy only), num_steps deep, branching topk per expanded node
     num_draft_tokens: int = 0  # a tree's size counting the root (SGLang's meaning): keeps num_draft_tokens - 1 drafts
     earlier: list[HiddenRef] = field(default_factory=list)  # rows before `hidden`'s, in order (extends put off)
-    # drafting ahead (greedy): after the extend (`tokens` may then be empty), assume these drafts, being verified
-    # now, are accepted; guess the target's token after them and propose the next cycle's drafts from it, with
+    # drafting ahead (greedy): after the extend (`tokens` may then be empty), the best path of the drafts being
+    # verified now; the draft proposes the next cycle's drafts for outcomes of that verify (AheadOutcome), with
     # the head's own states for the assumed tokens. Nothing past the extend is committed.
     ahead: list[int] = field(default_factory=list)
 
@@ -168,6 +168,17 @@ def draft_cycle_entries(last_start: int, longest: int, last_end: int, steps: int
 
 
 @dataclass
+class AheadOutcome:
+    """One outcome of a verify that a draft-ahead assumed, and its proposal: `accepted` drafts of
+    the path accepted, then the target's token `bonus`."""
+
+    accepted: int
+    bonus: int
+    draft_ids: list[int] = field(default_factory=list)
+    draft_parents: list[int] = field(default_factory=list)
+
+
+@dataclass
 class DraftResult:
     seq_id: int
     code: Code = Code.OK
@@ -176,7 +187,7 @@ class DraftResult:
     draft_dists: list[SparseDist] = field(default_factory=list)
     consumed_generation: int = 0
     draft_parents: list[int] = field(default_factory=list)  # a tree (as in Verify); empty: a chain
-    ahead_bonus: int = -1  # drafting ahead: the guessed token after ExtendPropose.ahead (-1: no pre-draft made)
+    ahead: list[AheadOutcome] = field(default_factory=list)  # drafting ahead: the outcomes proposed for
     started_ns: int = 0
     ended_ns: int = 0
 

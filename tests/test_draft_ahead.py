@@ -40,13 +40,18 @@ def test_ahead_of_a_chain_continues_the_greedy_chain(tiny_target: Path, tiny_hea
     try:
         (long,) = rt.engine.execute([ExtendPropose(1, tokens[:16], put(writer, feats[:16]), 7)])
         (short,) = rt.engine.execute([ExtendPropose(2, tokens[:16], put(writer, feats[:16]), 3)])
-        assert long.code == short.code == Code.OK and short.ahead_bonus == -1
+        assert long.code == short.code == Code.OK and short.ahead == []
         assert short.draft_ids == long.draft_ids[:3]
         (ahead,) = rt.engine.execute([ExtendPropose(2, [], HiddenRef(0, 0, 0), 3, position=16,
                                                     ahead=short.draft_ids)])
-        assert ahead.code == Code.OK
-        assert [ahead.ahead_bonus, *ahead.draft_ids] == long.draft_ids[3:7]
+        assert ahead.code == Code.OK and ahead.draft_ids == []
+        assert [o.accepted for o in ahead.ahead] == [3, 0, 1, 2]  # the whole path, then the shallowest first
+        whole = ahead.ahead[0]
+        assert [whole.bonus, *whole.draft_ids] == long.draft_ids[3:7]
+        for o in ahead.ahead[1:]:  # each departs from the path where it says, with 3 drafts of its own
+            assert o.bonus != short.draft_ids[o.accepted] and len(o.draft_ids) == 3 and o.draft_parents == []
         assert rt.engine.seqs[2].length == 16  # nothing past the extend committed
+        assert rt.engine.runner.free_slots == 12 - 2  # the scratch slots back
     finally:
         writer.close()
 
@@ -61,11 +66,35 @@ def test_ahead_commits_its_extend_only(tiny_target: Path, tiny_head: Path) -> No
         (a,) = rt.engine.execute([ExtendPropose(1, tokens[12:16], put(writer, feats[12:16]), 4, position=12,
                                                 ahead=[5, 6, 7], topk=2, num_draft_tokens=6)])
         (b,) = rt.engine.execute([ExtendPropose(2, tokens[12:16], put(writer, feats[12:16]), 4, position=12)])
-        assert a.code == b.code == Code.OK and a.ahead_bonus >= 0 and len(a.draft_ids) == 5 and a.draft_parents
+        assert a.code == b.code == Code.OK and a.draft_ids == []
+        whole = a.ahead[0]
+        assert whole.accepted == 3 and len(whole.draft_ids) == 5 and len(whole.draft_parents) == 5
         assert rt.engine.seqs[1].length == rt.engine.seqs[2].length == 16
         (a2,) = rt.engine.execute([ExtendPropose(1, tokens[16:20], put(writer, feats[16:20]), 4, position=16)])
         (b2,) = rt.engine.execute([ExtendPropose(2, tokens[16:20], put(writer, feats[16:20]), 4, position=16)])
         assert a2.draft_ids == b2.draft_ids
+    finally:
+        writer.close()
+
+
+def test_an_outcome_depends_on_the_path_up_to_where_it_departs(tiny_target: Path, tiny_head: Path) -> None:
+    """An outcome that departs from the path after d drafts is the same whatever the path holds
+    past d + 1, whichever scratch slot it had and whatever shares the step; without free slots only
+    the whole path's outcome is proposed."""
+    rt, writer, feats, tokens = _setup(tiny_target, tiny_head, seed=2)
+    try:
+        rt.engine.execute([ExtendPropose(i, tokens[:12], put(writer, feats[:12]), 3, topk=2, num_draft_tokens=6)
+                           for i in (1, 2, 3)])
+        opts = {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}
+        (a,) = rt.engine.execute([ExtendPropose(1, [], HiddenRef(0, 0, 0), position=12, ahead=[5, 6, 7], **opts)])
+        b, c = rt.engine.execute([ExtendPropose(3, [], HiddenRef(0, 0, 0), position=12, ahead=[9, 9], **opts),
+                                  ExtendPropose(2, [], HiddenRef(0, 0, 0), position=12, ahead=[5, 6], **opts)])
+        by = {o.accepted: o for o in a.ahead}
+        assert {o.accepted: o for o in c.ahead}[1] == by[1] and {o.accepted: o for o in c.ahead}[0] == by[0]
+        assert len(b.ahead) == 3 and len(c.ahead) == 3
+        rt.engine.runner._free.clear()  # noqa: SLF001 - no slot free
+        (d,) = rt.engine.execute([ExtendPropose(1, [], HiddenRef(0, 0, 0), position=12, ahead=[5, 6, 7], **opts)])
+        assert d.ahead == [by[3]]
     finally:
         writer.close()
 
@@ -92,13 +121,13 @@ def test_bad_ahead_is_refused(tiny_target: Path, tiny_head: Path, op: ExtendProp
 
 def test_ahead_near_the_context_end_makes_no_proposal(tiny_target: Path, tiny_head: Path) -> None:
     """Without room for the assumed drafts before the context's end, the extend is made and no
-    proposal (ahead_bonus -1): the gateway counts it as a miss."""
+    proposal: the gateway counts it as a miss."""
     rt, writer = make_runtime(tiny_target, tiny_head)
     try:
         n = rt.engine.max_context - 2
         feats = torch.randn(n, writer.descriptor.width)
         (r,) = rt.engine.execute([ExtendPropose(1, [3] * n, put(writer, feats), 2, ahead=[4, 5])])
-        assert r.code == Code.OK and r.ahead_bonus == -1 and r.draft_ids == []
+        assert r.code == Code.OK and r.ahead == [] and r.draft_ids == []
         assert rt.engine.seqs[1].length == n
     finally:
         writer.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specsplit.ops import (
+    AheadOutcome,
     Code,
     DraftResult,
     ExtendPropose,
@@ -60,7 +61,7 @@ DRAFT_RESULTS = [
     DraftResult(2, draft_ids=[8, 9, 10, 11], draft_parents=[-1, -1, 0, 1], consumed_generation=4),
     DraftResult(3, draft_ids=[8, 9], draft_dists=[([8, 2], [0.5, 0.5]), ([9], [1.0])], consumed_generation=5),
     DraftResult(4, Code.INVALID_ARGUMENT, "token id outside the vocabulary", consumed_generation=6),
-    DraftResult(5, draft_ids=[3, 4], ahead_bonus=0),  # drafted ahead from the guessed token 0
+    DraftResult(5, ahead=[AheadOutcome(3, 0, [3, 4]), AheadOutcome(0, 7, [5, 6], [-1, 0])]),  # drafted ahead
 ]
 # (message holding a list of them, that list's field, writer, reader)
 CODECS = {

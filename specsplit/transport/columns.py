@@ -177,7 +177,7 @@ def draft_step_ops(m: draft_pb2.DraftStepRequest) -> list[DraftOp]:
 def write_draft_results(m: draft_pb2.DraftStepResponse, results: list[DraftResult]) -> None:
     """A step's results into m: successful ones without distributions as columns where there
     are DRAFT_COLUMNS_FROM of them, the others one message each."""
-    ok, rest = _sort_out(results, lambda r: r.code == Code.OK and not r.draft_dists and r.ahead_bonus < 0,
+    ok, rest = _sort_out(results, lambda r: r.code == Code.OK and not r.draft_dists and not r.ahead,
                          DRAFT_COLUMNS_FROM)
     for r in rest:
         write_draft_result(m.results.add(), r)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specsplit.ops import (
+    AheadOutcome,
     Code,
     DraftOp,
     DraftResult,
@@ -179,11 +180,15 @@ def write_draft_result(m: draft_pb2.DraftResult, r: DraftResult) -> None:
     if r.draft_dists:
         m.draft_dists.extend(dists_to_proto(r.draft_dists))
     m.draft_parents.extend(r.draft_parents)
-    if r.ahead_bonus >= 0:
-        m.ahead_bonus = r.ahead_bonus
+    for o in r.ahead:
+        a = m.ahead.add()
+        a.accepted, a.bonus = o.accepted, o.bonus
+        a.draft_ids.extend(o.draft_ids)
+        a.draft_parents.extend(o.draft_parents)
 
 
 def draft_result_from_proto(p: draft_pb2.DraftResult) -> DraftResult:
     return DraftResult(p.seq_id, code_from_proto(p.status.code), p.status.message, list(p.draft_ids),
                        dists_from_proto(p.draft_dists), p.consumed_generation, draft_parents=list(p.draft_parents),
-                       ahead_bonus=p.ahead_bonus if p.HasField("ahead_bonus") else -1)
+                       ahead=[AheadOutcome(a.accepted, a.bonus, list(a.draft_ids), list(a.draft_parents))
+                              for a in p.ahead])

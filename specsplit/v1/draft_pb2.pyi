@@ -132,22 +132,34 @@ class DraftStepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[DraftOp, _Mapping]]] = ..., epoch: _Optional[int] = ..., extend_proposes: _Optional[_Union[ExtendProposeColumns, _Mapping]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("seq_id", "status", "draft_ids", "draft_dists", "consumed_generation", "draft_parents", "ahead_bonus")
+    __slots__ = ("seq_id", "status", "draft_ids", "draft_dists", "consumed_generation", "draft_parents", "ahead")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTS_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
-    AHEAD_BONUS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     status: _common_pb2.EntryStatus
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_dists: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftDistribution]
     consumed_generation: int
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    ahead_bonus: int
-    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.EntryStatus, _Mapping]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., consumed_generation: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ..., ahead_bonus: _Optional[int] = ...) -> None: ...
+    ahead: _containers.RepeatedCompositeFieldContainer[AheadOutcome]
+    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.EntryStatus, _Mapping]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., consumed_generation: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ..., ahead: _Optional[_Iterable[_Union[AheadOutcome, _Mapping]]] = ...) -> None: ...
+
+class AheadOutcome(_message.Message):
+    __slots__ = ("accepted", "bonus", "draft_ids", "draft_parents")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    bonus: int
+    draft_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftResultColumns(_message.Message):
     __slots__ = ("seq_ids", "draft_counts", "draft_ids", "tree", "draft_parents", "consumed_generations")
