@@ -16,6 +16,7 @@ from gateway.sequence import GenerationRequest
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.ops import Code, ExtendPropose, HiddenRef, Sampling
+from specsplit.placement import device_identity, draft_ahead_on
 from tests.test_draft import make_runtime, put
 from tests.test_faults import PROMPT, stack_cfg
 from tests.test_lossless import TINY_PROMPTS, request
@@ -227,3 +228,11 @@ def test_drafting_ahead_survives_the_draft_dying(tiny_target: Path, tiny_head: P
         assert after.token_ids == base.token_ids[:40] and after.final.speculation.draft_ahead_misses > 0
         client.close()
     assert "speculation suspended" in (tmp_path / "gateway.log").read_text()
+
+
+def test_auto_drafts_ahead_only_with_the_draft_on_a_gpu_of_its_own() -> None:
+    assert draft_ahead_on("auto", "cuda GPU-1f2e", "cuda GPU-9a8b")
+    assert not draft_ahead_on("auto", "cuda GPU-1f2e", "cuda GPU-1f2e")  # one GPU, whatever each container calls it
+    assert not draft_ahead_on("auto", "cpu", "cpu") and not draft_ahead_on("auto", "", "cuda GPU-9a8b")
+    assert draft_ahead_on("on", "cpu", "cpu") and not draft_ahead_on("off", "cuda GPU-1", "cuda GPU-2")
+    assert device_identity("cpu") == "cpu"
