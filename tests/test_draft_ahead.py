@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bench.replay import ReplayDraft, Replayer
+from draft_service.config import DraftConfig
 from gateway.clients import LocalDraft
 from gateway.local import LocalEngines
 from gateway.sequence import GenerationRequest
@@ -17,8 +18,10 @@ from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.ops import Code, ExtendPropose, HiddenRef, Sampling
 from specsplit.placement import device_identity, draft_ahead_on
+from target_service.config import TargetConfig
 from tests.test_draft import make_runtime, put
 from tests.test_faults import PROMPT, stack_cfg
+from tests.test_gpu_services import needs_gpus
 from tests.test_lossless import TINY_PROMPTS, request
 from tests.test_services import wait_idle
 
@@ -236,3 +239,27 @@ def test_auto_drafts_ahead_only_with_the_draft_on_a_gpu_of_its_own() -> None:
     assert not draft_ahead_on("auto", "cpu", "cpu") and not draft_ahead_on("auto", "", "cuda GPU-9a8b")
     assert draft_ahead_on("on", "cpu", "cpu") and not draft_ahead_on("off", "cuda GPU-1", "cuda GPU-2")
     assert device_identity("cpu") == "cpu"
+
+
+@pytest.mark.quick
+@pytest.mark.gpu
+@needs_gpus(1)
+@pytest.mark.parametrize("topk", [1, 4])
+def test_drafting_ahead_on_the_gpu_is_lossless(tiny_target: Path, tiny_head: Path, topk: int) -> None:
+    """On the GPU (fp32, the padded path and its graphs, the CUDA IPC ring): drafting ahead with
+    replayed acceptance gives the target-only tokens, with hits, and leaves nothing held."""
+    engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", max_context=256,
+                                        hidden_backend="cuda_ipc"),
+                           DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", max_context=256))
+    try:
+        base = engines.generate([request(p, 0, 40, {511}) for p in TINY_PROMPTS])
+        refs = [p + b.tokens for p, b in zip(TINY_PROMPTS, base, strict=True)]
+        engines.draft_ahead = True
+        reqs = [GenerationRequest(p, 40, Sampling(), {511}, 4, topk, 8 if topk > 1 else 0) for p in TINY_PROMPTS]
+        spec = engines.generate(reqs, ReplayDraft(LocalDraft(engines.draft), Replayer(refs, 0.8, 512)))
+        assert [s.tokens for s in spec] == [b.tokens for b in base]
+        assert sum(s.stats.ahead_hits for s in spec) > 0
+        assert engines.target.stats()["ring_rows_in_use"] == 0
+        assert engines.draft is not None and engines.draft.stats()["active_sequences"] == 0
+    finally:
+        engines.close()
