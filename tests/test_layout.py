@@ -12,7 +12,7 @@ PRODUCTION = ("specsplit", "target_service", "draft_service", "gateway")
 # lowest first: a unit imports only units of lower layers
 LAYERS = [
     {"specsplit.v1", "specsplit.ops", "specsplit.heads", "specsplit.flags"},
-    {"specsplit.models", "specsplit.sampling", "specsplit.transport", "specsplit.observability"},
+    {"specsplit.models", "specsplit.sampling", "specsplit.transport", "specsplit.observability", "specsplit.placement"},
     {"specsplit.checkpoints", "specsplit.runner"},
     {"specsplit.tokenizer"},
     {"specsplit.training"},
