@@ -139,4 +139,5 @@ def settle(sched: Scheduler, ahead: Ahead, verified: dict[int, list[int]]) -> No
         if s.cycle_span.is_recording():
             s.cycle_span.set_attributes({"spec.draft_ahead": "miss" if hit is None else "hit",
                                          "spec.draft_ahead_outcomes": len(r.ahead),
+                                         "spec.draft_ahead_accepted": -1 if hit is None else hit.accepted,
                                          "spec.draft_ahead_wait_ms": ahead.wait_ms})

@@ -263,3 +263,36 @@ def test_drafting_ahead_on_the_gpu_is_lossless(tiny_target: Path, tiny_head: Pat
         assert engines.draft is not None and engines.draft.stats()["active_sequences"] == 0
     finally:
         engines.close()
+
+
+class FailsAheadOnce(LocalDraft):
+    """The draft's first draft-ahead result for each sequence comes back failed."""
+
+    def __init__(self, runtime: object) -> None:
+        super().__init__(runtime)
+        self.failed: set[int] = set()
+
+    async def receive(self, sent: list, timeout: float = 0.0):  # noqa: ANN001, ANN201
+        results, timing = await super().receive(sent, timeout)
+        for r in results:
+            if r.seq_id not in self.failed:
+                self.failed.add(r.seq_id)
+                r.code, r.message, r.ahead = Code.INTERNAL, "injected", []
+        return results, timing
+
+
+def test_a_sequence_the_draft_fails_ahead_is_resynced(tiny_engines: LocalEngines) -> None:
+    """A draft-ahead result that failed (the draft's state for the sequence unknown) resyncs
+    the sequence from the target's recomputed features; the tokens stay the target-only ones."""
+    base = tiny_engines.generate([request(p, 0, 30, {511}) for p in TINY_PROMPTS])
+    draft = FailsAheadOnce(tiny_engines.draft)
+    tiny_engines.draft_ahead = True
+    try:
+        spec = tiny_engines.generate([request(p, 3, 30, {511}) for p in TINY_PROMPTS], draft)
+    finally:
+        tiny_engines.draft_ahead = False
+    assert [s.tokens for s in spec] == [b.tokens for b in base]
+    assert len(draft.failed) == len(TINY_PROMPTS)
+    assert all(s.stats.ahead_misses > 0 for s in spec)  # drafting ahead went on after the resync
+    assert tiny_engines.target.stats()["ring_rows_in_use"] == 0
+    assert tiny_engines.draft.stats()["active_sequences"] == 0
