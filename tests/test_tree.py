@@ -521,7 +521,7 @@ def test_a_draft_narrower_than_the_gateways_max_topk_is_not_used() -> None:
             return "grpc stream"
 
     for max_topk, usable in ((2, False), (8, True)):
-        scheduler = SimpleNamespace(draft=object(), max_sequences=8)
+        scheduler = SimpleNamespace(draft=object(), max_sequences=8, limits=SimpleNamespace(draft_ahead=False))
         recovery = Recovery(scheduler, None, Draft(max_topk), None, [], 8, 1.0, max_topk=8)
         assert asyncio.run(recovery.attach_draft()) is usable
         assert (scheduler.draft is None) is not usable
