@@ -105,28 +105,53 @@ def draft_ahead(engine: DraftEngine, work: list[Work], ring: torch.Tensor | None
             runner.release(slot)
 
 
+GUESSES = 2  # tokens guessed where an outcome departs from the path, or after the whole path
+
+
 def _outcomes(engine: DraftEngine, work: list[Work], live: list[int],
               states: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], scratch: list[int]) -> list[_Outcome]:
-    """Each live entry's outcomes: the whole path first, then departures from it, the shallowest
-    first, while free slots last (taken into `scratch`, each filled with its entries)."""
+    """Each live entry's outcomes: the whole path with the head's best guess after it, in the
+    sequence's slot; then, while free slots last (taken into `scratch`, each filled with its
+    entries), the others most likely by the head's own probabilities (the path's first d drafts,
+    then a guess: its second best after the whole path, or its best outside the `topk` a verify
+    tried at depth d + 1), across the step's entries."""
     head, cache = engine.head, engine.runner.cache
-    out = []
+    out, others = [], []
     for j in live:
         w, path = work[j], work[j].op.ahead
-        logits, _ = states[j][len(path)]
-        guess = int(head.to_target_ids(logits.argmax()))
-        out.append(_Outcome(j, len(path), guess, w.seq.slot, w.seq.length + len(path), states[j][len(path)][1]))
-    for j in live:
-        w, path = work[j], work[j].op.ahead
-        for d in range(len(path)):
-            if not engine.runner.free_slots:
-                return out
-            logits, _ = states[j][d]
-            best = logits.topk(w.op.topk + 1).indices[-1]  # past the tokens a verify of this branching tried
-            slot = engine.runner.allocate()
-            scratch.append(slot)
-            end = w.seq.length + d  # the sequence's entries and the path's first d
-            cache.k[:, slot, :end] = cache.k[:, w.seq.slot, :end]
-            cache.v[:, slot, :end] = cache.v[:, w.seq.slot, :end]
-            out.append(_Outcome(j, d, int(head.to_target_ids(best)), slot, end, states[j][d][1]))
+        prefix = 0.0  # log-probability of the path's first d drafts, as the head sees them
+        for d in range(len(path) + 1):
+            logits, hidden = states[j][d]
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            skip = w.op.topk if d < len(path) else 0
+            top = lp.topk(skip + GUESSES)
+            scores, ids = top.values[skip:].tolist(), head.to_target_ids(top.indices[skip:]).tolist()
+            for rank, (score, guess) in enumerate(zip(scores, ids, strict=True)):
+                if d == len(path) and rank == 0:
+                    out.append(_Outcome(j, d, guess, w.seq.slot, w.seq.length + d, hidden))
+                elif d == len(path) or guess != path[d]:
+                    others.append((prefix + score, j, d, guess))
+            if d < len(path):
+                at = _draft_ids(engine).get(path[d])  # (a path token outside the draft vocabulary: never accepted)
+                prefix += float(lp[at]) if at is not None else float("-inf")
+    for _, j, d, guess in sorted(others, key=lambda c: -c[0]):
+        if not engine.runner.free_slots:
+            break
+        w = work[j]
+        slot = engine.runner.allocate()
+        scratch.append(slot)
+        end = w.seq.length + d  # the sequence's entries and the path's first d
+        cache.k[:, slot, :end] = cache.k[:, w.seq.slot, :end]
+        cache.v[:, slot, :end] = cache.v[:, w.seq.slot, :end]
+        out.append(_Outcome(j, d, guess, slot, end, states[j][d][1]))
     return out
+
+
+def _draft_ids(engine: DraftEngine) -> dict[int, int]:
+    """Target id -> draft-vocabulary id, for the tokens the head can propose (made once)."""
+    table: dict[int, int] | None = getattr(engine, "_ahead_draft_ids", None)
+    if table is None:
+        ids = engine.head.to_target_ids(torch.arange(engine.head.cfg.draft_vocab_size, device=engine.device))
+        table = {t: i for i, t in enumerate(ids.tolist())}
+        engine._ahead_draft_ids = table  # type: ignore[attr-defined]
+    return table
