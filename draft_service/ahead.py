@@ -4,15 +4,15 @@ An ExtendPropose with `ahead` (greedy sequences only) first extends its tokens, 
 verify has confirmed (committed as any extend; there may be none). `ahead` is the best path of
 the drafts the target is verifying now. The head runs over it one token a step, its own
 pre-norm state standing in for the target's features (as a proposal's later steps do), which
-gives its view of every outcome of the verify:
-  - the whole path accepted, then the target's token after it: the head's best guess;
-  - the first d drafts accepted (d < len(path)), the target choosing another token than the
-    draft at depth d + 1: the head's best token outside its `topk` best there (the ones a
-    tree of that branching verifies; a chain's draft itself).
-Each outcome runs its guessed token and grows the op's chain or tree from there: the whole
-path's in the sequence's slot, the others each in a scratch slot holding a copy of the
-sequence's entries up to where that outcome departs from the path (as many as the engine's
-free slots allow, the shallowest first). Nothing past the extend is committed: the next
+gives its view of the verify's outcomes (the path's first d drafts accepted, then the target's
+token):
+  - after the whole path, its best and second best guesses;
+  - where the path departs at depth d + 1, its two best tokens outside its `topk` best there
+    (the ones a tree of that branching verifies; a chain's draft itself).
+Each outcome runs its guessed token and grows the op's chain or tree from there: the whole path
+with its best guess in the sequence's slot, the others, most likely first by the head's own
+probabilities across the step, each in a scratch slot holding a copy of the sequence's entries
+up to where it departs, while free slots last. Nothing past the extend is committed: the next
 extend, from the committed length, overwrites those entries whatever the verify decided.
 
 The gateway keeps the proposal of the outcome that happened, if any was proposed (a hit),
