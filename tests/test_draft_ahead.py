@@ -299,3 +299,19 @@ def test_a_sequence_the_draft_fails_ahead_is_resynced(tiny_engines: LocalEngines
     assert all(s.stats.ahead_misses > 0 for s in spec)  # drafting ahead went on after the resync
     assert tiny_engines.target.stats()["ring_rows_in_use"] == 0
     assert tiny_engines.draft.stats()["active_sequences"] == 0
+
+
+def test_drafting_ahead_with_steps_chosen_per_cycle_is_lossless(tiny_engines: LocalEngines) -> None:
+    """Requests whose shape the gateway chooses each cycle (the default): a pre-draft keeps the
+    shape it was drafted with, and the tokens are the target-only ones."""
+    base = tiny_engines.generate([request(p, 0, 40, {511}) for p in TINY_PROMPTS])
+    refs = [p + b.tokens for p, b in zip(TINY_PROMPTS, base, strict=True)]
+    draft = ReplayDraft(LocalDraft(tiny_engines.draft), Replayer(refs, 0.9, 512))
+    tiny_engines.draft_ahead = True
+    try:
+        reqs = [GenerationRequest(p, 40, Sampling(), {511}, 4, adaptive=True, min_steps=1) for p in TINY_PROMPTS]
+        spec = tiny_engines.generate(reqs, draft)
+    finally:
+        tiny_engines.draft_ahead = False
+    assert [s.tokens for s in spec] == [b.tokens for b in base]
+    assert sum(s.stats.ahead_hits for s in spec) > 0
