@@ -200,7 +200,7 @@ class DraftEngine:
         if min(op.tokens + op.ahead) < 0 or max(op.tokens + op.ahead) >= self.vocab:
             raise OpError(Code.INVALID_ARGUMENT, "token id outside the vocabulary")
         if op.ahead:
-            check_ahead(op, self.seqs.get(op.seq_id), self.max_steps)
+            check_ahead(op, self.seqs.get(op.seq_id), self.max_steps, self.max_steps * self.max_topk)
             if not op.tokens:
                 return None, []
         if not 1 <= op.topk <= self.max_topk:

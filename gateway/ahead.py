@@ -1,6 +1,6 @@
 """Drafting ahead (gateway.phases' target call): while the target verifies a cycle's drafts, the
-draft proposes the next cycle's for outcomes of that verify: the drafts' best path accepted, or
-its first few, then the target's token after them as the head guesses it (draft_service.ahead).
+draft proposes the next cycle's for outcomes of that verify: the drafts from the root to a node
+accepted (or none), then the target's token there as the head guesses it (draft_service.ahead).
 
 The call goes out before the target's and its reply is read after it, so the two services
 compute at once. The same draft call extends the sequence by the tokens the last verify
@@ -28,17 +28,15 @@ log = logging.getLogger("specsplit.gateway")
 MAX_AHEAD_FAILURES = 3  # as gateway.phases' MAX_DRAFT_FAILURES
 
 
-def best_path(drafts: list[int], parents: list[int]) -> list[int]:
-    """The drafts' most likely path: a chain whole; in a tree (kept in creation order, each
-    node's children best first) the first child at every depth from the root on."""
+def accepted_tokens(drafts: list[int], parents: list[int], node: int) -> list[int]:
+    """The drafts from the root to drafts[node] (-1: none); a chain (no parents): the first node + 1."""
     if not parents:
-        return list(drafts)
-    path, at = [], -1
-    for i, p in enumerate(parents):
-        if p == at:
-            path.append(drafts[i])
-            at = i
-    return path
+        return drafts[: node + 1]
+    path = []
+    while node >= 0:
+        path.append(drafts[node])
+        node = parents[node]
+    return path[::-1]
 
 
 @dataclass
@@ -71,9 +69,8 @@ def plan(sched: Scheduler, ops: list[TargetOp], work: list[Sequence]) -> Ahead:
             s.pending = None
         else:
             tokens, hidden, earlier, position = [], HiddenRef(0, 0, 0), [], s.committed
-        path = best_path(op.draft_ids, op.draft_parents)
         ahead.ops.append(ExtendPropose(s.seq_id, tokens, hidden, s.shape.steps, s.req.sampling, s.trace, position,
-                                       s.shape.topk, s.shape.tokens, earlier, path))
+                                       s.shape.topk, s.shape.tokens, earlier, op.draft_ids, op.draft_parents))
         ahead.seqs.append(s)
         s.in_draft = True
     if ahead.ops:
@@ -131,7 +128,8 @@ def settle(sched: Scheduler, ahead: Ahead, verified: dict[int, list[int]]) -> No
             continue
         s.draft_failures = 0
         tokens = verified.get(s.seq_id)
-        hit = next((o for o in r.ahead if o.draft_ids and tokens == [*op.ahead[: o.accepted], o.bonus]), None)
+        hit = next((o for o in r.ahead if o.draft_ids
+                    and tokens == [*accepted_tokens(op.ahead, op.ahead_parents, o.node), o.bonus]), None)
         if hit is not None:
             s.drafts, s.dists, s.parents = hit.draft_ids, [], hit.draft_parents
         s.stats.record_ahead(hit is not None)

@@ -142,10 +142,11 @@ class ExtendPropose:
     topk: int = 1  # > 1: propose a tree (greedy only), num_steps deep, branching topk per expanded node
     num_draft_tokens: int = 0  # a tree's size counting the root (SGLang's meaning): keeps num_draft_tokens - 1 drafts
     earlier: list[HiddenRef] = field(default_factory=list)  # rows before `hidden`'s, in order (extends put off)
-    # drafting ahead (greedy): after the extend (`tokens` may then be empty), the best path of the drafts being
-    # verified now; the draft proposes the next cycle's drafts for outcomes of that verify (AheadOutcome), with
-    # the head's own states for the assumed tokens. Nothing past the extend is committed.
+    # drafting ahead (greedy): after the extend (`tokens` may then be empty), the drafts being verified now (a
+    # tree: with ahead_parents, as Verify's); the draft proposes the next cycle's drafts for outcomes of that
+    # verify (AheadOutcome), with the head's own states for the drafts. Nothing past the extend is committed.
     ahead: list[int] = field(default_factory=list)
+    ahead_parents: list[int] = field(default_factory=list)
 
 
 DraftOp = ExtendPropose | Release
@@ -169,13 +170,15 @@ def draft_cycle_entries(last_start: int, longest: int, last_end: int, steps: int
 
 @dataclass
 class AheadOutcome:
-    """One outcome of a verify that a draft-ahead assumed, and its proposal: `accepted` drafts of
-    the path accepted, then the target's token `bonus`."""
+    """One outcome of a verify that a draft-ahead assumed, and its proposal: the `accepted` drafts
+    from the root to ExtendPropose.ahead[node] accepted (node -1: none), then the target's token
+    `bonus`."""
 
     accepted: int
     bonus: int
     draft_ids: list[int] = field(default_factory=list)
     draft_parents: list[int] = field(default_factory=list)
+    node: int = -1
 
 
 @dataclass

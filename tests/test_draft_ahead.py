@@ -49,13 +49,13 @@ def test_ahead_of_a_chain_continues_the_greedy_chain(tiny_target: Path, tiny_hea
         (ahead,) = rt.engine.execute([ExtendPropose(2, [], HiddenRef(0, 0, 0), 3, position=16,
                                                     ahead=short.draft_ids)])
         assert ahead.code == Code.OK and ahead.draft_ids == []
-        assert ahead.ahead[0].accepted == 3  # the whole path's best guess first, in the sequence's slot
-        assert sorted(o.accepted for o in ahead.ahead) == [0, 0, 1, 1, 2, 2, 3, 3]  # two guesses at each depth
-        whole = ahead.ahead[0]
-        assert [whole.bonus, *whole.draft_ids] == long.draft_ids[3:7]
-        for o in ahead.ahead[1:]:  # each departs from the path where it says, with 3 drafts of its own
+        assert sorted(o.accepted for o in ahead.ahead) == [0, 0, 1, 1, 2, 2, 3, 3]  # two guesses after each node
+        assert all(o.node == o.accepted - 1 for o in ahead.ahead)
+        whole = next(o for o in ahead.ahead if o.accepted == 3 and o.bonus == long.draft_ids[3])
+        assert whole.draft_ids == long.draft_ids[4:7]
+        for o in ahead.ahead:  # each departs from the chain where it says, with 3 drafts of its own
             assert o.accepted == 3 or o.bonus != short.draft_ids[o.accepted]
-            assert len(o.draft_ids) == 3 and o.draft_parents == [] and o != whole
+            assert len(o.draft_ids) == 3 and o.draft_parents == []
         assert rt.engine.seqs[2].length == 16  # nothing past the extend committed
         assert rt.engine.runner.free_slots == 12 - 2  # the scratch slots back
     finally:
@@ -73,8 +73,8 @@ def test_ahead_commits_its_extend_only(tiny_target: Path, tiny_head: Path) -> No
                                                 ahead=[5, 6, 7], topk=2, num_draft_tokens=6)])
         (b,) = rt.engine.execute([ExtendPropose(2, tokens[12:16], put(writer, feats[12:16]), 4, position=12)])
         assert a.code == b.code == Code.OK and a.draft_ids == []
-        whole = a.ahead[0]
-        assert whole.accepted == 3 and len(whole.draft_ids) == 5 and len(whole.draft_parents) == 5
+        assert any(o.accepted == 3 for o in a.ahead)
+        assert all(len(o.draft_ids) == 5 and len(o.draft_parents) == 5 for o in a.ahead)
         assert rt.engine.seqs[1].length == rt.engine.seqs[2].length == 16
         (a2,) = rt.engine.execute([ExtendPropose(1, tokens[16:20], put(writer, feats[16:20]), 4, position=16)])
         (b2,) = rt.engine.execute([ExtendPropose(2, tokens[16:20], put(writer, feats[16:20]), 4, position=16)])
@@ -106,19 +106,44 @@ def test_an_outcome_depends_on_the_path_up_to_where_it_departs(tiny_target: Path
         writer.close()
 
 
+def test_a_tree_drafted_ahead_has_outcomes_on_every_branch(tiny_target: Path, tiny_head: Path) -> None:
+    """Drafting ahead over a tree: outcomes after every node, a side branch's the same as for a
+    chain of that branch's drafts; a guess is never a token the verify tries there."""
+    rt, writer, feats, tokens = _setup(tiny_target, tiny_head, seed=3)
+    try:
+        rt.engine.execute([ExtendPropose(i, tokens[:12], put(writer, feats[:12]), 3) for i in (1, 2)])
+        tree, parents = [11, 22, 33, 44], [-1, -1, 0, 1]  # 11 -> 33 and 22 -> 44
+        (t,) = rt.engine.execute([ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=tree,
+                                                ahead_parents=parents)])
+        (c,) = rt.engine.execute([ExtendPropose(2, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[22, 44])])
+        assert t.code == c.code == Code.OK
+        assert sorted(o.node for o in t.ahead) == [-1, -1, 0, 0, 1, 1, 2, 2, 3, 3]  # two guesses after each
+        assert t.ahead[0].node == 2 and t.ahead[0].accepted == 2  # the best path (11 -> 33), in its own slot
+        branch = {(o.accepted, o.bonus): o for o in t.ahead if o.node in (1, 3)}
+        chain = {(o.accepted, o.bonus): o for o in c.ahead if o.node in (0, 1)}
+        shared = set(branch) & set(chain)
+        assert shared and all(branch[k].draft_ids == chain[k].draft_ids for k in shared)
+        tried = {-1: {11, 22}, 0: {33}, 1: {44}, 2: set(), 3: set()}
+        assert all(o.bonus not in tried[o.node] for o in t.ahead)
+    finally:
+        writer.close()
+
+
 @pytest.mark.parametrize(("op", "why"), [
     (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=8, ahead=[1, 2]), "nothing extended"),
     (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[1, 2]), "nothing extended"),
     (ExtendPropose(1, [], HiddenRef(0, 0, 0), 0, position=12, ahead=[1, 2]), "within 1.."),
     (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[1] * 9), "within 1.."),
     (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[512]), "outside the vocabulary"),
+    (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[1, 2], ahead_parents=[-1, 1]), "earlier parent"),
+    (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[1, 2], ahead_parents=[-1]), "earlier parent"),
     (ExtendPropose(3, [1], HiddenRef(0, 1, 0), 3, Sampling(temperature=0.7), ahead=[1]), "greedy sequences only"),
 ])
 def test_bad_ahead_is_refused(tiny_target: Path, tiny_head: Path, op: ExtendPropose, why: str) -> None:
     rt, writer, feats, tokens = _setup(tiny_target, tiny_head)
     try:
         rt.engine.execute([ExtendPropose(2, tokens[:12], put(writer, feats[:12]), 3)])  # sequence 1: none yet
-        if op.seq_id != 1 or "within" in why or "vocabulary" in why:
+        if op.seq_id != 1 or "within" in why or "vocabulary" in why or "parent" in why:
             rt.engine.execute([ExtendPropose(1, tokens[:12], put(writer, feats[:12]), 3)])
         (r,) = rt.engine.execute([op])
         assert r.code == Code.INVALID_ARGUMENT and why in r.message, r.message

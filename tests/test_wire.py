@@ -54,6 +54,7 @@ DRAFT_OPS = [
     ExtendPropose(3, [5, 6, 7], HiddenRef(20, 1, 9), 5, Sampling(), "", 50, 4, 16,
                   [HiddenRef(12, 1, 7), HiddenRef(14, 1, 8, b"\x00")]),
     ExtendPropose(5, [], HiddenRef(0, 0, 0), 3, position=30, ahead=[8, 9, 10]),  # drafting ahead, no extend
+    ExtendPropose(6, [5], HiddenRef(3, 1, 2), 3, position=9, ahead=[8, 9, 10], ahead_parents=[-1, -1, 0]),
     Release(4, TRACE),
 ]
 DRAFT_RESULTS = [
@@ -61,7 +62,7 @@ DRAFT_RESULTS = [
     DraftResult(2, draft_ids=[8, 9, 10, 11], draft_parents=[-1, -1, 0, 1], consumed_generation=4),
     DraftResult(3, draft_ids=[8, 9], draft_dists=[([8, 2], [0.5, 0.5]), ([9], [1.0])], consumed_generation=5),
     DraftResult(4, Code.INVALID_ARGUMENT, "token id outside the vocabulary", consumed_generation=6),
-    DraftResult(5, ahead=[AheadOutcome(3, 0, [3, 4]), AheadOutcome(0, 7, [5, 6], [-1, 0])]),  # drafted ahead
+    DraftResult(5, ahead=[AheadOutcome(3, 0, [3, 4], node=2), AheadOutcome(0, 7, [5, 6], [-1, 0])]),  # drafted ahead
 ]
 # (message holding a list of them, that list's field, writer, reader)
 CODECS = {

@@ -157,6 +157,7 @@ def write_draft_op(m: draft_pb2.DraftOp, op: DraftOp) -> None:
         for r in op.earlier:
             write_ref(e.earlier.add(), r)
         e.ahead.extend(op.ahead)
+        e.ahead_parents.extend(op.ahead_parents)
     else:
         m.release.SetInParent()
 
@@ -167,7 +168,8 @@ def draft_op_from_proto(p: draft_pb2.DraftOp) -> DraftOp | None:
         e = p.extend_propose
         return ExtendPropose(p.seq_id, list(e.tokens), ref_from_proto(e.hidden), e.num_steps,
                              sampling_from_proto(e.sampling), p.traceparent, e.position, max(e.topk, 1),
-                             e.num_draft_tokens, [ref_from_proto(r) for r in e.earlier], list(e.ahead))
+                             e.num_draft_tokens, [ref_from_proto(r) for r in e.earlier], list(e.ahead),
+                             list(e.ahead_parents))
     if kind == "release":
         return Release(p.seq_id, p.traceparent)
     return None
@@ -182,7 +184,7 @@ def write_draft_result(m: draft_pb2.DraftResult, r: DraftResult) -> None:
     m.draft_parents.extend(r.draft_parents)
     for o in r.ahead:
         a = m.ahead.add()
-        a.accepted, a.bonus = o.accepted, o.bonus
+        a.accepted, a.bonus, a.node = o.accepted, o.bonus, o.node
         a.draft_ids.extend(o.draft_ids)
         a.draft_parents.extend(o.draft_parents)
 
@@ -190,5 +192,5 @@ def write_draft_result(m: draft_pb2.DraftResult, r: DraftResult) -> None:
 def draft_result_from_proto(p: draft_pb2.DraftResult) -> DraftResult:
     return DraftResult(p.seq_id, code_from_proto(p.status.code), p.status.message, list(p.draft_ids),
                        dists_from_proto(p.draft_dists), p.consumed_generation, draft_parents=list(p.draft_parents),
-                       ahead=[AheadOutcome(a.accepted, a.bonus, list(a.draft_ids), list(a.draft_parents))
+                       ahead=[AheadOutcome(a.accepted, a.bonus, list(a.draft_ids), list(a.draft_parents), a.node)
                               for a in p.ahead])

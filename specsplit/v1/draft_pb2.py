@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specsplit/v1/draft.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x16\n\x14\x44raftDescribeRequest\"\x87\x02\n\tDraftInfo\x12\x11\n\thead_name\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\r\x12\x19\n\x11target_vocab_size\x18\x04 \x01(\r\x12\x15\n\raux_layer_ids\x18\x05 \x03(\r\x12\x10\n\x08\x61ttached\x18\x06 \x01(\x08\x12\x11\n\tmax_steps\x18\x07 \x01(\r\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x15\n\rmax_sequences\x18\t \x01(\r\x12\x13\n\x0bstep_socket\x18\n \x01(\t\x12\x10\n\x08max_topk\x18\x0b \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\"\x83\x02\n\x12\x44raftExtendPropose\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\'\n\x06hidden\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.HiddenRef\x12\x11\n\tnum_steps\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x10\n\x08position\x18\x05 \x01(\r\x12\x0c\n\x04topk\x18\x06 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\r\x12(\n\x07\x65\x61rlier\x18\x08 \x03(\x0b\x32\x17.specsplit.v1.HiddenRef\x12\r\n\x05\x61head\x18\t \x03(\r\"\x0e\n\x0c\x44raftRelease\"\x9f\x01\n\x07\x44raftOp\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12:\n\x0e\x65xtend_propose\x18\x02 \x01(\x0b\x32 .specsplit.v1.DraftExtendProposeH\x00\x12-\n\x07release\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.DraftReleaseH\x00\x12\x13\n\x0btraceparent\x18\x04 \x01(\tB\x04\n\x02op\"\xa4\x03\n\x14\x45xtendProposeColumns\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x14\n\x0ctoken_counts\x18\x02 \x03(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x16\n\x0ehidden_offsets\x18\x04 \x03(\x04\x12\x13\n\x0bhidden_rows\x18\x05 \x03(\r\x12\x1a\n\x12hidden_generations\x18\x06 \x03(\x04\x12\x11\n\tnum_steps\x18\x07 \x03(\r\x12\x11\n\tpositions\x18\x08 \x03(\r\x12\r\n\x05topks\x18\t \x03(\r\x12\x18\n\x10num_draft_tokens\x18\n \x03(\r\x12\x14\n\x0ctemperatures\x18\x0b \x03(\x02\x12\x0e\n\x06top_ps\x18\x0c \x03(\x02\x12\x0e\n\x06top_ks\x18\r \x03(\r\x12\r\n\x05seeds\x18\x0e \x03(\x04\x12\x16\n\x0e\x65\x61rlier_counts\x18\x0f \x03(\r\x12\x17\n\x0f\x65\x61rlier_offsets\x18\x10 \x03(\x04\x12\x14\n\x0c\x65\x61rlier_rows\x18\x11 \x03(\r\x12\x1b\n\x13\x65\x61rlier_generations\x18\x12 \x03(\x04\x12\x14\n\x0ctraceparents\x18\x13 \x03(\t\"\x93\x01\n\x10\x44raftStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\"\n\x03ops\x18\x02 \x03(\x0b\x32\x15.specsplit.v1.DraftOp\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12;\n\x0f\x65xtend_proposes\x18\x04 \x01(\x0b\x32\".specsplit.v1.ExtendProposeColumns\"\xf0\x01\n\x0b\x44raftResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12)\n\x06status\x18\x02 \x01(\x0b\x32\x19.specsplit.v1.EntryStatus\x12\x11\n\tdraft_ids\x18\x03 \x03(\r\x12\x34\n\x0b\x64raft_dists\x18\x04 \x03(\x0b\x32\x1f.specsplit.v1.DraftDistribution\x12\x1b\n\x13\x63onsumed_generation\x18\x05 \x01(\x04\x12\x15\n\rdraft_parents\x18\x06 \x03(\x05\x12)\n\x05\x61head\x18\x07 \x03(\x0b\x32\x1a.specsplit.v1.AheadOutcome\"Y\n\x0c\x41headOutcome\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\r\n\x05\x62onus\x18\x02 \x01(\r\x12\x11\n\tdraft_ids\x18\x03 \x03(\r\x12\x15\n\rdraft_parents\x18\x04 \x03(\x05\"\x91\x01\n\x12\x44raftResultColumns\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x14\n\x0c\x64raft_counts\x18\x02 \x03(\r\x12\x11\n\tdraft_ids\x18\x03 \x03(\r\x12\x0c\n\x04tree\x18\x04 \x03(\x08\x12\x15\n\rdraft_parents\x18\x05 \x03(\x11\x12\x1c\n\x14\x63onsumed_generations\x18\x06 \x03(\x04\"\xaa\x01\n\x11\x44raftStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x07results\x18\x02 \x03(\x0b\x32\x19.specsplit.v1.DraftResult\x12*\n\x06timing\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.ServerTiming\x12,\n\x02ok\x18\x04 \x01(\x0b\x32 .specsplit.v1.DraftResultColumns\"\x13\n\x11\x44raftStatsRequest\"=\n\nDraftStats\x12\x18\n\x10\x61\x63tive_sequences\x18\x01 \x01(\r\x12\x15\n\rfree_kv_slots\x18\x02 \x01(\r2\xef\x02\n\x0c\x44raftService\x12G\n\x08\x44\x65scribe\x12\".specsplit.v1.DraftDescribeRequest\x1a\x17.specsplit.v1.DraftInfo\x12\x46\n\x06\x41ttach\x12#.specsplit.v1.HiddenStoreDescriptor\x1a\x17.specsplit.v1.DraftInfo\x12K\n\x04Step\x12\x1e.specsplit.v1.DraftStepRequest\x1a\x1f.specsplit.v1.DraftStepResponse(\x01\x30\x01\x12\x42\n\x05Stats\x12\x1f.specsplit.v1.DraftStatsRequest\x1a\x18.specsplit.v1.DraftStats\x12=\n\x05Lease\x12\x1a.specsplit.v1.LeaseRequest\x1a\x18.specsplit.v1.LeaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specsplit/v1/draft.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x16\n\x14\x44raftDescribeRequest\"\x87\x02\n\tDraftInfo\x12\x11\n\thead_name\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\r\x12\x19\n\x11target_vocab_size\x18\x04 \x01(\r\x12\x15\n\raux_layer_ids\x18\x05 \x03(\r\x12\x10\n\x08\x61ttached\x18\x06 \x01(\x08\x12\x11\n\tmax_steps\x18\x07 \x01(\r\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x15\n\rmax_sequences\x18\t \x01(\r\x12\x13\n\x0bstep_socket\x18\n \x01(\t\x12\x10\n\x08max_topk\x18\x0b \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\"\x9a\x02\n\x12\x44raftExtendPropose\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\'\n\x06hidden\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.HiddenRef\x12\x11\n\tnum_steps\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x10\n\x08position\x18\x05 \x01(\r\x12\x0c\n\x04topk\x18\x06 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\r\x12(\n\x07\x65\x61rlier\x18\x08 \x03(\x0b\x32\x17.specsplit.v1.HiddenRef\x12\r\n\x05\x61head\x18\t \x03(\r\x12\x15\n\rahead_parents\x18\n \x03(\x05\"\x0e\n\x0c\x44raftRelease\"\x9f\x01\n\x07\x44raftOp\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12:\n\x0e\x65xtend_propose\x18\x02 \x01(\x0b\x32 .specsplit.v1.DraftExtendProposeH\x00\x12-\n\x07release\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.DraftReleaseH\x00\x12\x13\n\x0btraceparent\x18\x04 \x01(\tB\x04\n\x02op\"\xa4\x03\n\x14\x45xtendProposeColumns\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x14\n\x0ctoken_counts\x18\x02 \x03(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x16\n\x0ehidden_offsets\x18\x04 \x03(\x04\x12\x13\n\x0bhidden_rows\x18\x05 \x03(\r\x12\x1a\n\x12hidden_generations\x18\x06 \x03(\x04\x12\x11\n\tnum_steps\x18\x07 \x03(\r\x12\x11\n\tpositions\x18\x08 \x03(\r\x12\r\n\x05topks\x18\t \x03(\r\x12\x18\n\x10num_draft_tokens\x18\n \x03(\r\x12\x14\n\x0ctemperatures\x18\x0b \x03(\x02\x12\x0e\n\x06top_ps\x18\x0c \x03(\x02\x12\x0e\n\x06top_ks\x18\r \x03(\r\x12\r\n\x05seeds\x18\x0e \x03(\x04\x12\x16\n\x0e\x65\x61rlier_counts\x18\x0f \x03(\r\x12\x17\n\x0f\x65\x61rlier_offsets\x18\x10 \x03(\x04\x12\x14\n\x0c\x65\x61rlier_rows\x18\x11 \x03(\r\x12\x1b\n\x13\x65\x61rlier_generations\x18\x12 \x03(\x04\x12\x14\n\x0ctraceparents\x18\x13 \x03(\t\"\x93\x01\n\x10\x44raftStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\"\n\x03ops\x18\x02 \x03(\x0b\x32\x15.specsplit.v1.DraftOp\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12;\n\x0f\x65xtend_proposes\x18\x04 \x01(\x0b\x32\".specsplit.v1.ExtendProposeColumns\"\xf0\x01\n\x0b\x44raftResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12)\n\x06status\x18\x02 \x01(\x0b\x32\x19.specsplit.v1.EntryStatus\x12\x11\n\tdraft_ids\x18\x03 \x03(\r\x12\x34\n\x0b\x64raft_dists\x18\x04 \x03(\x0b\x32\x1f.specsplit.v1.DraftDistribution\x12\x1b\n\x13\x63onsumed_generation\x18\x05 \x01(\x04\x12\x15\n\rdraft_parents\x18\x06 \x03(\x05\x12)\n\x05\x61head\x18\x07 \x03(\x0b\x32\x1a.specsplit.v1.AheadOutcome\"g\n\x0c\x41headOutcome\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\r\n\x05\x62onus\x18\x02 \x01(\r\x12\x11\n\tdraft_ids\x18\x03 \x03(\r\x12\x15\n\rdraft_parents\x18\x04 \x03(\x05\x12\x0c\n\x04node\x18\x05 \x01(\x05\"\x91\x01\n\x12\x44raftResultColumns\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x14\n\x0c\x64raft_counts\x18\x02 \x03(\r\x12\x11\n\tdraft_ids\x18\x03 \x03(\r\x12\x0c\n\x04tree\x18\x04 \x03(\x08\x12\x15\n\rdraft_parents\x18\x05 \x03(\x11\x12\x1c\n\x14\x63onsumed_generations\x18\x06 \x03(\x04\"\xaa\x01\n\x11\x44raftStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x07results\x18\x02 \x03(\x0b\x32\x19.specsplit.v1.DraftResult\x12*\n\x06timing\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.ServerTiming\x12,\n\x02ok\x18\x04 \x01(\x0b\x32 .specsplit.v1.DraftResultColumns\"\x13\n\x11\x44raftStatsRequest\"=\n\nDraftStats\x12\x18\n\x10\x61\x63tive_sequences\x18\x01 \x01(\r\x12\x15\n\rfree_kv_slots\x18\x02 \x01(\r2\xef\x02\n\x0c\x44raftService\x12G\n\x08\x44\x65scribe\x12\".specsplit.v1.DraftDescribeRequest\x1a\x17.specsplit.v1.DraftInfo\x12\x46\n\x06\x41ttach\x12#.specsplit.v1.HiddenStoreDescriptor\x1a\x17.specsplit.v1.DraftInfo\x12K\n\x04Step\x12\x1e.specsplit.v1.DraftStepRequest\x1a\x1f.specsplit.v1.DraftStepResponse(\x01\x30\x01\x12\x42\n\x05Stats\x12\x1f.specsplit.v1.DraftStatsRequest\x1a\x18.specsplit.v1.DraftStats\x12=\n\x05Lease\x12\x1a.specsplit.v1.LeaseRequest\x1a\x18.specsplit.v1.LeaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,27 +37,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTINFO']._serialized_start=94
   _globals['_DRAFTINFO']._serialized_end=357
   _globals['_DRAFTEXTENDPROPOSE']._serialized_start=360
-  _globals['_DRAFTEXTENDPROPOSE']._serialized_end=619
-  _globals['_DRAFTRELEASE']._serialized_start=621
-  _globals['_DRAFTRELEASE']._serialized_end=635
-  _globals['_DRAFTOP']._serialized_start=638
-  _globals['_DRAFTOP']._serialized_end=797
-  _globals['_EXTENDPROPOSECOLUMNS']._serialized_start=800
-  _globals['_EXTENDPROPOSECOLUMNS']._serialized_end=1220
-  _globals['_DRAFTSTEPREQUEST']._serialized_start=1223
-  _globals['_DRAFTSTEPREQUEST']._serialized_end=1370
-  _globals['_DRAFTRESULT']._serialized_start=1373
-  _globals['_DRAFTRESULT']._serialized_end=1613
-  _globals['_AHEADOUTCOME']._serialized_start=1615
-  _globals['_AHEADOUTCOME']._serialized_end=1704
-  _globals['_DRAFTRESULTCOLUMNS']._serialized_start=1707
-  _globals['_DRAFTRESULTCOLUMNS']._serialized_end=1852
-  _globals['_DRAFTSTEPRESPONSE']._serialized_start=1855
-  _globals['_DRAFTSTEPRESPONSE']._serialized_end=2025
-  _globals['_DRAFTSTATSREQUEST']._serialized_start=2027
-  _globals['_DRAFTSTATSREQUEST']._serialized_end=2046
-  _globals['_DRAFTSTATS']._serialized_start=2048
-  _globals['_DRAFTSTATS']._serialized_end=2109
-  _globals['_DRAFTSERVICE']._serialized_start=2112
-  _globals['_DRAFTSERVICE']._serialized_end=2479
+  _globals['_DRAFTEXTENDPROPOSE']._serialized_end=642
+  _globals['_DRAFTRELEASE']._serialized_start=644
+  _globals['_DRAFTRELEASE']._serialized_end=658
+  _globals['_DRAFTOP']._serialized_start=661
+  _globals['_DRAFTOP']._serialized_end=820
+  _globals['_EXTENDPROPOSECOLUMNS']._serialized_start=823
+  _globals['_EXTENDPROPOSECOLUMNS']._serialized_end=1243
+  _globals['_DRAFTSTEPREQUEST']._serialized_start=1246
+  _globals['_DRAFTSTEPREQUEST']._serialized_end=1393
+  _globals['_DRAFTRESULT']._serialized_start=1396
+  _globals['_DRAFTRESULT']._serialized_end=1636
+  _globals['_AHEADOUTCOME']._serialized_start=1638
+  _globals['_AHEADOUTCOME']._serialized_end=1741
+  _globals['_DRAFTRESULTCOLUMNS']._serialized_start=1744
+  _globals['_DRAFTRESULTCOLUMNS']._serialized_end=1889
+  _globals['_DRAFTSTEPRESPONSE']._serialized_start=1892
+  _globals['_DRAFTSTEPRESPONSE']._serialized_end=2062
+  _globals['_DRAFTSTATSREQUEST']._serialized_start=2064
+  _globals['_DRAFTSTATSREQUEST']._serialized_end=2083
+  _globals['_DRAFTSTATS']._serialized_start=2085
+  _globals['_DRAFTSTATS']._serialized_end=2146
+  _globals['_DRAFTSERVICE']._serialized_start=2149
+  _globals['_DRAFTSERVICE']._serialized_end=2516
 # @@protoc_insertion_point(module_scope)

@@ -40,7 +40,7 @@ class DraftInfo(_message.Message):
     def __init__(self, head_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., attached: _Optional[bool] = ..., max_steps: _Optional[int] = ..., max_context: _Optional[int] = ..., max_sequences: _Optional[int] = ..., step_socket: _Optional[str] = ..., max_topk: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class DraftExtendPropose(_message.Message):
-    __slots__ = ("tokens", "hidden", "num_steps", "sampling", "position", "topk", "num_draft_tokens", "earlier", "ahead")
+    __slots__ = ("tokens", "hidden", "num_steps", "sampling", "position", "topk", "num_draft_tokens", "earlier", "ahead", "ahead_parents")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class DraftExtendPropose(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EARLIER_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_PARENTS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     hidden: _common_pb2.HiddenRef
     num_steps: int
@@ -59,7 +60,8 @@ class DraftExtendPropose(_message.Message):
     num_draft_tokens: int
     earlier: _containers.RepeatedCompositeFieldContainer[_common_pb2.HiddenRef]
     ahead: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenRef, _Mapping]] = ..., num_steps: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., position: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., earlier: _Optional[_Iterable[_Union[_common_pb2.HiddenRef, _Mapping]]] = ..., ahead: _Optional[_Iterable[int]] = ...) -> None: ...
+    ahead_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.HiddenRef, _Mapping]] = ..., num_steps: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., position: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., earlier: _Optional[_Iterable[_Union[_common_pb2.HiddenRef, _Mapping]]] = ..., ahead: _Optional[_Iterable[int]] = ..., ahead_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftRelease(_message.Message):
     __slots__ = ()
@@ -150,16 +152,18 @@ class DraftResult(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.EntryStatus, _Mapping]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[_common_pb2.DraftDistribution, _Mapping]]] = ..., consumed_generation: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ..., ahead: _Optional[_Iterable[_Union[AheadOutcome, _Mapping]]] = ...) -> None: ...
 
 class AheadOutcome(_message.Message):
-    __slots__ = ("accepted", "bonus", "draft_ids", "draft_parents")
+    __slots__ = ("accepted", "bonus", "draft_ids", "draft_parents", "node")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     bonus: int
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    node: int
+    def __init__(self, accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., node: _Optional[int] = ...) -> None: ...
 
 class DraftResultColumns(_message.Message):
     __slots__ = ("seq_ids", "draft_counts", "draft_ids", "tree", "draft_parents", "consumed_generations")
