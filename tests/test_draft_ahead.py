@@ -3,6 +3,7 @@ past the extend committed."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -255,6 +256,9 @@ def test_drafting_ahead_survives_the_draft_dying(tiny_target: Path, tiny_head: P
             if msg.HasField("final"):
                 final = msg.final
         assert tokens == base.token_ids and final.finish_reason == "length"
+        deadline = time.monotonic() + 120  # (a loaded machine may take a while to attach the new draft)
+        while not client.model_info().draft_available and time.monotonic() < deadline:
+            time.sleep(0.1)
         after = client.generate(make_request(token_ids=PROMPT, max_new_tokens=40, ignore_eos=True, num_steps=3))
         assert after.token_ids == base.token_ids[:40] and after.final.speculation.draft_ahead_misses > 0
         client.close()
