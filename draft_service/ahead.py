@@ -39,7 +39,10 @@ def check_ahead(op: ExtendPropose, seq: DraftSequence | None, max_steps: int, ma
     parents = parents_of(op)
     if len(parents) != len(op.ahead) or any(not -1 <= p < i for i, p in enumerate(parents)):
         raise OpError(Code.INVALID_ARGUMENT, "ahead_parents must give each ahead draft an earlier parent or -1")
-    depth = max(_depths(parents), default=0)
+    depths = _depths(parents)
+    if any(a > b for a, b in zip(depths, depths[1:], strict=False)):  # each level a run: a forward a level
+        raise OpError(Code.INVALID_ARGUMENT, "ahead drafts must come level by level, as a proposal's do")
+    depth = max(depths, default=0)
     if not 1 <= op.num_steps <= max_steps or depth > max_steps or len(op.ahead) > max_nodes:
         raise OpError(Code.INVALID_ARGUMENT, f"drafting ahead of {len(op.ahead)} drafts {depth} deep by {op.num_steps} "
                                              f"steps: at most {max_nodes} drafts, each depth within 1..{max_steps}")
@@ -148,21 +151,25 @@ def _candidates(engine: DraftEngine, work: list[Work], live: list[int],
     for j in live:
         op = work[j].op
         parents = parents_of(op)
-        lps: dict[int, torch.Tensor] = {}  # each node's log-probabilities of the next token [Vd]
+        tried: dict[int, set[int]] = {v: set() for v in range(-1, len(parents))}  # what the verify tries after v
+        for c, p in enumerate(parents):
+            tried[p].add(op.ahead[c])
+        # every node's (and the root's) log-probabilities of the next token, read back at once: its best tokens,
+        # and the log-probability of each draft after its parent
+        lp = torch.log_softmax(torch.stack([states[j][v][0] for v in range(-1, len(parents))]).float(), dim=-1)
+        top = lp.topk(max(map(len, tried.values())) + GUESSES)  # [n + 1, K]
+        at = [table.get(t, 0) for t in op.ahead]
+        rows = torch.tensor([p + 1 for p in parents], dtype=torch.long, device=lp.device)
+        own = lp[rows, torch.tensor(at, dtype=torch.long, device=lp.device)]
+        values, ids, own_lp = top.values.tolist(), head.to_target_ids(top.indices).tolist(), own.tolist()
         prefix: dict[int, tuple[float, list[int]]] = {-1: (0.0, [])}  # each node's log-probability and path
-        for v in [-1, *range(len(parents))]:  # parents before children
-            logits, hidden = states[j][v]
-            lps[v] = lp = torch.log_softmax(logits.float(), dim=-1)
-            if v >= 0:
-                at = table.get(op.ahead[v])  # (a draft outside the draft vocabulary: never the head's)
+        for v in range(-1, len(parents)):  # parents before children
+            if v >= 0:  # (a draft outside the draft vocabulary: never the head's)
                 before, path = prefix[parents[v]]
-                prefix[v] = (before + float(lps[parents[v]][at]) if at is not None else float("-inf"), [*path, v])
-            tried = {op.ahead[c] for c, p in enumerate(parents) if p == v}  # what the verify tries after v
-            top = lp.topk(len(tried) + GUESSES)
+                prefix[v] = (before + own_lp[v] if op.ahead[v] in table else float("-inf"), [*path, v])
             score, path = prefix[v]
-            guesses = [(g, t) for g, t in zip(top.values.tolist(), head.to_target_ids(top.indices).tolist(),
-                                                strict=True) if t not in tried][:GUESSES]
-            out += [_Outcome(j, v, path, t, hidden, score + g) for g, t in guesses]
+            guesses = [(g, t) for g, t in zip(values[v + 1], ids[v + 1], strict=True) if t not in tried[v]]
+            out += [_Outcome(j, v, path, t, states[j][v][1], score + g) for g, t in guesses[:GUESSES]]
         end = -1  # the best path's last node
         while (nxt := next((c for c, p in enumerate(parents) if p == end), None)) is not None:
             end = nxt

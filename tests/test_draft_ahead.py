@@ -138,13 +138,15 @@ def test_a_tree_drafted_ahead_has_outcomes_on_every_branch(tiny_target: Path, ti
     (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[512]), "outside the vocabulary"),
     (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[1, 2], ahead_parents=[-1, 1]), "earlier parent"),
     (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[1, 2], ahead_parents=[-1]), "earlier parent"),
+    (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[1, 2, 3], ahead_parents=[-1, 0, -1]),
+     "level by level"),
     (ExtendPropose(3, [1], HiddenRef(0, 1, 0), 3, Sampling(temperature=0.7), ahead=[1]), "greedy sequences only"),
 ])
 def test_bad_ahead_is_refused(tiny_target: Path, tiny_head: Path, op: ExtendPropose, why: str) -> None:
     rt, writer, feats, tokens = _setup(tiny_target, tiny_head)
     try:
         rt.engine.execute([ExtendPropose(2, tokens[:12], put(writer, feats[:12]), 3)])  # sequence 1: none yet
-        if op.seq_id != 1 or "within" in why or "vocabulary" in why or "parent" in why:
+        if op.seq_id != 1 or any(w in why for w in ("within", "vocabulary", "parent", "level")):
             rt.engine.execute([ExtendPropose(1, tokens[:12], put(writer, feats[:12]), 3)])
         (r,) = rt.engine.execute([op])
         assert r.code == Code.INVALID_ARGUMENT and why in r.message, r.message
