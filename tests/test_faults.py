@@ -36,8 +36,13 @@ def target_stats(stack: ServiceStack) -> target_pb2.TargetStats:
         return target_pb2_grpc.TargetServiceStub(ch).Stats(target_pb2.TargetStatsRequest(), timeout=5)
 
 
-def test_draft_dies_mid_stream_then_comes_back(tiny_target: Path, tiny_head: Path, tmp_path: Path) -> None:
-    with ServiceStack(stack_cfg(tiny_target, tiny_head, tmp_path)) as stack:
+@pytest.mark.parametrize("ahead", ["off", "on"])
+def test_draft_dies_mid_stream_then_comes_back(tiny_target: Path, tiny_head: Path, tmp_path: Path, ahead: str) -> None:
+    """The draft killed mid-stream (drafting ahead or not): the stream goes on target-only with
+    the same tokens, and speculation (drafting ahead too) resumes once the draft is back."""
+    cfg = stack_cfg(tiny_target, tiny_head, tmp_path)
+    cfg.extra_gateway_args += ["--draft-ahead", ahead]
+    with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
         # long enough that the stream outlasts the draft's restart and a retry period (2 s) on a loaded CI
         # machine: with 1200 tokens the stream once ended there before speculation resumed
@@ -59,6 +64,8 @@ def test_draft_dies_mid_stream_then_comes_back(tiny_target: Path, tiny_head: Pat
         assert client.model_info().draft_available
         after = client.generate(make_request(token_ids=PROMPT, max_new_tokens=20, ignore_eos=True, num_steps=3))
         assert after.token_ids == base.token_ids[:20] and after.final.speculation.draft_ms > 0
+        drafted_ahead = after.final.speculation.draft_ahead_hits + after.final.speculation.draft_ahead_misses
+        assert (drafted_ahead > 0) == (ahead == "on")
         client.close()
     assert "speculation suspended" in (tmp_path / "gateway.log").read_text()
 
