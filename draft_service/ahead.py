@@ -2,17 +2,22 @@
 
 An ExtendPropose with `ahead` (greedy sequences only) first extends its tokens, which the
 verify has confirmed (committed as any extend; there may be none). `ahead` holds the drafts the
-target is verifying now, a chain or a tree (`ahead_parents`). The head runs over them level by
-level, its own pre-norm states standing in for the target's features (as a proposal's later
-steps do), which gives its view of the verify's outcomes: the drafts from the root to a node
-accepted (or none), then the target's token there, one the verify did not try. For each node
-and the root its two most likely such tokens are candidates. The drafts' best path accepted
-with the head's best guess after it runs in the sequence's own slot; the other candidates,
-most likely first across the step by the head's own probability of the whole outcome, each in
-a scratch slot while free slots last. A slot's entries are the sequence's, then the outcome's
-accepted drafts in a row. Each outcome runs its guessed token
-and grows the op's chain or tree from there. Nothing past the extend is committed: the next
-extend, from the committed length, overwrites those entries whatever the verify decided.
+target is verifying now, a chain or a tree (`ahead_parents`). The head runs over them as a tree
+(a forward per level, every node each time: a node's input is its parent's pre-norm state from
+the forward before), its own states standing in for the target's features (as a proposal's
+later steps do), which gives its view of the verify's outcomes: the drafts from the root to a
+node accepted (or none), then the target's token there, one the verify did not try. For each
+node and the root its two most likely such tokens are candidates. The drafts' best path (a
+chain whole, in a tree the first child at every depth) accepted with the head's best guess
+after it runs in the sequence's own slot; the other candidates, most likely first across the
+step by the head's own probability of the whole outcome, each in a scratch slot while free
+slots last. A slot's entries are the sequence's, then the outcome's accepted drafts in a row.
+Each outcome runs its guessed token and grows the op's chain or tree from there. Nothing past
+the extend is committed: the next extend, from the committed length, overwrites those entries
+whatever the verify decided.
+
+All of it, for every entry of one topk, is one function of static shapes (one CUDA graph per
+shape): the integers go to the device in one copy and the outcomes come back in one read.
 
 The gateway keeps the proposal of the outcome that happened, if any was proposed (a hit),
 and drops the others.
@@ -20,16 +25,22 @@ and drops the others.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from specsplit.ops import AheadOutcome, Code, ExtendPropose, OpError
-from specsplit.runner.runner import Row, Step
+from draft_service.tree import tree_result
+from specsplit.models.batch import tree_ancestry
+from specsplit.ops import AheadOutcome, Code, ExtendPropose, OpError, extend_bucket
+from specsplit.runner.runner import Row, Step, padded_rows
 
 if TYPE_CHECKING:
     from draft_service.engine import DraftEngine, DraftSequence, Proposal, Work
+
+GUESSES = 2  # tokens guessed after each node (or the root)
+_HEAD = 7  # an entry's integers before its tokens: slot, last row, count, start, base, valid, own slot
 
 
 def check_ahead(op: ExtendPropose, seq: DraftSequence | None, max_steps: int, max_nodes: int) -> None:
@@ -39,8 +50,8 @@ def check_ahead(op: ExtendPropose, seq: DraftSequence | None, max_steps: int, ma
     parents = parents_of(op)
     if len(parents) != len(op.ahead) or any(not -1 <= p < i for i, p in enumerate(parents)):
         raise OpError(Code.INVALID_ARGUMENT, "ahead_parents must give each ahead draft an earlier parent or -1")
-    depths = _depths(parents)
-    if any(a > b for a, b in zip(depths, depths[1:], strict=False)):  # each level a run: a forward a level
+    depths = _depths(tuple(parents))
+    if any(a > b for a, b in zip(depths, depths[1:], strict=False)):  # each level a run, as a proposal's
         raise OpError(Code.INVALID_ARGUMENT, "ahead drafts must come level by level, as a proposal's do")
     depth = max(depths, default=0)
     if not 1 <= op.num_steps <= max_steps or depth > max_steps or len(op.ahead) > max_nodes:
@@ -55,154 +66,209 @@ def keep_last(engine: DraftEngine, prenorm: torch.Tensor, slots: list[int]) -> N
     engine.last_hidden[torch.tensor(slots, device=engine.device)] = prenorm.to(engine.last_hidden.dtype)
 
 
-@dataclass
-class _Outcome:
-    entry: int  # index into the step's work
-    node: int  # the last accepted draft's index in op.ahead (-1: none)
-    path: list[int]  # the accepted drafts' indices, root first
-    guess: int  # target id
-    hidden: torch.Tensor  # [H] the head's state after the node
-    score: float  # the head's log-probability of the outcome
-    slot: int = -1
-
-
-GUESSES = 2  # tokens guessed after each node (or the root)
-
-
-def draft_ahead(engine: DraftEngine, work: list[Work], ring: torch.Tensor | None, out: list[Proposal]) -> None:
-    """Extend and draft ahead for every entry of `work` (each with `op.ahead`), into `out`."""
-    runner = engine.runner
-    extending = [w for w in work if w.op.tokens]
-    if extending:
-        rows = [Row(w.seq.slot, w.seq.length, w.op.tokens) for w in extending]
-        extended = runner.run(Step(rows, hidden=[w.read(ring) for w in extending]))
-        keep_last(engine, torch.stack([prenorm[-1] for _, prenorm in extended]),  # type: ignore[index]
-                  [w.seq.slot for w in extending])
-        for w in extending:
-            w.seq.length += len(w.op.tokens)
-    # an entry without room for its drafts and a guess past the committed entries (the context's end) gets none
-    live = [j for j, w in enumerate(work) if w.seq.length + len(w.op.ahead) + 1 <= engine.max_context]
-    if not live:
-        return
-    states = _states(engine, work, live)
-    scratch: list[int] = []
-    try:
-        outcomes = _place(engine, work, _candidates(engine, work, live, states), scratch)
-        rows = [Row(o.slot, work[o.entry].seq.length + len(o.path), [o.guess]) for o in outcomes]
-        guessed = runner.run(Step(rows, hidden=[o.hidden[None] for o in outcomes]))
-        logits = torch.stack([step_logits[0] for step_logits, _ in guessed])  # [N, Vd]
-        hidden = torch.stack([prenorm[0] for _, prenorm in guessed])  # type: ignore[index]  # [N, H]
-        shapes = {i: work[o.entry].greedy_shape for i, o in enumerate(outcomes)}
-        grown = engine.grow(shapes, logits, hidden, [r.start + 1 for r in rows],  # type: ignore[arg-type]
-                            [o.slot for o in outcomes])
-        for i, o in enumerate(outcomes):
-            ids, parents = grown[i]
-            out[o.entry].ahead.append(AheadOutcome(len(o.path), o.guess, ids,
-                                                   parents if work[o.entry].op.topk > 1 else [], o.node))
-    finally:
-        for slot in scratch:
-            runner.release(slot)
-
-
 def parents_of(op: ExtendPropose) -> list[int]:
     """The ahead drafts' parents (a chain: each the one before)."""
     return op.ahead_parents or list(range(-1, len(op.ahead) - 1))
 
 
-def _states(engine: DraftEngine, work: list[Work], live: list[int]) -> dict[int, dict[int, tuple[torch.Tensor,
-                                                                                                 torch.Tensor]]]:
-    """The head's (logits [Vd], pre-norm state [H]) after each node of each live entry's drafts
-    (-1: the committed state). Level by level, each a tree forward over the levels so far (in
-    creation order, a level's nodes follow the level above), in the sequence's own slot."""
-    head = engine.head
-    hidden = engine.last_hidden[torch.tensor([work[j].seq.slot for j in live], device=engine.device)]  # [n, H]
-    logits = head.lm_head(head.norm(hidden)).float()  # [n, Vd]
-    states = {j: {-1: (logits[i], hidden[i])} for i, j in enumerate(live)}
-    depths = {j: _depths(parents_of(work[j].op)) for j in live}
-    for level in range(1, max(max(depths[j], default=0) for j in live) + 1):
-        on = [j for j in live if max(depths[j], default=0) >= level]
-        rows, inputs = [], []
-        for j in on:
-            w, parents = work[j], parents_of(work[j].op)
-            n = sum(d <= level for d in depths[j])  # the nodes up to this level: a prefix
-            rows.append(Row(w.seq.slot, w.seq.length, w.op.ahead[:n], parents[:n]))
-            inputs.append(torch.stack([states[j][parents[i]][1] for i in range(n)]))  # each its parent's state
-        for j, (step_logits, prenorm) in zip(on, engine.runner.run(Step(rows, hidden=inputs)), strict=True):
-            for i, d in enumerate(depths[j]):
-                if d == level:
-                    states[j][i] = (step_logits[i], prenorm[i])  # type: ignore[index]
-    return states
-
-
-def _depths(parents: list[int]) -> list[int]:
+@functools.lru_cache(maxsize=1024)
+def _depths(parents: tuple[int, ...]) -> list[int]:
     depths: list[int] = []
     for p in parents:
         depths.append(1 if p < 0 else depths[p] + 1)
     return depths
 
 
-def _candidates(engine: DraftEngine, work: list[Work], live: list[int],
-                states: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]) -> list[_Outcome]:
-    """Every live entry's candidate outcomes: first its drafts' best path (a chain whole, in a
-    tree the first child at every depth) accepted with the head's best guess after it, then the
-    others, most likely first (by the head's probabilities)."""
-    head, table = engine.head, _draft_ids(engine)
-    out, first = [], []
-    for j in live:
-        op = work[j].op
-        parents = parents_of(op)
-        tried: dict[int, set[int]] = {v: set() for v in range(-1, len(parents))}  # what the verify tries after v
-        for c, p in enumerate(parents):
-            tried[p].add(op.ahead[c])
-        # every node's (and the root's) log-probabilities of the next token, read back at once: its best tokens,
-        # and the log-probability of each draft after its parent
-        lp = torch.log_softmax(torch.stack([states[j][v][0] for v in range(-1, len(parents))]).float(), dim=-1)
-        top = lp.topk(max(map(len, tried.values())) + GUESSES)  # [n + 1, K]
-        at = [table.get(t, 0) for t in op.ahead]
-        rows = torch.tensor([p + 1 for p in parents], dtype=torch.long, device=lp.device)
-        own = lp[rows, torch.tensor(at, dtype=torch.long, device=lp.device)]
-        values, ids, own_lp = top.values.tolist(), head.to_target_ids(top.indices).tolist(), own.tolist()
-        prefix: dict[int, tuple[float, list[int]]] = {-1: (0.0, [])}  # each node's log-probability and path
-        for v in range(-1, len(parents)):  # parents before children
-            if v >= 0:  # (a draft outside the draft vocabulary: never the head's)
-                before, path = prefix[parents[v]]
-                prefix[v] = (before + own_lp[v] if op.ahead[v] in table else float("-inf"), [*path, v])
-            score, path = prefix[v]
-            guesses = [(g, t) for g, t in zip(values[v + 1], ids[v + 1], strict=True) if t not in tried[v]]
-            out += [_Outcome(j, v, path, t, states[j][v][1], score + g) for g, t in guesses[:GUESSES]]
-        end = -1  # the best path's last node
-        while (nxt := next((c for c, p in enumerate(parents) if p == end), None)) is not None:
-            end = nxt
-        best = next(o for o in out if o.entry == j and o.node == end)  # its best guess
-        out.remove(best)
-        first.append(best)
-    return first + sorted(out, key=lambda o: -o.score)
+@functools.lru_cache(maxsize=1024)
+def _tree(parents: tuple[int, ...], a: int, d: int) -> np.ndarray:
+    """One entry's tree integers for A = a nodes and D = d levels (the batch's, the entry's own
+    padded with nodes under the root that no outcome uses): parents [A], node in use [A], each
+    row's depth [A + 1] and path of nodes, root first [A + 1, D] (row 0: the root, row v + 1:
+    node v), the ancestry mask [A, A], and the row of the best path's end."""
+    n = len(parents)
+    depth = [0, *_depths(parents)] + [1] * (a - n)
+    paths = np.zeros((a + 1, d), dtype=np.int64)
+    for v, p in enumerate(parents):
+        paths[v + 1] = paths[p + 1]
+        paths[v + 1, depth[v + 1] - 1] = v
+    mask, _ = tree_ancestry((*parents, *[-1] * (a - n)), a)
+    end = -1  # the best path's last node: the first child at every depth
+    while (nxt := next((c for c, p in enumerate(parents) if p == end), None)) is not None:
+        end = nxt
+    return np.concatenate([np.array([*parents, *[-1] * (a - n)]), np.arange(a) < n, depth, paths.ravel(),
+                           mask.ravel().astype(np.int64), [end + 1]]).astype(np.int64)
 
 
-def _place(engine: DraftEngine, work: list[Work], candidates: list[_Outcome], scratch: list[int]) -> list[_Outcome]:
-    """Slots for the candidates: each entry's first in its own, the next each in a free one
-    (taken into `scratch`) while they last. A slot's entries: the sequence's, then the
-    outcome's accepted drafts in a row (moved from where the tree forward wrote them)."""
-    cache, runner = engine.runner.cache, engine.runner
-    placed, own = [], set()
-    for o in candidates:
-        if o.entry not in own:
-            own.add(o.entry)
-            o.slot = work[o.entry].seq.slot
-        elif runner.free_slots:
-            o.slot = runner.allocate()
-            scratch.append(o.slot)
-        else:
+def draft_ahead(engine: DraftEngine, work: list[Work], ring: torch.Tensor | None, out: list[Proposal]) -> None:
+    """Extend and draft ahead for every entry of `work` (each with `op.ahead`), into `out`: one
+    static function per topk."""
+    runner = engine.runner
+    # extends the padded step does not take (restarts from entry 0, long parts) run first, as any extend
+    apart = [w for w in work if w.op.tokens and (w.seq.length == 0 or len(w.op.tokens) > runner.padded_tokens)]
+    if apart:
+        extended = runner.run(Step([Row(w.seq.slot, w.seq.length, w.op.tokens) for w in apart],
+                                   hidden=[w.read(ring) for w in apart]))
+        keep_last(engine, torch.stack([prenorm[-1] for _, prenorm in extended]),  # type: ignore[index]
+                  [w.seq.slot for w in apart])
+    for topk in sorted({w.op.topk for w in work}):
+        group = [j for j, w in enumerate(work) if w.op.topk == topk]
+        _draft_ahead(engine, [work[j] for j in group], [w in apart for w in (work[j] for j in group)], ring,
+                     [out[j] for j in group])
+
+
+def _draft_ahead(engine: DraftEngine, work: list[Work], done: list[bool], ring: torch.Tensor | None,
+                 out: list[Proposal]) -> None:
+    r, head = engine.runner, engine.head
+    new = [[] if d else w.op.tokens for w, d in zip(work, done, strict=True)]  # each entry's extend in the step
+    starts = [w.seq.length for w in work]
+    for w in work:
+        w.seq.length += len(w.op.tokens)
+    bases = [w.seq.length for w in work]  # committed entries after the extend: where the drafts go
+    trees = [tuple(parents_of(w.op)) for w in work]
+    # an entry without room for its drafts and a guess past the committed entries (the context's end) gets none
+    valid = [b + len(w.op.ahead) + 1 <= engine.max_context for w, b in zip(work, bases, strict=True)]
+    b = r.batch_bucket(len(work))
+    t = extend_bucket(max(map(len, new))) if any(new) else 0
+    a = max(len(p) for p in trees)
+    d = max(max(_depths(p)) for p in trees)
+    topk, steps = work[0].op.topk, max(w.op.num_steps for w in work)
+    tried = max(max(np.bincount(np.array(p) + 1, minlength=1)) for p in trees)  # most children of one node
+    k = min(tried + GUESSES, head.cfg.draft_vocab_size)
+    others = sum((len(p) + 1) * GUESSES - 1 for p, v in zip(trees, valid, strict=True) if v)
+    scratch = [r.allocate() for _ in range(min(r.free_slots, others))]
+    try:
+        m = r.batch_bucket(len(scratch)) if scratch else 0
+        gather = t > 0 and ring is not None and all(w.rows is not None for w, n in zip(work, new, strict=True) if n)
+        table = _draft_ids(engine)
+        rows = []
+        for w, n, start, base, tree, ok in zip(work, new, starts, bases, trees, valid, strict=True):
+            ahead = w.op.ahead + [0] * (a - len(w.op.ahead))
+            rows.append([w.seq.slot, max(len(n) - 1, 0), len(n), start, base, ok, w.seq.slot if ok else r.pad_slot,
+                         *n, *[0] * (t - len(n)), *ahead, *[table.get(x, 0) for x in ahead],
+                         *[x in table for x in ahead], *_tree(tree, a, d),
+                         *((w.rows or [])[: len(n)] + [0] * (t - len(n)) if gather else [])])
+        pad = [r.pad_slot, 0, 0, 0, 0, 0, r.pad_slot, *[0] * (t + 3 * a), *_tree((), a, d), *[0] * (t if gather else 0)]
+        ints = np.array(rows + [pad] * (b - len(rows)), dtype=np.int64)
+        inputs: dict[str, np.ndarray | torch.Tensor] = {
+            "ints": ints, "scratch": np.array(scratch + [r.pad_slot] * (m - len(scratch)), dtype=np.int64)}
+        if t and not gather:
+            read = {j: w.read(ring) for j, (w, n) in enumerate(zip(work, new, strict=True)) if n}
+            none = next(iter(read.values()))[:0]
+            inputs["feats"] = padded_rows([read.get(j, none) for j in range(len(work))], b, t)
+        top = max(bases)
+        # (the scratch slots' copies of the sequences' entries: whole slots with the fused head, one graph for every
+        # context length, else the context bucket)
+        copied = r.cache.max_len if r.fused_head is not None else r.ctx_bucket(max(top, 1))
+        views = (engine._views(b * max(t, 1), top + t), engine._views(b * a, top + a), copied,
+                 engine._views(b + m, top + d + 1), engine._views((b + m) * topk, top + d + 1 + (steps - 1) * topk))
+        source = ("ring", ring.data_ptr()) if gather and ring is not None else None
+
+        def fn(ints: torch.Tensor, scratch: torch.Tensor, feats: torch.Tensor | None = None) -> tuple[torch.Tensor]:
+            return (_ahead_fn(engine, ints, scratch, feats, ring if gather else None, t, a, d, k, topk, steps, views),)
+
+        (packed,) = r.graphed(("ahead", b, t, a, d, k, m, topk, steps, views, source,
+                               None if "feats" not in inputs else inputs["feats"].shape[-1]), fn, **inputs)
+        assert packed is not None
+        host = packed.tolist()
+    finally:
+        for slot in scratch:
+            r.release(slot)
+    n_tree = topk + (steps - 1) * topk * topk
+    for i, row in enumerate(host[: len(work)] + host[b : b + len(scratch)]):
+        entry = i if i < len(work) else row[0]
+        if i < len(work) and not valid[i]:
             continue
-        placed.append(o)
-    for o in sorted(placed, key=lambda o: o.slot == work[o.entry].seq.slot):  # (own slots last: moved in place)
-        src, start = work[o.entry].seq.slot, work[o.entry].seq.length
-        for kv in (cache.k, cache.v):  # [layers, slots, entries, kv_heads, head_dim]
-            if o.slot != src:
-                kv[:, o.slot, :start] = kv[:, src, :start]
-            for d, node in enumerate(o.path):  # node >= d: a move never overwrites a later source
-                kv[:, o.slot, start + d] = kv[:, src, start + node]
-    return placed
+        w = work[entry]
+        ids, parents = tree_result(row[4 : 4 + n_tree], row[4 + n_tree : 4 + 2 * n_tree], row[4 + 2 * n_tree :],
+                                   topk, w.op.num_steps, w.greedy_shape[2])  # type: ignore[index]
+        out[entry].ahead.append(AheadOutcome(row[2], row[3], ids, parents if topk > 1 else [], row[1]))
+
+
+def _ahead_fn(engine: DraftEngine, ints: torch.Tensor, scratch: torch.Tensor, feats: torch.Tensor | None,
+              ring: torch.Tensor | None, t: int, a: int, d: int, k: int, topk: int, steps: int,
+              views: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """The static part of drafting ahead for B entries (see _draft_ahead's integers): extend,
+    the tree's forwards, the candidates, their slots' entries, the guesses' step and growth.
+    Returns [B + M, 4 + 3N]: for each entry's own outcome, then the M others best first: its
+    entry, node, accepted drafts, guess, then its grown tree (grow_trees' target ids, parents
+    and order)."""
+    r, head, dev = engine.runner, engine.head, ints.device
+    ctx_e, ctx_t, ctx_c, ctx_g, ctx_grow = views
+    b = ints.shape[0]
+    slot, last, count, start, base, valid, own = ints[:, :_HEAD].unbind(1)
+    at = _HEAD + t
+    tokens, drafts, draft_ids = ints[:, _HEAD:at], ints[:, at : at + a], ints[:, at + a : at + 2 * a]
+    in_vocab, parents = ints[:, at + 2 * a : at + 3 * a].bool(), ints[:, at + 3 * a : at + 4 * a]
+    in_use, depth = ints[:, at + 4 * a : at + 5 * a].bool(), ints[:, at + 5 * a : at + 6 * a + 1]  # [B, A], [B, A+1]
+    at += 6 * a + 1
+    paths = ints[:, at : at + (a + 1) * d].view(b, a + 1, d)
+    at += (a + 1) * d
+    mask = ints[:, at : at + a * a].view(b, a, a).bool()
+    best = ints[:, at + a * a]  # [B] the row of the best path's end
+    lanes = torch.arange(b, device=dev)
+    root = engine.last_hidden[slot]  # [B, H]
+    if t:  # 1. the extend (entries without one keep their state)
+        positions = start[:, None] + torch.arange(t, device=dev)
+        if feats is None:
+            assert ring is not None
+            feats = ring[ints[:, at + a * a + 1 :]]  # [B, T, 3H]
+        _, prenorm = r.padded_forward(tokens, positions, slot, positions, ctx_e, hidden=feats)
+        assert prenorm is not None
+        root = torch.where((count > 0)[:, None], prenorm[lanes, last], root)
+        engine.last_hidden[slot] = root  # (padding entries: the padding slot's)
+    # 2. the tree: a forward per level over every node, each fed its parent's state from the one before
+    entries = base[:, None] + torch.arange(a, device=dev)  # [B, A]
+    rel = torch.arange(ctx_t, device=dev)[None, None] - base[:, None, None]  # [B, 1, ctx]
+    visible = (rel < 0) | ((rel < a) & mask.gather(2, rel.clamp(0, a - 1).expand(b, a, ctx_t)))  # [B, A, ctx]
+    states = root[:, None].expand(b, a + 1, root.shape[-1]).contiguous()  # [B, A+1, H] root, then nodes
+    node_logits = root.new_zeros(0)
+    for _ in range(d):
+        inputs = states.gather(1, (parents + 1)[..., None].expand(b, a, states.shape[-1]))
+        node_logits, prenorm = r.padded_forward(drafts, base[:, None] + depth[:, 1:] - 1, slot, entries, ctx_t,
+                                                visible=visible, hidden=inputs)
+        states = torch.cat([root[:, None], prenorm.to(root.dtype)], dim=1)  # type: ignore[union-attr]
+    # 3. candidates: each row's best tokens the verify does not try there, scored by the outcome's log-probability
+    root_logits = head.lm_head(head.norm(root)).float()
+    lp = torch.log_softmax(torch.cat([root_logits[:, None], node_logits.float()], dim=1), dim=-1)  # [B, A+1, Vd]
+    values, ids = lp.topk(k, dim=-1)  # [B, A+1, K]
+    top = head.to_target_ids(ids)
+    own_lp = lp[lanes[:, None], parents + 1, draft_ids].double()  # [B, A] each draft after its parent
+    own_lp = torch.where(in_vocab, own_lp, float("-inf"))
+    score = torch.zeros(b, a + 1, dtype=torch.float64, device=dev)
+    for _ in range(d):  # root first: after D rounds every node's path is summed
+        score = torch.cat([score[:, :1], score.gather(1, parents + 1) + own_lp], dim=1)
+    under = (parents + 1)[..., None].expand(b, a, k)
+    hit = (top.gather(1, under) == drafts[..., None]) & in_use[..., None]  # [B, A, K] a draft offered by its parent
+    tried = torch.zeros(b, a + 1, k, dtype=torch.int32, device=dev).scatter_add_(1, under, hit.int()) > 0
+    rank = torch.cumsum((~tried).int(), dim=-1)
+    pick = torch.stack([((~tried) & (rank == g + 1)).int().argmax(-1) for g in range(GUESSES)], dim=-1)  # [B,A+1,G]
+    guess, value = top.gather(-1, pick), values.gather(-1, pick).double()
+    scores = (score[..., None] + value).flatten()  # [B·(A+1)·G] in creation order
+    rows_ = torch.arange(a + 1, device=dev)
+    usable = valid.bool()[:, None, None] & torch.cat([in_use.new_ones(b, 1), in_use], dim=1)[..., None]
+    usable = usable & ~((rows_[None, :, None] == best[:, None, None]) & (torch.arange(GUESSES, device=dev) == 0))
+    order = torch.sort(scores, descending=True, stable=True).indices  # most likely first, ties in creation order
+    order = order[torch.sort(usable.flatten()[order].int(), descending=True, stable=True).indices]
+    chosen = order[torch.arange(scratch.shape[0], device=dev) % order.shape[0]]  # (more slots than candidates: unused)
+    entry = torch.cat([lanes, chosen // ((a + 1) * GUESSES)])  # [R] the outcomes: each entry's own, then the others
+    row = torch.cat([best, chosen // GUESSES % (a + 1)])
+    g = torch.cat([torch.zeros_like(best), chosen % GUESSES])
+    slots, src, where = torch.cat([own, scratch]), slot[entry], base[entry]
+    accepted = depth[entry, row]  # [R]
+    # 4. each outcome's slot: the sequence's entries, then its accepted drafts in a row (all read before any write)
+    path = where[:, None] + paths[entry, row]  # [R, D] where the accepted drafts' entries are now
+    cache = r.cache
+    for kv in (cache.k, cache.v):  # [layers, slots, entries, kv_heads, head_dim]
+        moved = kv[:, src[:, None], path]  # [layers, R, D, ...]
+        kv[:, scratch, :ctx_c] = kv[:, src[b:], :ctx_c]
+        kv[:, slots[:, None], where[:, None] + torch.arange(d, device=dev)] = moved  # (past the path: overwritten)
+    # 5. each outcome's guess, then its chain or tree
+    guessed, hidden = guess[entry, row, g], states[entry, row]  # [R], [R, H]
+    positions = (where + accepted)[:, None]
+    logits, prenorm = r.padded_forward(guessed[:, None], positions, slots, positions, ctx_g, hidden=hidden[:, None])
+    assert prenorm is not None
+    (grown,) = engine._grow_fn(logits[:, 0], prenorm[:, 0], where + accepted + 1, slots, topk, steps, ctx_grow)
+    return torch.cat([torch.stack([entry, row - 1, accepted, guessed], dim=1), grown], dim=1)
 
 
 def _draft_ids(engine: DraftEngine) -> dict[int, int]:

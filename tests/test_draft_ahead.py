@@ -11,6 +11,7 @@ import torch
 
 from bench.replay import ReplayDraft, Replayer
 from draft_service.config import DraftConfig
+from draft_service.runtime import DraftRuntime
 from gateway.clients import LocalDraft
 from gateway.local import LocalEngines
 from gateway.sequence import GenerationRequest
@@ -18,6 +19,7 @@ from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.ops import Code, ExtendPropose, HiddenRef, Sampling
 from specsplit.placement import device_identity, draft_ahead_on
+from specsplit.transport.handoff import open_writer
 from target_service.config import TargetConfig
 from tests.test_draft import make_runtime, put
 from tests.test_gpu_services import needs_gpus
@@ -317,3 +319,37 @@ def test_drafting_ahead_with_steps_chosen_per_cycle_is_lossless(tiny_engines: Lo
         tiny_engines.draft_ahead = False
     assert [s.tokens for s in spec] == [b.tokens for b in base]
     assert sum(s.stats.ahead_hits for s in spec) > 0
+
+
+@pytest.mark.quick
+@pytest.mark.gpu
+@needs_gpus(1)
+def test_drafting_ahead_on_the_gpu_is_one_graph_replay_a_call(tiny_target: Path, tiny_head: Path) -> None:
+    """On the GPU a call that extends and drafts ahead (the tree's forwards, the candidates, their
+    slots' entries, the guesses and their growth) replays one CUDA graph, and its outcomes are
+    those of the same function run eagerly."""
+    got = []
+    for graphs in (False, True):
+        rt = DraftRuntime(DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", max_context=256,
+                                      max_sequences=4, cuda_graphs=graphs))
+        writer = open_writer("shm", 512, 3 * rt.head.cfg.target_hidden_size, torch.float32)
+        rt.attach(writer.descriptor)
+        g = torch.Generator().manual_seed(4)
+        feats = torch.randn(40, writer.descriptor.width, generator=g)
+        tokens = torch.randint(0, 512, (40,), generator=g).tolist()
+        try:
+            rt.engine.execute([ExtendPropose(1, tokens[:12], put(writer, feats[:12]), 3, topk=2, num_draft_tokens=6)])
+            outcomes = []
+            for start in (12, 16, 20, 24):
+                replays = rt.engine.runner.graphs.replays
+                ref = put(writer, feats[start : start + 4])
+                (r,) = rt.engine.execute([ExtendPropose(1, tokens[start : start + 4], ref, 3, position=start, topk=2,
+                                                        num_draft_tokens=6, ahead=[5, 6, 7, 8],
+                                                        ahead_parents=[-1, -1, 0, 1])])
+                assert r.code == Code.OK and len(r.ahead) > 1
+                assert rt.engine.runner.graphs.replays - replays == (1 if graphs else 0)
+                outcomes.append(r.ahead)
+            got.append(outcomes)
+        finally:
+            writer.close()
+    assert got[0] == got[1]
