@@ -48,6 +48,7 @@ class Stream:
     accepted: float = 0.0  # the request's mean accepted length (0 without speculation)
     error: str = ""
     ids: tuple[int, ...] = ()  # the tokens
+    last: float = math.nan  # time.perf_counter() as its last token arrived
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -93,7 +94,7 @@ def run(addr: str, n: int, max_new: int, settings: dict[str, Any], first: int = 
         s = streams[i]
         s.tokens, s.ids = len(gen.token_ids), tuple(gen.token_ids)
         if gen.chunk_times:
-            s.ttft_s = gen.chunk_times[0] - t0
+            s.ttft_s, s.last = gen.chunk_times[0] - t0, gen.chunk_times[-1]
         if s.tokens > 1:
             s.tpot_s = (gen.chunk_times[-1] - gen.chunk_times[0]) / (s.tokens - 1)
         s.accepted = gen.final.speculation.mean_accepted_length if gen.final is not None else 0.0
@@ -105,7 +106,8 @@ def run(addr: str, n: int, max_new: int, settings: dict[str, Any], first: int = 
     t0 = time.perf_counter()
     for t in threads:
         t.join()
-    return streams, time.perf_counter() - t0
+    ends = [s.last for s in streams if not math.isnan(s.last)]  # (not the channels' closing)
+    return streams, (max(ends) if ends else time.perf_counter()) - t0
 
 
 def main() -> None:
