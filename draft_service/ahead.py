@@ -10,11 +10,11 @@ node accepted (or none), then the target's token there, one the verify did not t
 node and the root its two most likely such tokens are candidates. The drafts' best path (a
 chain whole, in a tree the first child at every depth) accepted with the head's best guess
 after it runs in the sequence's own slot; the other candidates, most likely first across the
-step by the head's own probability of the whole outcome, each in a scratch slot while free
-slots last. A slot's entries are the sequence's, then the outcome's accepted drafts in a row.
-Each outcome runs its guessed token and grows the op's chain or tree from there. Nothing past
-the extend is committed: the next extend, from the committed length, overwrites those entries
-whatever the verify decided.
+step by the head's own probability of the whole outcome, each in a scratch slot while they
+last (the draft's --ahead-slots, shared by the call's sequences). A slot's entries are the
+sequence's, then the outcome's accepted drafts in a row. Each outcome runs its guessed token
+and grows the op's chain or tree from there. Nothing past the extend is committed: the next
+extend, from the committed length, overwrites those entries whatever the verify decided.
 
 All of it, for every entry of one topk, is one function of static shapes (one CUDA graph per
 shape): the integers go to the device in one copy and the outcomes come back in one read.
@@ -135,7 +135,7 @@ def _draft_ahead(engine: DraftEngine, work: list[Work], done: list[bool], ring: 
     tried = max(max(np.bincount(np.array(p) + 1, minlength=1)) for p in trees)  # most children of one node
     k = min(tried + GUESSES, head.cfg.draft_vocab_size)
     others = sum((len(p) + 1) * GUESSES - 1 for p, v in zip(trees, valid, strict=True) if v)
-    scratch = [r.allocate() for _ in range(min(r.free_slots, others))]
+    scratch = [r.allocate() for _ in range(min(r.free_slots, others, engine.ahead_slots))]  # (--ahead-slots)
     try:
         m = r.batch_bucket(len(scratch)) if scratch else 0
         gather = t > 0 and ring is not None and all(w.rows is not None for w, n in zip(work, new, strict=True) if n)

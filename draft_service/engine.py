@@ -98,7 +98,7 @@ class DraftEngine:
                  cuda_graphs: bool = True, compile: bool = False, max_topk: int = 8, fused: str = "auto",
                  ahead_slots: int = 0) -> None:
         self.head, self.max_steps, self.max_context, self.max_topk = head, max_steps, max_context, max_topk
-        self.max_sequences = max_sequences
+        self.max_sequences, self.ahead_slots = max_sequences, ahead_slots
         # extends of up to max_steps + 1 tokens (a cycle's) or PUT_OFF_TOKENS (those put off, gateway.phases) run
         # padded, from graphs on CUDA; room for them, chains and trees past the context
         longest = max(max_steps + 1, PUT_OFF_TOKENS)

@@ -99,7 +99,7 @@ def test_an_outcome_depends_on_the_path_up_to_where_it_departs(tiny_target: Path
         by = {(o.accepted, o.bonus): o for o in a.ahead}
         shared = [o for o in c.ahead if o.accepted <= 1]  # departures before the paths part
         assert shared and all(by[(o.accepted, o.bonus)] == o for o in shared)
-        assert len(b.ahead) + len(c.ahead) == 2 + 9  # the whole paths' and as many others as free slots
+        assert len(b.ahead) + len(c.ahead) == 2 + 8  # the whole paths' and as many others as scratch slots
         rt.engine.runner._free.clear()  # noqa: SLF001 - no slot free
         (d,) = rt.engine.execute([ExtendPropose(1, [], HiddenRef(0, 0, 0), position=12, ahead=[5, 6, 7], **opts)])
         assert d.ahead == [a.ahead[0]]
@@ -112,6 +112,7 @@ def test_a_tree_drafted_ahead_has_outcomes_on_every_branch(tiny_target: Path, ti
     chain of that branch's drafts; a guess is never a token the verify tries there."""
     rt, writer, feats, tokens = _setup(tiny_target, tiny_head, seed=3)
     try:
+        rt.engine.ahead_slots = 9  # room for every outcome: 1 + 9 scratch
         rt.engine.execute([ExtendPropose(i, tokens[:12], put(writer, feats[:12]), 3) for i in (1, 2)])
         tree, parents = [11, 22, 33, 44], [-1, -1, 0, 1]  # 11 -> 33 and 22 -> 44
         (t,) = rt.engine.execute([ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=tree,
