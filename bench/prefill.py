@@ -4,7 +4,9 @@ only) against the same rows through the ragged layout (a forward over all rows, 
 segment at a time, every token's logits). For each: milliseconds a step (the median of
 --repeats, synchronised on CUDA) and the torch operations it calls from Python (aten operations
 not inside another one, as the profiler records them), all and those that are not views: on the
-GPU each of the latter launches a kernel or more, the host cost of an eager step.
+GPU each of the latter launches a kernel or more, the host cost of an eager step (on CUDA the
+prompts layout replays a graph per shape up to specsplit.runner.prompts.GRAPH_TOKENS padded
+tokens, captured at the first step: its calls are then the graph's inputs and outputs).
 One JSON line per (N, layout), with the ratio to the ragged layout.
 
   python -m bench.prefill --prompts 1,8,32                                     (CPU, fp32)

@@ -217,3 +217,39 @@ def test_in_process_target_and_draft_on_different_gpus(tiny_target: Path, tiny_h
             e.close()
     assert outs[0] == outs[1] == outs[2]
     assert outs[0][0] == outs[0][1]
+
+
+@pytest.mark.quick
+@needs_gpus(1)
+def test_prompt_steps_replay_graphs_bitwise_equal_to_eager(tiny_target: Path) -> None:
+    """Steps of prompts (rows from entry 0) replay one graph per shape: logits, features, argmax and
+    KV entries bitwise those of the same steps run eagerly; a shape's second step in one call
+    keeps the first one's outputs; longer steps than GRAPH_TOKENS run eagerly."""
+    from specsplit.runner.packing import Row
+    from specsplit.runner.prompts import GRAPH_TOKENS
+    from specsplit.runner.runner import ModelRunner, Step
+
+    cfg = load_target_config(tiny_target)
+    with torch.device("cuda"):
+        model = LlamaModel(cfg, TensorParallel(), cfg.default_aux_layer_ids())
+    model.load_full_weights(load_safetensors_dir(tiny_target))
+    model = model.eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 30, 9, 40, 7)]
+    outs = []
+    for enabled in (False, True):
+        runner = ModelRunner(model, 8, 2 * GRAPH_TOKENS, cuda_graphs=enabled)
+        got = []
+        for rows in ([0], [1, 2, 3], [0, 1, 2, 3, 4, 5], [5]):
+            verified = runner.verify(Step([Row(i, 0, prompts[i]) for i in rows], capture=True))
+            got += [(v.logits.clone(), v.features.clone(), v.best) for v in verified]  # type: ignore[union-attr]
+        long = runner.run(Step([Row(6, 0, [3] * (GRAPH_TOKENS + 10))], capture=True))
+        got.append((long[0][0].clone(), long[0][1].clone(), []))  # type: ignore[union-attr]
+        if enabled:
+            assert runner.graphs.replays > 0 and all(k[2] * k[1] <= GRAPH_TOKENS for k in runner.graphs.graphs
+                                                     if k[0] == "prompts")
+        outs.append((got, runner.cache.k[:, :7].clone()))
+    (eager, k_eager), (graph, k_graph) = outs
+    for (le, fe, be), (lg, fg, bg) in zip(eager, graph, strict=True):
+        assert torch.equal(le, lg) and torch.equal(fe, fg) and be == bg
+    assert torch.equal(k_eager, k_graph)

@@ -72,15 +72,14 @@ class Batch:
                    visible=visible, capture=capture, hidden=None if hidden is None else hidden.reshape(b * t, -1))
 
     @classmethod
-    def prompt_rows(cls, lengths: list[int], slots: torch.Tensor, t: int, capture: bool = False,
+    def prompt_rows(cls, ends: torch.Tensor, slots: torch.Tensor, t: int, capture: bool = False,
                     hidden: torch.Tensor | None = None) -> Batch:
-        """B rows of the given lengths from entry 0 of their slots [B], each padded to t tokens:
-        logits for each row's last token only ([B, V]), features for every token. Padding
-        tokens write entries past their row that later steps overwrite."""
-        dev = slots.device
-        b = len(lengths)
-        ends = torch.tensor([i * t + n - 1 for i, n in enumerate(lengths)], device=dev)  # [B]
-        return cls(torch.arange(t, device=dev).repeat(b), slots=slots, ctx=t, capture=capture, hidden=hidden,
+        """B rows from entry 0 of their slots [B], each padded to t tokens, row i's last token at
+        ends[i] of the flattened [B*T]: logits for each row's last token only ([B, V]), features
+        for every token. Padding tokens write entries past their row that later steps overwrite.
+        No host synchronisation: capturable."""
+        b = slots.shape[0]
+        return cls(torch.arange(t, device=slots.device).repeat(b), slots=slots, ctx=t, capture=capture, hidden=hidden,
                    prompts=True, logits_at=ends)
 
     @property

@@ -78,18 +78,22 @@ class GraphCache:
 
     def run(self, key: tuple[object, ...], fn: StaticFn, **inputs: HostInput) -> Outputs:
         if not self.enabled:
-            return fn(**{name: _tensor(x).to(self.device) for name, x in inputs.items()})
+            return self.eager(fn, **inputs)
         if self.device.index is None or torch.cuda.current_device() == self.device.index:  # (engine threads are)
             return self._run(key, fn, inputs)
         # capture and replay on this cache's GPU, whatever the caller's current device (graphs are per device)
         with torch.cuda.device(self.device):
             return self._run(key, fn, inputs)
 
+    def eager(self, fn: StaticFn, **inputs: HostInput) -> Outputs:
+        """fn(**inputs) run eagerly, its inputs placed on the cache's device."""
+        return fn(**{name: _tensor(x).to(self.device) for name, x in inputs.items()})
+
     def _run(self, key: tuple[object, ...], fn: StaticFn, inputs: dict[str, HostInput]) -> Outputs:
         captured = self.graphs.get(key)
         if captured is None:
             if len(self.graphs) >= self.max_graphs:  # shapes beyond the budget run eagerly
-                return fn(**{name: _tensor(x).to(self.device) for name, x in inputs.items()})
+                return self.eager(fn, **inputs)
             captured = self.graphs[key] = self._capture(key, fn, {name: _tensor(x) for name, x in inputs.items()})
         else:
             captured.staged.synchronize()  # the last replay's copies out of the staging buffers are done

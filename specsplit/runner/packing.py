@@ -109,3 +109,13 @@ def pack_rows(rows: list[Row], b: int, t: int, tree: bool, verify: bool, ring: b
 @functools.cache
 def _causal(t: int) -> np.ndarray:
     return np.tril(np.ones((t, t), dtype=np.int64))
+
+
+def padded_rows(rows: list[torch.Tensor], b: int, t: int) -> torch.Tensor:
+    """Rows [T_i, W] as [b, t, W], zero-padded (a view when one row fills the batch)."""
+    if b == 1 and rows[0].shape[0] == t:
+        return rows[0][None]
+    out = rows[0].new_zeros(b, t, rows[0].shape[-1])
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out

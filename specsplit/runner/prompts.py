@@ -4,21 +4,30 @@ Each row is padded to its own length's bucket, so its shape, and with it the bit
 do not depend on the other rows of its step; rows of one bucket run as one forward of the
 prompts layout (specsplit.models.batch), up to PROMPT_TOKENS padded tokens a forward. Attention
 then takes no mask and reads no cache, and the model computes logits for each row's last token
-only: a prefill needs no others, and they would be the largest tensor of the step.
+only: a prefill needs no others, and they would be the largest tensor of the step. On CUDA a
+forward of up to GRAPH_TOKENS padded tokens replays a graph of its shape (its rows' count padded
+to the runner's batch bucket, padding rows in the spare slot): eagerly, its hundreds of kernel
+launches cost more than their compute.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import numpy as np
 import torch
 
 from specsplit.models.batch import Batch
-from specsplit.models.eagle3 import Eagle3Head
-from specsplit.models.layers import KVCache
-from specsplit.models.llama import LlamaModel
+from specsplit.runner.graphs import Outputs
 from specsplit.runner.outputs import RowOutputs, Verified
-from specsplit.runner.packing import Row
+from specsplit.runner.packing import Row, padded_rows
+
+if TYPE_CHECKING:
+    from specsplit.runner.runner import ModelRunner
 
 PROMPT_TOKENS = 8192  # padded tokens of one forward (a longer row runs alone)
+GRAPH_TOKENS = 1024  # forwards of up to this many padded tokens run from CUDA graphs (longer ones: their compute)
+GRAPH_SHAPES = 64  # prompt shapes captured at most, the others eagerly: the runner's other graphs keep their room
 
 
 def prompt_bucket(n: int, most: int) -> int:
@@ -41,30 +50,43 @@ def prompt_groups(lengths: list[int], most: int) -> list[list[int]]:
     return groups
 
 
-def run_prompts(model: LlamaModel | Eagle3Head, cache: KVCache, rows: list[Row], hidden: list[torch.Tensor] | None,
-                capture: bool, verify: bool) -> list[Verified]:
+def run_prompts(runner: ModelRunner, rows: list[Row], hidden: list[torch.Tensor] | None, capture: bool,
+                verify: bool) -> list[Verified]:
     """Each row's outputs (logits [1, V] of its last token, features [T, X]) and, with `verify`,
-    the argmax after its last token (`best`; one readback per forward)."""
-    dev = cache.k.device
+    the argmax after its last token (`best`; one readback per forward). A forward is a static
+    function of its rows' bucket (their count in the runner's batch buckets, padding rows in the
+    spare slot) and their length's."""
     out: list[Verified | None] = [None] * len(rows)
-    for group in prompt_groups([len(r.tokens) for r in rows], cache.max_len):
+    groups = prompt_groups([len(r.tokens) for r in rows], runner.cache.max_len)
+    for group in groups:
         lengths = [len(rows[i].tokens) for i in group]
-        t = prompt_bucket(max(lengths), cache.max_len)
-        tokens = torch.zeros(len(group), t, dtype=torch.long)  # [B, T]
+        n, b, t = len(group), runner.batch_bucket(len(group)), prompt_bucket(max(lengths), runner.cache.max_len)
+        ints = np.zeros((b, t + 2), dtype=np.int64)  # [B, T + 2]: tokens, slot, length (padding rows: 1 token)
         for j, i in enumerate(group):
-            tokens[j, : lengths[j]] = torch.tensor(rows[i].tokens)
-        slots = torch.tensor([rows[i].slot for i in group], device=dev)  # [B]
-        h = None
+            ints[j, : lengths[j]] = rows[i].tokens
+        ints[:, t] = [rows[i].slot for i in group] + [runner.pad_slot] * (b - n)
+        ints[:, t + 1] = lengths + [1] * (b - n)
+        inputs: dict[str, np.ndarray | torch.Tensor] = {"ints": ints}
         if hidden is not None:  # [B*T, W]
-            h = hidden[group[0]].new_zeros(len(group), t, hidden[group[0]].shape[-1])
-            for j, i in enumerate(group):
-                h[j, : lengths[j]] = hidden[i]
-            h = h.view(len(group) * t, -1).to(dev)
-        batch = Batch.prompt_rows(lengths, slots, t, capture, h)
-        logits, extra = model.forward(tokens.view(-1).to(dev), batch, cache)  # [B, V], [B*T, X]
-        outputs = RowOutputs(logits, extra, [(j * t, j * t + n) for j, n in enumerate(lengths)],
-                             [(j, j + 1) for j in range(len(group))])
-        best = logits.argmax(-1).tolist() if verify else [-1] * len(group)
+            inputs["hidden"] = padded_rows([hidden[i] for i in group], b, t).view(b * t, -1)
+
+        def fn(ints: torch.Tensor, hidden: torch.Tensor | None = None, t: int = t) -> Outputs:
+            ends = torch.arange(ints.shape[0], device=ints.device) * t + ints[:, t + 1] - 1  # [B] each row's last token
+            batch = Batch.prompt_rows(ends, ints[:, t], t, capture, hidden)
+            logits, extra = runner.model.forward(ints[:, :t].reshape(-1), batch, runner.cache)  # [B, V], [B*T, X]
+            return logits, extra, logits.argmax(-1) if verify else None
+
+        key = ("prompts", b, t, capture, None if hidden is None else inputs["hidden"].shape[-1], verify)
+        graphs = runner.graphs
+        graphed = graphs.enabled and b * t <= GRAPH_TOKENS and (
+            key in graphs.graphs or sum(k[0] == "prompts" for k in graphs.graphs) < GRAPH_SHAPES)
+        logits, extra, best = graphs.run(key, fn, **inputs) if graphed else graphs.eager(fn, **inputs)
+        assert logits is not None
+        if graphed:  # a graph's outputs: another forward of its shape in the same step would overwrite them
+            logits, extra = logits[:n].clone(), None if extra is None else extra[: n * t].clone()
+        outputs = RowOutputs(logits, extra, [(j * t, j * t + m) for j, m in enumerate(lengths)],
+                             [(j, j + 1) for j in range(n)])
+        tops = best[:n].tolist() if best is not None else [-1] * n
         for j, i in enumerate(group):
-            out[i] = Verified(outputs, j, [0], [best[j]])
+            out[i] = Verified(outputs, j, [0], [tops[j]])
     return out  # type: ignore[return-value]

@@ -42,7 +42,7 @@ from specsplit.runner.acceptance import verify_rows
 from specsplit.runner.decoding import decode
 from specsplit.runner.graphs import GraphCache, HostInput, Outputs, bucket_up, compile_static, pow2_buckets
 from specsplit.runner.outputs import RowOutput, RowOutputs, Verified, accepted_row, row_outputs
-from specsplit.runner.packing import Row, pack_rows
+from specsplit.runner.packing import Row, pack_rows, padded_rows
 from specsplit.runner.prompts import run_prompts
 
 Model = LlamaModel | Eagle3Head  # logits with captured features, or with pre-norm states
@@ -175,7 +175,7 @@ class ModelRunner:
 
     def _prompts(self, step: Step, verify: bool) -> list[Verified]:
         with self.mode():
-            return run_prompts(self.model, self.cache, step.rows, step.hidden, step.capture, verify)
+            return run_prompts(self, step.rows, step.hidden, step.capture, verify)
 
     def _step(self, step: Step, verify: bool) -> tuple[RowOutputs, torch.Tensor | None]:
         """Continuing rows, on the fused path where they fit it, else padded where short enough, else
@@ -344,13 +344,3 @@ def _merged(n: int, split: tuple[list[int], ...], parts: list[Sequence[T]]) -> l
         for i, x in zip(rows, part, strict=True):
             out[i] = x
     return out  # type: ignore[return-value]
-
-
-def padded_rows(rows: list[torch.Tensor], b: int, t: int) -> torch.Tensor:
-    """Rows [T_i, W] as [b, t, W], zero-padded (a view when one row fills the batch)."""
-    if b == 1 and rows[0].shape[0] == t:
-        return rows[0][None]
-    out = rows[0].new_zeros(b, t, rows[0].shape[-1])
-    for i, r in enumerate(rows):
-        out[i, : r.shape[0]] = r
-    return out
