@@ -126,3 +126,28 @@ def test_a_step_of_every_kind_of_row_runs_each_kind_on_its_own_path(tiny_target:
         assert v.features is not None and w.features is not None
         torch.testing.assert_close(v.features, w.features, rtol=1e-4, atol=1e-4)
     assert [v.logits.shape[0] for v in got[0]] == [1, 1, 1, 1, 1, 1]  # prompts and parts: their last token's
+
+
+def test_prompt_steps_whose_capture_fails_run_eagerly_from_then_on(tiny_target: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Where capturing a prompt step's graph fails (a device whose attention kernel cannot be
+    captured), that step and every later one run eagerly, with one warning: the outputs of a
+    runner without graphs."""
+    model = tiny_model(tiny_target)
+    plain, failing = ModelRunner(model, 8, 128), ModelRunner(model, 8, 128)
+    tried: list[tuple[object, ...]] = []
+
+    def refuse(key: tuple[object, ...], fn: object, **inputs: object) -> None:
+        tried.append(key)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    failing.graphs.enabled = True  # as on CUDA
+    monkeypatch.setattr(failing.graphs, "run", refuse)
+    for rows in ([0, 1], [2, 4], [3]):
+        want = plain.verify(Step([Row(i, 0, PROMPTS[i]) for i in rows], capture=True))
+        got = failing.verify(Step([Row(i, 0, PROMPTS[i]) for i in rows], capture=True))
+        for w, g in zip(want, got, strict=True):
+            assert torch.equal(w.logits, g.logits) and torch.equal(w.features, g.features)  # type: ignore[arg-type]
+            assert w.best == g.best
+    assert len(tried) == 1 and failing.graphs.refused == {"prompts"}
+    assert caplog.text.count("capturing one failed") == 1

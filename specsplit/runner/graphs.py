@@ -74,6 +74,7 @@ class GraphCache:
         # current then: engines on other GPUs of the same process need their own
         self.capture_stream = torch.cuda.Stream(device) if self.enabled else None
         self.replays = 0
+        self.refused: set[object] = set()  # kinds of keys (their first item) whose capture failed here: run eagerly
         self.last: torch.cuda.CUDAGraph | None = None  # the graph replayed last (benchmarks time it alone)
 
     def run(self, key: tuple[object, ...], fn: StaticFn, **inputs: HostInput) -> Outputs:

@@ -12,6 +12,8 @@ launches cost more than their compute.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 PROMPT_TOKENS = 8192  # padded tokens of one forward (a longer row runs alone)
 GRAPH_TOKENS = 1024  # forwards of up to this many padded tokens run from CUDA graphs (longer ones: their compute)
 GRAPH_SHAPES = 64  # prompt shapes captured at most, the others eagerly: the runner's other graphs keep their room
+log = logging.getLogger("specsplit.runner")
 
 
 def prompt_bucket(n: int, most: int) -> int:
@@ -77,10 +80,7 @@ def run_prompts(runner: ModelRunner, rows: list[Row], hidden: list[torch.Tensor]
             return logits, extra, logits.argmax(-1) if verify else None
 
         key = ("prompts", b, t, capture, None if hidden is None else inputs["hidden"].shape[-1], verify)
-        graphs = runner.graphs
-        graphed = graphs.enabled and b * t <= GRAPH_TOKENS and (
-            key in graphs.graphs or sum(k[0] == "prompts" for k in graphs.graphs) < GRAPH_SHAPES)
-        logits, extra, best = graphs.run(key, fn, **inputs) if graphed else graphs.eager(fn, **inputs)
+        (logits, extra, best), graphed = _forward(runner, key, b * t, fn, inputs)
         assert logits is not None
         if graphed:  # a graph's outputs: another forward of its shape in the same step would overwrite them
             logits, extra = logits[:n].clone(), None if extra is None else extra[: n * t].clone()
@@ -90,3 +90,22 @@ def run_prompts(runner: ModelRunner, rows: list[Row], hidden: list[torch.Tensor]
         for j, i in enumerate(group):
             out[i] = Verified(outputs, j, [0], [tops[j]])
     return out  # type: ignore[return-value]
+
+
+def _forward(runner: ModelRunner, key: tuple[object, ...], tokens: int, fn: Callable[..., Outputs],
+             inputs: dict[str, np.ndarray | torch.Tensor]) -> tuple[Outputs, bool]:
+    """fn's outputs, from the CUDA graph of its shape where prompt steps take one (up to
+    GRAPH_TOKENS padded tokens and GRAPH_SHAPES shapes, on a device where capturing them works),
+    else eagerly; and whether from a graph."""
+    graphs = runner.graphs
+    if key not in graphs.graphs and (not graphs.enabled or tokens > GRAPH_TOKENS or "prompts" in graphs.refused
+                                     or sum(k[0] == "prompts" for k in graphs.graphs) >= GRAPH_SHAPES):
+        return graphs.eager(fn, **inputs), False
+    try:
+        return graphs.run(key, fn, **inputs), True
+    except RuntimeError as e:
+        if key in graphs.graphs:  # a replay's failure, not a capture's
+            raise
+        log.warning("prompt steps run eagerly from now on: capturing one failed (%s)", e)
+        graphs.refused.add("prompts")
+        return graphs.eager(fn, **inputs), False
