@@ -11,7 +11,10 @@ draft proposes twice, each with the request's shape:
     next, proposing from the guess.
 Positions where the guess is the reference's token (a hit: only there is a pre-draft used)
 count; the accepted drafts of each proposal are read against the reference (a tree: its
-deepest node on the reference's path). One JSON line per shape, then a summary line.
+deepest node on the reference's path). Each row also gives the median µs of the two calls as
+a cycle makes them (synchronised on CUDA), the extend of k + 1 tokens included: the waiting
+one's, and a draft-ahead call's over drafts of the request's shape (the waiting proposal's,
+a chain or a tree). One JSON line per shape, then a summary line.
 
   python -m bench.ahead_acceptance --prompts 6 --max-new-tokens 96                        # CPU, fp32
   python -m bench.ahead_acceptance --num-steps 5 --topk 4 --num-draft-tokens 16 --device cuda:0 --dtype bfloat16
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from typing import Any
 
@@ -33,7 +37,7 @@ from draft_service.config import DraftConfig
 from gateway.local import LocalEngines
 from gateway.scheduler import GenerationRequest
 from specsplit.checkpoints.target_checkpoint import resolve_target_dir
-from specsplit.ops import ExtendPropose, HiddenRef, Prefill, Release, Sampling
+from specsplit.ops import DraftResult, ExtendPropose, HiddenRef, Prefill, Release, Sampling
 from specsplit.tokenizer import TextCodec
 from target_service.config import TargetConfig
 
@@ -56,27 +60,45 @@ def accepted(drafts: list[int], parents: list[int], reference: list[int]) -> int
 
 
 def measure(engines: LocalEngines, prompt: list[int], reference: list[int], shape: dict[str, int],
-            stride: int) -> list[tuple[int, int]]:
-    """(waiting, ahead) accepted drafts at each hit position of one prompt."""
+            stride: int) -> tuple[list[tuple[int, int]], list[tuple[float, float]]]:
+    """(waiting, ahead) accepted drafts at each hit position of one prompt, and (waiting, ahead)
+    µs of the two calls at every position."""
     tokens = prompt + reference
     target, draft = engines.target, engines.draft
     assert draft is not None
     (r,), _ = target.step([Prefill(1, tokens, Sampling(), capture=True)], [])
     feats = r.hidden  # features of every position of prompt + reference
     assert feats is not None
-    k, out = shape["num_steps"], []
+    k, out, times = shape["num_steps"], [], []
     extra = {"topk": shape["topk"], "num_draft_tokens": shape["num_draft_tokens"]}
+    sync = torch.cuda.synchronize if draft.engine.device.type == "cuda" else (lambda: None)
+
+    def ref(first: int, end: int) -> HiddenRef:  # the features of positions first..end-1
+        return HiddenRef(feats.offset + first, end - first, feats.generation)
+
+    def call(seq: int, end: int, ahead: list[int] | None = None, parents: list[int] | None = None
+             ) -> tuple[DraftResult, float]:
+        """Sequence `seq` extended to end - k - 1 (untimed), then a call as a cycle makes it: the
+        extend of the last k + 1 tokens to `end`, then a proposal, or drafting ahead over `ahead`."""
+        mid = end - k - 1
+        draft.step([ExtendPropose(seq, tokens[1 : mid + 1], ref(0, mid), k, **extra)])
+        sync()
+        t0 = time.perf_counter()
+        (res,), _ = draft.step([ExtendPropose(seq, tokens[mid + 1 : end + 1], ref(mid, end), k, **extra,
+                                              position=mid, ahead=ahead or [], ahead_parents=parents or [])])
+        sync()
+        return res, (time.perf_counter() - t0) * 1e6
+
     try:
-        for c in range(len(prompt) + k + 1, len(tokens) - k - 1, stride):
+        for c in range(max(len(prompt) + k + 1, 2 * k + 3), len(tokens) - k - 1, stride):
             start = c - k - 1  # where the ahead's extend stops: k drafts and a bonus before c
-
-            def ref(n: int) -> HiddenRef:
-                return HiddenRef(feats.offset, n, feats.generation)
-
-            (wait,), _ = draft.step([ExtendPropose(2, tokens[1 : c + 1], ref(c), k, **extra)])
-            (ahead,), _ = draft.step([ExtendPropose(3, tokens[1 : start + 1], ref(start), k, **extra,
+            wait, wait_us = call(2, c)
+            (ahead,), _ = draft.step([ExtendPropose(3, tokens[1 : start + 1], ref(0, start), k, **extra,
                                                     ahead=tokens[start + 1 : start + 1 + k])])
-            draft.step([Release(2), Release(3)])
+            # the call's cost over drafts of the request's shape (the proposal's, a chain or a tree)
+            _, ahead_us = call(4, start, wait.draft_ids, wait.draft_parents)
+            draft.step([Release(2), Release(3), Release(4)])
+            times.append((wait_us, ahead_us))
             whole = next((o for o in ahead.ahead if o.accepted == k), None)  # the whole path's outcome
             if whole is None or whole.bonus != tokens[c]:
                 continue  # a miss: no pre-draft would be used
@@ -85,7 +107,7 @@ def measure(engines: LocalEngines, prompt: list[int], reference: list[int], shap
                         accepted(whole.draft_ids, whole.draft_parents, truth)))
     finally:
         target.step([Release(1)], [feats.generation])
-    return out
+    return out, times
 
 
 def main() -> None:
@@ -113,13 +135,19 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for steps in [int(x) for x in a.num_steps.split(",") if x]:
         shape = {"num_steps": steps, "topk": a.topk, "num_draft_tokens": a.num_draft_tokens if a.topk > 1 else 0}
-        pairs = [pair for pr, ref in zip(prompts, refs, strict=True)
-                 for pair in measure(engines, pr, ref, shape, a.stride)]
+        pairs, times = [], []
+        for pr, ref in zip(prompts, refs, strict=True):
+            got, spent = measure(engines, pr, ref, shape, a.stride)
+            pairs += got
+            times += spent
         n = max(len(pairs), 1)
+        wait_us, ahead_us = (statistics.median(x) for x in zip(*times, strict=True))
         row = {"bench": "ahead_acceptance", **shape, "hit_positions": len(pairs),
                "waiting_accepted": round(sum(w for w, _ in pairs) / n, 3),
                "ahead_accepted": round(sum(h for _, h in pairs) / n, 3),
-               "same_count": round(sum(w == h for w, h in pairs) / n, 3)}
+               "same_count": round(sum(w == h for w, h in pairs) / n, 3),
+               "waiting_call_us": round(wait_us, 1), "ahead_call_us": round(ahead_us, 1),
+               "ahead_call_over_waiting": round(ahead_us / wait_us, 3)}
         row["ahead_over_waiting"] = round(row["ahead_accepted"] / max(row["waiting_accepted"], 1e-9), 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
