@@ -131,6 +131,37 @@ def test_a_tree_drafted_ahead_has_outcomes_on_every_branch(tiny_target: Path, ti
         writer.close()
 
 
+def test_a_call_drafts_ahead_for_each_entry_as_for_it_alone(tiny_target: Path, tiny_head: Path) -> None:
+    """Entries of one call (a chain and a tree, so two functions; one extending, one not; drafts
+    of different counts and depths) each get the best path's outcome they get alone, and every
+    other outcome they share with it is the same."""
+    rt, writer, feats, tokens = _setup(tiny_target, tiny_head, seed=5)
+
+    def ops() -> list[ExtendPropose]:
+        return [ExtendPropose(1, tokens[12:15], put(writer, feats[12:15]), 3, position=12, ahead=[5, 6, 7]),
+                ExtendPropose(2, [], HiddenRef(0, 0, 0), 2, position=12, ahead=[8]),
+                ExtendPropose(3, tokens[12:14], put(writer, feats[12:14]), 2, position=12, topk=2,
+                              num_draft_tokens=4, ahead=[9, 10, 11], ahead_parents=[-1, -1, 0])]
+
+    def fresh() -> None:  # each sequence at entry 12 again
+        rt.engine.execute([ExtendPropose(i, tokens[:12], put(writer, feats[:12]), 1) for i in (1, 2, 3)])
+
+    try:
+        fresh()
+        together = rt.engine.execute(ops())
+        alone = []
+        for op in ops():
+            fresh()
+            alone += rt.engine.execute([op])
+        for t, a in zip(together, alone, strict=True):
+            assert t.code == a.code == Code.OK and t.ahead and t.ahead[0] == a.ahead[0]
+            by = {(o.node, o.bonus): o for o in a.ahead}
+            assert all(by[(o.node, o.bonus)] == o for o in t.ahead if (o.node, o.bonus) in by), (t.ahead, a.ahead)
+        assert [len(r.ahead[0].draft_ids) for r in together] == [3, 2, 3]  # each its own shape
+    finally:
+        writer.close()
+
+
 @pytest.mark.parametrize(("op", "why"), [
     (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=8, ahead=[1, 2]), "nothing extended"),
     (ExtendPropose(1, [], HiddenRef(0, 0, 0), 3, position=12, ahead=[1, 2]), "nothing extended"),
