@@ -72,6 +72,8 @@ class FusedHead:
         pdl = self.pdl if self.pdl is not None else pdl_pays(cfg.hidden_size, n, self.capability)
         if not batch.is_padded or batch.entries is None or batch.entries.numel() != n or n > self.max_rows:
             raise ValueError(f"a fused head step takes a padded batch of at most {self.max_rows} tokens, got {n}")
+        if batch.tree_mask is not None and batch.visible is None:
+            raise ValueError("a fused head step takes a tree's view as batch.visible, not as a tree mask")
         assert batch.slots is not None and batch.hidden is not None
         b, t = batch.entries.shape
         mid, eps = m.midlayer, cfg.rms_norm_eps
