@@ -11,10 +11,11 @@ draft proposes twice, each with the request's shape:
     next, proposing from the guess.
 Positions where the guess is the reference's token (a hit: only there is a pre-draft used)
 count; the accepted drafts of each proposal are read against the reference (a tree: its
-deepest node on the reference's path). Each row also gives the median µs of the two calls as
-a cycle makes them (synchronised on CUDA), the extend of k + 1 tokens included: the waiting
-one's, and a draft-ahead call's over drafts of the request's shape (the waiting proposal's,
-a chain or a tree). One JSON line per shape, then a summary line.
+deepest node on the reference's path). At every boundary it also makes a cycle's two calls,
+each extending k + 1 tokens: the waiting one's proposal there, and a draft-ahead call over that
+proposal, which is a hit where it proposed for the verify's outcome against the reference.
+Each row gives their median µs (synchronised on CUDA) and the hit rate (`--ahead-slots`: the
+draft's scratch slots). One JSON line per shape, then a summary line.
 
   python -m bench.ahead_acceptance --prompts 6 --max-new-tokens 96                        # CPU, fp32
   python -m bench.ahead_acceptance --num-steps 5 --topk 4 --num-draft-tokens 16 --device cuda:0 --dtype bfloat16
@@ -45,24 +46,27 @@ from target_service.config import TargetConfig
 def accepted(drafts: list[int], parents: list[int], reference: list[int]) -> int:
     """Drafts the target accepts when `reference` is what it decodes (a chain: leading matches;
     a tree: the depth of its deepest node on the reference's path)."""
-    if not parents:
-        n = 0
-        while n < len(drafts) and n < len(reference) and drafts[n] == reference[n]:
-            n += 1
-        return n
+    return path_end(drafts, parents, reference)[0]
+
+
+def path_end(drafts: list[int], parents: list[int], reference: list[int]) -> tuple[int, int]:
+    """(drafts accepted, the last accepted one's index: -1 for none) when `reference` is what the
+    target decodes."""
     depth, at = 0, -1
     while depth < len(reference):
-        nxt = next((i for i, p in enumerate(parents) if p == at and drafts[i] == reference[depth]), None)
+        nxt = next((i for i in range(len(drafts)) if (parents[i] if parents else i - 1) == at
+                    and drafts[i] == reference[depth]), None)
         if nxt is None:
             break
         depth, at = depth + 1, nxt
-    return depth
+    return depth, at
 
 
 def measure(engines: LocalEngines, prompt: list[int], reference: list[int], shape: dict[str, int],
-            stride: int) -> tuple[list[tuple[int, int]], list[tuple[float, float]]]:
-    """(waiting, ahead) accepted drafts at each hit position of one prompt, and (waiting, ahead)
-    µs of the two calls at every position."""
+            stride: int) -> tuple[list[tuple[int, int]], list[tuple[float, float, bool]]]:
+    """(waiting, ahead) accepted drafts at each hit position of one prompt, and at every position
+    the µs of a cycle's waiting call and of a draft-ahead call over its proposal, and whether
+    that call proposed for the verify's outcome (a hit)."""
     tokens = prompt + reference
     target, draft = engines.target, engines.draft
     assert draft is not None
@@ -92,13 +96,16 @@ def measure(engines: LocalEngines, prompt: list[int], reference: list[int], shap
     try:
         for c in range(max(len(prompt) + k + 1, 2 * k + 3), len(tokens) - k - 1, stride):
             start = c - k - 1  # where the ahead's extend stops: k drafts and a bonus before c
-            wait, wait_us = call(2, c)
+            (wait,), _ = draft.step([ExtendPropose(2, tokens[1 : c + 1], ref(0, c), k, **extra)])
             (ahead,), _ = draft.step([ExtendPropose(3, tokens[1 : start + 1], ref(0, start), k, **extra,
                                                     ahead=tokens[start + 1 : start + 1 + k])])
-            # the call's cost over drafts of the request's shape (the proposal's, a chain or a tree)
-            _, ahead_us = call(4, start, wait.draft_ids, wait.draft_parents)
-            draft.step([Release(2), Release(3), Release(4)])
-            times.append((wait_us, ahead_us))
+            # a cycle at `start`: its proposal (the waiting call), then a draft-ahead call over it
+            proposal, wait_us = call(4, start)
+            outcomes, ahead_us = call(5, start, proposal.draft_ids, proposal.draft_parents)
+            depth, node = path_end(proposal.draft_ids, proposal.draft_parents, tokens[start + 1 :])
+            hit = any(o.node == node and o.bonus == tokens[start + 1 + depth] for o in outcomes.ahead)
+            draft.step([Release(2), Release(3), Release(4), Release(5)])
+            times.append((wait_us, ahead_us, hit))
             whole = next((o for o in ahead.ahead if o.accepted == k), None)  # the whole path's outcome
             if whole is None or whole.bonus != tokens[c]:
                 continue  # a miss: no pre-draft would be used
@@ -122,6 +129,7 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=1)
     p.add_argument("--num-draft-tokens", type=int, default=16)
     p.add_argument("--stride", type=int, default=1, help="cycle boundaries measured: every stride-th position")
+    p.add_argument("--ahead-slots", type=int, default=DraftConfig.ahead_slots, help="the draft's --ahead-slots")
     a = p.parse_args()
     t0 = time.time()
     codec = TextCodec.from_checkpoint(resolve_target_dir(a.model))
@@ -129,7 +137,7 @@ def main() -> None:
     context = max(map(len, prompts)) + a.max_new_tokens + 64
     engines = LocalEngines(TargetConfig(model=a.model, device=a.device, dtype=a.dtype, max_context=context),
                            DraftConfig(head=a.head, target=a.model, device=a.device, dtype=a.dtype,
-                                       max_context=context))
+                                       max_context=context, ahead_slots=a.ahead_slots))
     refs = [r.tokens for r in engines.generate([GenerationRequest(pr, a.max_new_tokens, Sampling(), set(), 0)
                                                 for pr in prompts])]
     rows: list[dict[str, Any]] = []
@@ -141,13 +149,14 @@ def main() -> None:
             pairs += got
             times += spent
         n = max(len(pairs), 1)
-        wait_us, ahead_us = (statistics.median(x) for x in zip(*times, strict=True))
+        wait_us, ahead_us = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
         row = {"bench": "ahead_acceptance", **shape, "hit_positions": len(pairs),
                "waiting_accepted": round(sum(w for w, _ in pairs) / n, 3),
                "ahead_accepted": round(sum(h for _, h in pairs) / n, 3),
                "same_count": round(sum(w == h for w, h in pairs) / n, 3),
                "waiting_call_us": round(wait_us, 1), "ahead_call_us": round(ahead_us, 1),
-               "ahead_call_over_waiting": round(ahead_us / wait_us, 3)}
+               "ahead_call_over_waiting": round(ahead_us / wait_us, 3),
+               "hit_rate": round(sum(t[2] for t in times) / max(len(times), 1), 3)}
         row["ahead_over_waiting"] = round(row["ahead_accepted"] / max(row["waiting_accepted"], 1e-9), 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
