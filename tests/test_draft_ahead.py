@@ -272,6 +272,18 @@ def test_a_stream_cancelled_while_drafting_ahead_is_released(ahead_stack: Servic
     assert t.active_sequences == t.ring_rows_in_use == d.active_sequences == 0
 
 
+def test_the_hit_rate_bench_reads_a_verify_outcome_as_the_target_decides_it() -> None:
+    """bench.ahead_acceptance's outcome of a verify: the drafts accepted and the last one's index."""
+    from bench.ahead_acceptance import path_end
+
+    assert path_end([5, 6, 7], [], [5, 6, 9, 1]) == (2, 1)
+    assert path_end([5, 6, 7], [], [4, 5]) == (0, -1)
+    assert path_end([5, 6, 7], [], [5, 6, 7, 8]) == (3, 2)
+    tree, parents = [11, 22, 33, 44], [-1, -1, 0, 1]
+    assert path_end(tree, parents, [22, 44, 1]) == (2, 3)
+    assert path_end(tree, parents, [11, 9]) == (1, 0)
+
+
 def test_auto_drafts_ahead_only_with_the_draft_on_a_gpu_of_its_own() -> None:
     assert draft_ahead_on("auto", "cuda GPU-1f2e", "cuda GPU-9a8b")
     assert not draft_ahead_on("auto", "cuda GPU-1f2e", "cuda GPU-1f2e")  # one GPU, whatever each container calls it
