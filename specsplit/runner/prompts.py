@@ -57,13 +57,14 @@ def run_prompts(runner: ModelRunner, rows: list[Row], hidden: list[torch.Tensor]
                 verify: bool) -> list[Verified]:
     """Each row's outputs (logits [1, V] of its last token, features [T, X]) and, with `verify`,
     the argmax after its last token (`best`; one readback per forward). A forward is a static
-    function of its rows' bucket (their count in the runner's batch buckets, padding rows in the
-    spare slot) and their length's."""
+    function of its rows' count (for a graph: their batch bucket, padding rows in the spare slot)
+    and their length's bucket."""
     out: list[Verified | None] = [None] * len(rows)
-    groups = prompt_groups([len(r.tokens) for r in rows], runner.cache.max_len)
-    for group in groups:
+    for group in prompt_groups([len(r.tokens) for r in rows], runner.cache.max_len):
         lengths = [len(rows[i].tokens) for i in group]
-        n, b, t = len(group), runner.batch_bucket(len(group)), prompt_bucket(max(lengths), runner.cache.max_len)
+        n, t = len(group), prompt_bucket(max(lengths), runner.cache.max_len)
+        b = runner.batch_bucket(n)  # padding rows only for a graph's shape: eagerly they would be wasted work
+        b = b if runner.graphs.enabled and b * t <= GRAPH_TOKENS else n
         ints = np.zeros((b, t + 2), dtype=np.int64)  # [B, T + 2]: tokens, slot, length (padding rows: 1 token)
         for j, i in enumerate(group):
             ints[j, : lengths[j]] = rows[i].tokens
