@@ -16,6 +16,7 @@ import grpc
 
 from gateway import ahead
 from gateway.costs import NO_DRAFT, Shape
+from gateway.observe import record_draft, record_verify
 from gateway.sequence import Sequence
 from specsplit.ops import (
     MAX_EARLIER,
@@ -39,6 +40,9 @@ from specsplit.ops import (
 )
 
 if TYPE_CHECKING:
+    from opentelemetry import trace
+
+    from gateway.observe import CycleSpan
     from gateway.scheduler import Scheduler
 
 log = logging.getLogger("specsplit.gateway")
@@ -184,6 +188,7 @@ async def draft_phase(sched: Scheduler) -> None:
     if long and not first:  # a newcomer's prompt or a resync: what waking a dormant sequence costs the draft
         sched.chooser.costs.record_extend(max(len(op.tokens) for op in ops if isinstance(op, ExtendPropose)), ms)
     by_id: dict[int, DraftResult] = {r.seq_id: r for r in results}
+    drafted: list[tuple[Sequence, trace.Span | CycleSpan]] = []
     for s in users:
         r = by_id.get(s.seq_id)
         if r is None or r.code != Code.OK:
@@ -199,12 +204,8 @@ async def draft_phase(sched: Scheduler) -> None:
             continue
         s.synced, s.draft_failures = True, 0
         s.drafts, s.dists, s.parents = r.draft_ids, r.draft_dists, r.draft_parents
-        if s.cycle_span.is_recording():
-            s.cycle_span.set_attributes({"spec.draft_call_ms": ms, "spec.draft_batch_ms": timing.compute_ms,
-                                         "spec.draft_service_ms": timing.total_ms})
-        s.stats.draft_ms += ms
-        s.stats.draft_compute_ms += timing.compute_ms
-        s.stats.draft_service_ms += timing.total_ms
+        drafted.append((s, s.cycle_span))
+    sched.outbox.later(record_draft, drafted, ms, timing)
 
 
 async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
@@ -374,19 +375,11 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
         return
     if not prefill:  # a verify cycle (the prefill's first token is not a cycle; a decode of k tokens is k)
         drafted, decoded = s.sent_drafts, op.decode  # type: ignore[union-attr]
-        s.stats.record_verify(len(r.tokens), ms, timing, drafted, r.num_accepted, s.shape if drafted else NO_DRAFT,
-                              decoded)
+        s.stats.cycles += decoded
         if drafted:
             sched.chooser.observe(s, s.shape, r.num_accepted)
-        sched.totals.record_verify(len(r.tokens), drafted, r.num_accepted, decoded)
-        if decoded == 1:
-            sched.metrics.accepted_length.record(len(r.tokens))
-        if s.cycle_span.is_recording():
-            s.cycle_span.set_attributes({"spec.draft_tokens": drafted, "spec.accepted_length": len(r.tokens),
-                                         "spec.num_accepted": r.num_accepted, "spec.bonus_token": r.tokens[-1],
-                                         "spec.decode_tokens": decoded, "spec.verify_call_ms": ms,
-                                         "spec.verify_batch_ms": timing.compute_ms,
-                                         "spec.verify_service_ms": timing.total_ms})
+        sched.outbox.later(record_verify, s, s.cycle_span, sched.totals, sched.metrics, r, ms, timing, drafted,
+                           decoded, s.shape if drafted else NO_DRAFT)
     else:
         s.prefilled = True
         s.stats.first_token_at = time.perf_counter()
@@ -395,3 +388,4 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
     if s.drafts:
         s.drafts, s.dists, s.parents = [], [], []
     sched.emit(s, r.tokens)
+

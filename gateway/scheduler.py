@@ -34,7 +34,7 @@ from opentelemetry import trace
 from gateway.adaptive import StepChooser
 from gateway.clients import DraftClient, TargetClient
 from gateway.forced import ForcedAcceptance
-from gateway.observe import NOOP_METRICS, CycleSpans, GatewayMetrics
+from gateway.observe import NOOP_METRICS, CycleSpans, GatewayMetrics, record_finish
 from gateway.outbox import Outbox
 from gateway.phases import DraftDeadline, draft_phase, target_phase
 from gateway.sequence import (
@@ -276,10 +276,10 @@ class Scheduler:
             if not self.target_down:
                 await target_phase(self, newcomers)
         finally:
-            self.spans.close(traced)
+            self.spans.close(traced, self.outbox)
         ms = (time.perf_counter() - t0) * 1e3
         if batch > len(newcomers):
-            self.metrics.cycle_duration.record(ms)
+            self.outbox.later(self.metrics.cycle_duration.record, ms)
         self.chooser.settle(ms)
         if set(self.cycle_ms) in ({"draft", "verify"}, {"verify"}):  # the rest of a cycle: host work, transport
             rest = max(ms - sum(self.cycle_ms.values()), 0.0) / self.cycle_decoded  # a token's
@@ -386,13 +386,7 @@ class Scheduler:
 
     def finish(self, s: Sequence, end: Finished) -> None:
         self._retire(s)
-        now, n = time.perf_counter(), len(s.generated)
-        self.metrics.output_tokens.add(n)
-        if n > 1 and s.stats.first_token_at:
-            self.metrics.time_per_output_token.record((now - s.stats.first_token_at) / (n - 1))
-        if n:
-            self.metrics.tokens_per_second.record(n / max(now - s.submitted_at, 1e-9))
-        s.span.add_event("finished", {"gen_ai.response.finish_reason": end.reason, "spec.cycles": s.stats.cycles})
+        self.outbox.later(record_finish, s, end, self.metrics, time.perf_counter())
         self._post(s, end)
 
     def fail(self, s: Sequence, code: grpc.StatusCode, message: str) -> None:

@@ -86,8 +86,7 @@ class SeqStats:
     def record_verify(self, emitted: int, ms: float, timing: StepTiming, drafts: int, accepted: int,
                       shape: Shape, decoded: int = 1) -> None:
         """One verify call; `decoded` > 1: a decode of that many tokens, counted as that many
-        cycles of one token."""
-        self.cycles += decoded
+        cycles of one token (`cycles` is counted as the reply comes: the loop reads it)."""
         self.shapes[shape] += decoded
         self.histogram[emitted // decoded] += decoded
         self.verify_ms += ms

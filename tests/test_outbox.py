@@ -48,3 +48,26 @@ def test_events_wait_then_reach_readers_on_another_loop_in_order() -> None:
     assert got[1] == [[10], [11], [12], [13], Finished("length")]
     box.post(seqs[0], [99], now=True)  # outside a cycle: at once (its loop has stopped: nobody reads, no error)
     assert box.events == []
+
+
+def test_work_put_off_runs_at_the_next_delivery_in_order_before_the_events(caplog) -> None:  # noqa: ANN001
+    """The loop's bookkeeping (`later`) runs when the events go out, first and in the order it was
+    put off; a piece that fails is logged and the rest still runs, the events still go out."""
+    box = Outbox()
+    s = Sequence(0, GenerationRequest([1, 2], 8, Sampling(), set(), 0))
+    done: list[object] = []
+
+    def fails() -> None:
+        raise ValueError("a bug in the bookkeeping")
+
+    box.post(s, [5], now=False)
+    box.later(done.append, "a")
+    box.later(fails)
+    box.later(lambda: done.append(s.events.qsize()))  # the events are not handed over yet
+    assert done == []  # put off
+    box.deliver()
+    assert done == ["a", 0] and s.events.get_nowait() == [5]
+    assert "bookkeeping failed" in caplog.text
+    box.later(done.append, "b")
+    box.post(s, Finished("stop"), now=True)  # outside a cycle: the work, then the event, at once
+    assert done == ["a", 0, "b"] and s.events.get_nowait() == Finished("stop")

@@ -192,6 +192,7 @@ def test_a_part_refused_for_ring_space_lets_the_prompt_s_features_go_and_it_is_r
 
 def test_each_cycle_of_a_prompt_in_parts_is_a_prefill_span() -> None:
     from gateway.observe import CycleSpans
+    from gateway.outbox import Outbox
 
     class Log:
         records: list[tuple] = []
@@ -204,7 +205,9 @@ def test_each_cycle_of_a_prompt_in_parts_is_a_prefill_span() -> None:
     running.prefilled = True
     for s in (parted, running):
         s.trace_ids = (7, 8, "00-" + "0" * 31 + "7-")
-    spans.close(spans.open([parted, running], []))  # a later cycle: neither is a newcomer
+    outbox = Outbox()
+    spans.close(spans.open([parted, running], []), outbox)  # a later cycle: neither is a newcomer
+    outbox.deliver()  # (recorded with the cycle's bookkeeping)
     assert [(r[0], r[8]["spec.cycle"]) for r in Log.records] == [("prefill", 0), ("cycle", 1)]
 
 

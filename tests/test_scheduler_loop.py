@@ -263,7 +263,7 @@ def record_admissions(s: Scheduler, resumed: bool = False) -> list[object]:
             admitted.extend((x.req.client, x.suspended) if resumed else x.req.client for x in newcomers)
             return []
 
-        def close(self, traced: list) -> None:
+        def close(self, traced: list, outbox: object) -> None:
             pass
 
     s.spans = Hook()  # type: ignore[assignment]
@@ -308,3 +308,48 @@ def test_a_cycles_tokens_reach_their_reader_while_the_next_call_computes() -> No
     assert tokens == ([9] + [1, 2, 3, 9] * 4)[:13] and end == Finished("length")
     assert delivered == [("target", 0), ("draft", 1), ("target", 0), ("draft", 1), ("target", 0), ("draft", 1),
                          ("target", 0), ("draft", 2), ("target", 0)]  # prefill, 3 verifies; the last: tokens, end
+
+
+def test_a_cycles_bookkeeping_is_done_while_the_next_call_computes() -> None:
+    """Between a reply and the next request the loop does only what that request needs: a
+    verify's statistics and a draft call's times are recorded during the next call, and a
+    reader handed the sequence's end finds them whole."""
+    seen: list[tuple[str, int, int]] = []  # (service, verify cycles with statistics before / after its meanwhile)
+
+    def watching(service: str, meanwhile):  # noqa: ANN001, ANN202
+        def during() -> None:
+            assert seq is not None
+            before = sum(seq.stats.histogram.values())
+            meanwhile()
+            seen.append((service, before, sum(seq.stats.histogram.values())))
+
+        return during if meanwhile is not None else None
+
+    class Target(InstantTarget):
+        async def step(self, ops, releases, timeout=0.0, meanwhile=None):  # noqa: ANN001, ANN202
+            return await super().step(ops, releases, timeout, watching("target", meanwhile))
+
+    class Draft(InstantDraft):
+        async def step(self, ops, timeout=0.0, meanwhile=None):  # noqa: ANN001, ANN202
+            return await super().step(ops, timeout, watching("draft", meanwhile))
+
+    async def main() -> tuple[list[int], object, tuple[int, dict[int, int], int, float]]:
+        nonlocal seq
+        s = Scheduler(Target(suspend=False), Draft(suspend=False), max_sequences=2, limits=Limits(max_queue=8))
+        s.draft_restored()
+        s.start()
+        seq = s.submit(request(13, num_steps=3))
+        tokens, end = await asyncio.wait_for(drain(seq), 10.0)
+        st = seq.stats  # as the reader finds them on the end
+        whole = (st.cycles, dict(st.histogram), st.draft_tokens, st.draft_ms)
+        await s.stop()
+        return tokens, end, whole
+
+    seq: Sequence | None = None
+    tokens, end, (cycles, histogram, draft_tokens, draft_ms) = asyncio.run(main())
+    assert tokens == ([9] + [1, 2, 3, 9] * 4)[:13] and end == Finished("length")
+    # the prefill, a draft call, then 3 verifies, each recorded during the next (draft) call; the last
+    # draft call releases the sequence, the last target call too
+    assert seen == [("target", 0, 0), ("draft", 0, 0), ("target", 0, 0), ("draft", 0, 1), ("target", 1, 1),
+                    ("draft", 1, 2), ("target", 2, 2), ("draft", 2, 3), ("target", 3, 3)]
+    assert cycles == 3 and histogram == {4: 3} and draft_tokens == 9 and draft_ms > 0
