@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import operator
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -70,14 +69,21 @@ class DraftDeadline:
     @staticmethod
     def shape(ops: list[DraftOp]) -> tuple[int, ...]:
         """The call's shape as the draft's graphs are keyed (batch, extend and context in buckets)."""
-        extends: list[ExtendPropose] = [op for op in ops if type(op) is ExtendPropose]  # type: ignore[misc]
-        if not extends:
-            return ()
-        sizes, starts = [len(op.tokens) for op in extends], [op.position for op in extends]
-        steps, topk = max(op.num_steps for op in extends), max(op.topk for op in extends)
-        longest, last_end = max(sizes), max(map(operator.add, starts, sizes))
-        ctx = draft_cycle_entries(max(starts), longest, last_end, steps, topk)
-        return pow2_at_least(len(extends)), steps, topk, extend_bucket(longest), max(128, pow2_at_least(ctx))
+        return DraftDeadline.measure(ops)[0]
+
+    @staticmethod
+    def measure(ops: list[DraftOp]) -> tuple[tuple[int, ...], int]:
+        """The call's shape and its longest extend, in one pass (the loop's critical path)."""
+        n = steps = topk = longest = last_start = last_end = 0
+        for op in ops:
+            if type(op) is ExtendPropose:
+                n, size, start = n + 1, len(op.tokens), op.position
+                steps, topk = max(steps, op.num_steps), max(topk, op.topk)
+                longest, last_start, last_end = max(longest, size), max(last_start, start), max(last_end, start + size)
+        if not n:
+            return (), 0
+        ctx = draft_cycle_entries(last_start, longest, last_end, steps, topk)
+        return (pow2_at_least(n), steps, topk, extend_bucket(longest), max(128, pow2_at_least(ctx))), longest
 
     def seconds(self, ops: list[DraftOp], shape: tuple[int, ...], long: bool | None = None) -> float:
         """The deadline of a call of `shape` (DraftDeadline.shape(ops)); `long`: is_long(ops),
@@ -161,7 +167,8 @@ async def draft_phase(sched: Scheduler) -> None:
         s.pending = None
     if not ops:
         return
-    shape, long = sched.draft_deadline.shape(ops), sched.draft_deadline.is_long(ops)
+    shape, longest = sched.draft_deadline.measure(ops)
+    long = longest > sched.draft_deadline.long_tokens
     deadline = sched.draft_deadline.seconds(ops, shape, long)
     sched.cycle_ms["other"] = 0.0  # a call made: until it is priced below, the cycle's rest is no cost of its shape
     t0 = time.perf_counter()
@@ -217,6 +224,7 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
     sched.target_releases, sched.target_suspends = [], []
     releases, sched.free_generations = sched.free_generations, []
     work: list[Sequence] = []
+    sent: list[TargetOp] = []  # work's ops
     speculating = sched.speculating
     prefilled = 0  # tokens prefilled or recomputed: what the chooser prices a dormant sequence's wake from
     budget = sched.limits.prefill_chunk or 1 << 62  # prompt tokens this call (0: no limit)
@@ -257,6 +265,7 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
             ops.append(Verify(s.seq_id, drafts, s.dists if drafts else [], s.parents if drafts else [],
                               capture=capture, trace=s.trace, forced=forced))
         work.append(s)
+        sent.append(ops[-1])
     if not ops and not releases:
         return
     decoded = decode_ahead(sched, ops, work)
@@ -287,9 +296,8 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
             sched.chooser.forgive_probe()
         sched.chooser.costs.record_verify(len(verifies), rows, ms / decoded)  # a token's
     by_id = {r.seq_id: r for r in results}
-    kinds = {op.seq_id: op for op in ops if not isinstance(op, (Release, Suspend))}
-    for s in work:
-        apply_result(sched, s, by_id.get(s.seq_id), kinds[s.seq_id], ms, timing)
+    for s, op in zip(work, sent, strict=True):
+        apply_result(sched, s, by_id.get(s.seq_id), op, ms, timing)
     if drafting.ops:
         ahead.settle(sched, drafting, {r.seq_id: r.tokens for r in results if r.code == Code.OK})
 
