@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -216,6 +217,29 @@ def cmd_trace_report(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compose_local(a: argparse.Namespace) -> int:
+    from specsplit.cli import compose_local
+
+    compose = Path(a.file).resolve()
+    profiles = a.profile or [p for p in os.environ.get("COMPOSE_PROFILES", compose_local.dot_env(
+        compose.parent / ".env").get("COMPOSE_PROFILES", "")).split(",") if p]
+    state = Path(a.state).resolve()
+    try:
+        services, foreign = compose_local.plan(compose, profiles, state, [n for n in a.services.split(",") if n],
+                                               free_ports=a.free_ports, bind_all=a.bind_all)
+    except ValueError as e:
+        print(f"specsplit compose-local: {e}", file=sys.stderr)
+        return 2
+    for name in foreign:
+        print(f"{name}: an image not built from this repository, not run here", file=sys.stderr)
+    if a.dry_run:
+        for s in services:
+            print(json.dumps({"service": s.name, "argv": s.argv, "env": s.env, "depends_on": s.depends,
+                              "healthcheck": s.health}))
+        return 0
+    return compose_local.run(services, state, compose.parent)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specsplit", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -256,12 +280,21 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--idle", type=float, default=0.0, help="stop listening after this many quiet seconds")
     rep.add_argument("--png", default="trace_timeline.png", help="timeline image ('' for none)")
     rep.add_argument("--json", action="store_true")
+    cl = sub.add_parser("compose-local", help="docker-compose.yml's services as processes on this host, no Docker")
+    cl.add_argument("--file", default="docker-compose.yml")
+    cl.add_argument("--profile", action="append", help="a compose profile (repeatable; default: COMPOSE_PROFILES, "
+                    "from the environment or the compose file's .env)")
+    cl.add_argument("--services", default="", help="comma list: only these (default: all of the profiles')")
+    cl.add_argument("--state", default=".compose-local", help="named volumes' folders and the services' logs")
+    cl.add_argument("--free-ports", action="store_true", help="move each service's --port to a free one")
+    cl.add_argument("--bind-all", action="store_true", help="keep 0.0.0.0 (default: loopback)")
+    cl.add_argument("--dry-run", action="store_true", help="print each service's argv and environment (JSON lines)")
     a = p.parse_args(argv)
     from specsplit.training.cli import run as cmd_train_head
 
     handlers = {"up": cmd_up, "generate": cmd_generate, "demo": cmd_demo, "health": cmd_health,
                 "make-random-head": cmd_random_head, "make-tiny-target": cmd_tiny_target,
-                "trace": cmd_trace_report, "train-head": cmd_train_head}
+                "trace": cmd_trace_report, "train-head": cmd_train_head, "compose-local": cmd_compose_local}
     return handlers[a.cmd](a)
 
 
