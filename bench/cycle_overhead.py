@@ -184,6 +184,7 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
     gateway_extra, service_extra = variant_args(variant, a.spin_us)
     cfg = StackConfig.of(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
                          hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
+                         tp_size=a.tp_size,
                          extra_target_args=[*engine_flags, *target_only, *service_extra, "--max-draft-tokens",
                                             str(max(16, tree_size(a))), "--fused-decode", a.fused_decode],
                          extra_draft_args=[*engine_flags, *(["--compile"] if a.draft_compile else []),
@@ -223,6 +224,7 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                         list(x.num_steps_histogram) + [0] * (9 - len(x.num_steps_histogram)) for x in s),
                         strict=True)]
                 rows[steps]["same_tokens_as_in_process_target_only"] = same
+                rows[steps]["tp_size"] = a.tp_size
                 rows[steps].update(client_side(gens))
                 rows[steps]["draft_rpc_us"] = round(sum(x.draft_ms for x in s) * 1e3 / cycles, 1)
                 rows[steps]["verify_rpc_us"] = round(sum(x.verify_ms for x in s) * 1e3 / cycles, 1)
@@ -248,6 +250,8 @@ def add_variant_args(p: argparse.ArgumentParser) -> None:
                    "gateway's --no-loop-thread), traced (spin, every request traced to jsonl files), spin-ahead "
                    "and thread-ahead (spin and thread with the gateway's --draft-ahead on; the others: off)")
     p.add_argument("--spin-us", type=float, default=20_000.0)
+    p.add_argument("--tp-size", type=int, default=1, help="the services' target over this many ranks (GPUs "
+                   "--device's index and the next ones; gloo on the CPU); the in-process loop stays on one")
 
 
 def main() -> None:

@@ -13,8 +13,10 @@ profile (gateway.forced) and every line says so in "acceptance".
   python -m bench.end_to_end --device cuda:0 --draft-device cuda:0          # one H200
   python -m bench.end_to_end --device cpu --draft-device cpu --dtype float32 --prompts 1 --max-new-tokens 32 \\
       --num-steps 3 --hf-prompts 1                                          # CPU smoke
-  python -m bench.end_to_end --model shape:llama-3.1-8b --head random --forced-acceptance shipped \
+  python -m bench.end_to_end --model shape:llama-3.1-8b --head random --forced-acceptance shipped \\
       --num-steps 5 --topk 4 --num-draft-tokens 16 --fused-decode pdl       # the 8B shape, one H200
+  python -m bench.end_to_end --model shape:llama-3.1-8b --head random --forced-acceptance shipped \\
+      --num-steps 5 --topk 4 --num-draft-tokens 16 --tp-size 8 --draft-device cuda:0   # the services' target at TP8
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ def main() -> None:
                       "step_transport": "grpc stream" if a.grpc_steps else "unix socket",
                       "compile": a.compile, "draft_compile": cycle_overhead.draft_compiles(a),
                       "fused_decode": a.fused_decode, "draft_fused_head": a.draft_fused_head, "variants": a.variants,
-                      "spin_us": a.spin_us,
+                      "spin_us": a.spin_us, "services_tp_size": a.tp_size,
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "commit": git_commit(), "machine": platform.machine(),
                       "wall_s": round(time.time() - t0, 1)}), flush=True)

@@ -64,3 +64,24 @@ def test_target_only_without_a_draft_service(tiny_target: Path, tmp_path: Path) 
     reqs = [make_request(token_ids=[1, 2, 3], max_new_tokens=10, num_steps=4)]
     out = run_stack(StackConfig.of(model=str(tiny_target), with_draft=False, max_context=256, log_dir=tmp_path), reqs)
     assert len(out[0]) > 0
+
+
+def test_the_end_to_end_bench_runs_the_services_target_over_ranks(tiny_target: Path, tiny_head: Path,
+                                                                  tmp_path: Path) -> None:
+    """bench.end_to_end --tp-size 2: the services' target over two ranks decodes the in-process
+    (one rank) tokens, and every services row says its TP size."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "bench.end_to_end", "--model", str(tiny_target), "--head",
+                          str(tiny_head), "--device", "cpu", "--draft-device", "cpu", "--dtype", "float32",
+                          "--prompts", "1", "--max-new-tokens", "12", "--num-steps", "2", "--hf-prompts", "0",
+                          "--forced-acceptance", "shipped", "--tp-size", "2", "--variants", "thread"],
+                         capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    services = [r for r in rows if r.get("mode") == "services_thread"]
+    assert {r["num_steps"] for r in services} == {0, 2} and all(r["tp_size"] == 2 for r in services)
+    assert next(r for r in services if r["num_steps"] == 0)["same_tokens_as_in_process_target_only"] == 1.0
+    assert rows[-1]["services_tp_size"] == 2
