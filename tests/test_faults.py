@@ -44,14 +44,15 @@ def test_draft_dies_mid_stream_then_comes_back(tiny_target: Path, tiny_head: Pat
     cfg.extra_gateway_args += ["--draft-ahead", ahead]
     with ServiceStack(cfg) as stack:
         client = GatewayClient(stack.addr("gateway"))
-        # long enough that the stream outlasts the draft's restart and a retry period (2 s) on a loaded CI
-        # machine: with 1200 tokens the stream once ended there before speculation resumed
-        n = 3000
+        n = 3000  # more than the stream's buffer (1024): it is still running once the draft is back
         base = client.generate(make_request(token_ids=PROMPT, max_new_tokens=n, ignore_eos=True, speculation=False))
         call = client.stub.Generate(make_request(token_ids=PROMPT, max_new_tokens=n, ignore_eos=True, num_steps=3))
         tokens = list(next(call).token_ids)
         stack.kill("draft")
         stack.restart("draft")  # a new process: no state, no mapping
+        deadline = time.monotonic() + 60  # until the gateway attaches it, the stream waits unread (its
+        while not client.model_info().draft_available and time.monotonic() < deadline:  # buffer), so that
+            time.sleep(0.1)  # it still runs then however slowly the draft came back on a loaded machine
         resumed = False
         for msg in call:  # the stream never stops; the draft is re-attached and the sequence resynced
             tokens += msg.token_ids
