@@ -193,7 +193,7 @@ async def draft_phase(sched: Scheduler) -> None:
     if first:
         sched.chooser.forgive_probe()
     if long and not first:  # a newcomer's prompt or a resync: what waking a dormant sequence costs the draft
-        sched.chooser.costs.record_extend(max(len(op.tokens) for op in ops if isinstance(op, ExtendPropose)), ms)
+        sched.chooser.costs.record_extend(longest, ms)
     by_id: dict[int, DraftResult] = {r.seq_id: r for r in results}
     drafted: list[tuple[Sequence, trace.Span | CycleSpan]] = []
     for s in users:
@@ -396,4 +396,3 @@ def apply_result(sched: Scheduler, s: Sequence, r: TargetResult | None, op: Targ
     if s.drafts:
         s.drafts, s.dists, s.parents = [], [], []
     sched.emit(s, r.tokens)
-

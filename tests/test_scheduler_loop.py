@@ -4,6 +4,7 @@ and a step slower than step_timeout_s counts as that service failing."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -270,32 +271,39 @@ def record_admissions(s: Scheduler, resumed: bool = False) -> list[object]:
     return admitted
 
 
+def watched_engines(watch: Callable[[str, Callable[[], None]], None]) -> tuple[InstantTarget, InstantDraft]:
+    """Stub engines that never suspend (a reader does not run during a call) and whose calls run
+    watch(service, meanwhile) in place of the loop's meanwhile."""
+
+    def wrap(service: str, meanwhile: Callable[[], None] | None) -> Callable[[], None] | None:
+        return None if meanwhile is None else lambda: watch(service, meanwhile)
+
+    class Target(InstantTarget):
+        async def step(self, ops, releases, timeout=0.0, meanwhile=None):  # noqa: ANN001, ANN202
+            return await super().step(ops, releases, timeout, wrap("target", meanwhile))
+
+    class Draft(InstantDraft):
+        async def step(self, ops, timeout=0.0, meanwhile=None):  # noqa: ANN001, ANN202
+            return await super().step(ops, timeout, wrap("draft", meanwhile))
+
+    return Target(suspend=False), Draft(suspend=False)
+
+
 def test_a_cycles_tokens_reach_their_reader_while_the_next_call_computes() -> None:
     """A cycle's tokens wait until the next step request is sent and go out before its reply is
     read (gateway.outbox): each verify's tokens with the next draft call, none with a target call
     (whose cycle's draft call took them); each stream's events keep their order, none is lost."""
     delivered: list[tuple[str, int]] = []  # (service, events handed to the reader during its call)
 
-    def watching(service: str, meanwhile):  # noqa: ANN001, ANN202
-        def during() -> None:
-            assert seq is not None
-            before = seq.events.qsize()  # the reader does not run during a call: suspend=False
-            meanwhile()
-            delivered.append((service, seq.events.qsize() - before))
-
-        return during if meanwhile is not None else None
-
-    class Target(InstantTarget):
-        async def step(self, ops, releases, timeout=0.0, meanwhile=None):  # noqa: ANN001, ANN202
-            return await super().step(ops, releases, timeout, watching("target", meanwhile))
-
-    class Draft(InstantDraft):
-        async def step(self, ops, timeout=0.0, meanwhile=None):  # noqa: ANN001, ANN202
-            return await super().step(ops, timeout, watching("draft", meanwhile))
+    def watch(service: str, meanwhile: Callable[[], None]) -> None:
+        assert seq is not None
+        before = seq.events.qsize()  # the reader does not run during a call: suspend=False
+        meanwhile()
+        delivered.append((service, seq.events.qsize() - before))
 
     async def main() -> tuple[list[int], object]:
         nonlocal seq
-        s = Scheduler(Target(suspend=False), Draft(suspend=False), max_sequences=2, limits=Limits(max_queue=8))
+        s = Scheduler(*watched_engines(watch), max_sequences=2, limits=Limits(max_queue=8))
         s.draft_restored()
         s.start()
         seq = s.submit(request(13, num_steps=3))
@@ -316,26 +324,15 @@ def test_a_cycles_bookkeeping_is_done_while_the_next_call_computes() -> None:
     reader handed the sequence's end finds them whole."""
     seen: list[tuple[str, int, int]] = []  # (service, verify cycles with statistics before / after its meanwhile)
 
-    def watching(service: str, meanwhile):  # noqa: ANN001, ANN202
-        def during() -> None:
-            assert seq is not None
-            before = sum(seq.stats.histogram.values())
-            meanwhile()
-            seen.append((service, before, sum(seq.stats.histogram.values())))
-
-        return during if meanwhile is not None else None
-
-    class Target(InstantTarget):
-        async def step(self, ops, releases, timeout=0.0, meanwhile=None):  # noqa: ANN001, ANN202
-            return await super().step(ops, releases, timeout, watching("target", meanwhile))
-
-    class Draft(InstantDraft):
-        async def step(self, ops, timeout=0.0, meanwhile=None):  # noqa: ANN001, ANN202
-            return await super().step(ops, timeout, watching("draft", meanwhile))
+    def watch(service: str, meanwhile: Callable[[], None]) -> None:
+        assert seq is not None
+        before = sum(seq.stats.histogram.values())
+        meanwhile()
+        seen.append((service, before, sum(seq.stats.histogram.values())))
 
     async def main() -> tuple[list[int], object, tuple[int, dict[int, int], int, float]]:
         nonlocal seq
-        s = Scheduler(Target(suspend=False), Draft(suspend=False), max_sequences=2, limits=Limits(max_queue=8))
+        s = Scheduler(*watched_engines(watch), max_sequences=2, limits=Limits(max_queue=8))
         s.draft_restored()
         s.start()
         seq = s.submit(request(13, num_steps=3))
