@@ -50,9 +50,11 @@ def test_draft_dies_mid_stream_then_comes_back(tiny_target: Path, tiny_head: Pat
         tokens = list(next(call).token_ids)
         stack.kill("draft")
         stack.restart("draft")  # a new process: no state, no mapping
-        deadline = time.monotonic() + 60  # until the gateway attaches it, the stream waits unread (its
-        while not client.model_info().draft_available and time.monotonic() < deadline:  # buffer), so that
-            time.sleep(0.1)  # it still runs then however slowly the draft came back on a loaded machine
+        # until the gateway has the draft back the stream waits unread in its buffer, so that it is still
+        # running then, however slowly the draft came back on a loaded machine
+        deadline = time.monotonic() + 60
+        while not client.model_info().draft_available and time.monotonic() < deadline:
+            time.sleep(0.1)
         resumed = False
         for msg in call:  # the stream never stops; the draft is re-attached and the sequence resynced
             tokens += msg.token_ids

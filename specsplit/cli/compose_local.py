@@ -23,7 +23,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from specsplit.cli.launcher import free_port
 
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_]\w*)(?:(:?)-([^}]*))?\}|\$([A-Za-z_]\w*)")
 _MODULES = {"specsplit": ["-m", "specsplit.cli"], "torchrun": ["-m", "torch.distributed.run"]}
@@ -141,7 +142,7 @@ def plan(compose: Path, profiles: list[str], state: Path, only: list[str] | None
             command = [interpolate(str(x), variables) for x in defined[n].get("command", [])]
             for flag, value in zip(command, command[1:], strict=False):
                 if flag == "--port":
-                    ports[value] = str(_free_port())
+                    ports[value] = str(free_port())
     moved = re.compile(rf"(?<=:)({'|'.join(map(re.escape, ports))})(?!\d)") if ports else None
 
     def local(text: str, mounts: list[tuple[str, str]]) -> str:
@@ -204,12 +205,6 @@ def _ordered(services: list[Service]) -> list[Service]:
     for s in services:
         visit(s, ())
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(services: list[Service], state: Path, cwd: Path) -> int:
