@@ -1,4 +1,4 @@
-"""Target-only decode at batch 1 on one GPU against the HBM bound.
+"""Target-only decode at batch 1 on one GPU (or --tp-size N ranks) against the HBM bound.
 
 Builds a target of a given shape (default Llama-3.1-8B) with random bf16 weights directly on
 the GPU, runs a short prefill, then greedy decoding in each of the --modes (the runner's
@@ -14,6 +14,7 @@ the first mode, and whether its greedy tokens equal the first mode's (reported: 
 round differently in bf16 part at near-ties of random weights).
 
   python -m bench.decode_hbm --modes graphs,fused,fused-pdl --tokens 128
+  python -m bench.decode_hbm --modes graphs,fused-pdl --tp-size 8        # weight_gb: one rank's
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 
 import torch
 
+from bench.ranks import spawn_ranks
 from specsplit.checkpoints.shapes import SHAPES
 from specsplit.models.batch import Batch
 from specsplit.models.config import LlamaConfig
@@ -45,13 +47,15 @@ def greedy_token(logits: torch.Tensor) -> torch.Tensor:
     return (index.gather(0, r.view(1)) + r * (v // rows)).view(1, 1)  # no host sync: capturable
 
 
-def random_model(cfg: LlamaConfig, device: str = "cuda") -> tuple[LlamaModel, torch.Generator]:
-    """A bf16 model of this shape with N(0, 0.02) matrices and unit norms, made on the device,
-    and the seeded generator that drew them (it draws the prompt next)."""
+def random_model(cfg: LlamaConfig, device: str = "cuda", tp: TensorParallel | None = None
+                 ) -> tuple[LlamaModel, torch.Generator]:
+    """A bf16 model of this shape with N(0, 0.02) matrices and unit norms, made on the device (one
+    rank's shard of it under `tp`: each rank draws its own), and the seeded generator that drew
+    them (it draws the prompt next: the same on every rank)."""
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = LlamaModel(cfg, TensorParallel(), cfg.default_aux_layer_ids()).eval()
+            model = LlamaModel(cfg, tp or TensorParallel(), cfg.default_aux_layer_ids()).eval()
     finally:
         torch.set_default_dtype(torch.float32)
     g = torch.Generator(device=device).manual_seed(0)
@@ -59,7 +63,7 @@ def random_model(cfg: LlamaConfig, device: str = "cuda") -> tuple[LlamaModel, to
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.02, generator=g)
-    return model, g
+    return model, g.manual_seed(1)
 
 
 def decode(model: LlamaModel, mode: str, prompt: torch.Tensor, steps: int, max_len: int,
@@ -131,16 +135,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt", type=int, default=32)
-    p.add_argument("--hbm-tb-s", type=float, default=4.8, help="H200 HBM3e bandwidth")
+    p.add_argument("--hbm-tb-s", type=float, default=4.8, help="H200 HBM3e bandwidth (a GPU's)")
     p.add_argument("--modes", default="eager,padded,graphs",
                    help="comma-separated: eager, padded, graphs, compiled (graphs of the torch.compile'd forward), "
                         "fused, fused-pdl")
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES), help="model shape (random weights)")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks on cuda:0..N-1 (NCCL); the bound is then one rank's weights "
+                        "read at one GPU's bandwidth, all ranks reading at once")
     p.add_argument("--profile", action="store_true", help="also print a torch.profiler table per mode (stderr)")
     a = p.parse_args()
+    spawn_ranks(run, a.tp_size, a)
+
+
+def run(a: argparse.Namespace, tp: TensorParallel) -> None:
     cfg = SHAPES[a.shape]
-    model, g = random_model(cfg)
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    model, g = random_model(cfg, tp=tp)
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())  # this rank's
     bound = a.hbm_tb_s * 1e12 / weight_bytes
     prompt = torch.randint(0, cfg.vocab_size, (a.prompt,), device="cuda", generator=g)
     base_tps, base_tokens = None, None
@@ -148,9 +159,11 @@ def main() -> None:
         dt, tokens = decode(model, mode, prompt, a.tokens, a.prompt + a.tokens + 16, a.profile)
         tps = a.tokens / dt
         base_tps, base_tokens = base_tps or tps, base_tokens or tokens
+        if tp.rank:
+            continue
         print(json.dumps({
             "bench": "decode_hbm", "model": cfg.name, "dtype": "bfloat16", "batch": 1, "mode": mode,
-            "weight_gb": round(weight_bytes / 1e9, 3), "tokens": a.tokens,
+            "tp_size": tp.world_size, "weight_gb": round(weight_bytes / 1e9, 3), "tokens": a.tokens,
             "ms_per_token": round(dt / a.tokens * 1e3, 3),
             "tokens_per_s": round(tps, 2), "hbm_bound_tokens_per_s": round(bound, 1),
             "fraction_of_bound": round(tps / bound, 4), "speedup_vs_first_mode": round(tps / base_tps, 3),

@@ -15,6 +15,7 @@ same mode's first (B, T) step. Random bf16 weights of --shape (default SmolLM2-1
 
   python -m bench.verify_step --rows 1,4,6,16,32 --modes graphs,fused,fused-pdl
   python -m bench.verify_step --batch 1,2,4,8,16,32,64 --rows 1 --modes graphs,fused-pdl   # batched decodes
+  python -m bench.verify_step --shape llama-3.1-8b --rows 1,16 --modes graphs,fused --tp-size 2  # each rank a shard
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from collections.abc import Callable
 import torch
 
 from bench.decode_hbm import random_model
+from bench.ranks import spawn_ranks
 from bench.spec_vs_baseline import git_commit
 from specsplit.checkpoints.shapes import SHAPES
 from specsplit.models.batch import Batch, tree_layout
 from specsplit.models.fused import FusedLlama
 from specsplit.models.llama import LlamaModel
+from specsplit.models.parallel import TensorParallel
 from specsplit.runner.runner import ModelRunner
 
 
@@ -98,8 +101,13 @@ def main() -> None:
                    help="committed keys per iteration x warps x key ranges of the fused verify's attention to "
                         "try, e.g. 64x4x4,128x8x1 (each a mode of its own; default: kernels.verify.ATTENTION_BLOCK "
                         "only)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks on cuda:0..N-1 (NCCL)")
     a = p.parse_args()
-    model, _ = random_model(SHAPES[a.shape])
+    spawn_ranks(run, a.tp_size, a)
+
+
+def run(a: argparse.Namespace, tp: TensorParallel) -> None:
+    model, _ = random_model(SHAPES[a.shape], tp=tp)
     ctx = a.start + 128
     modes = a.modes.split(",")
     if a.attention_blocks:
@@ -119,7 +127,10 @@ def main() -> None:
             us = time_step(model, mode.split("@")[0], b, t, a.start, a.branch, ctx, a.iters, a.profile)
             first = first or us
             single.setdefault(mode, us)
-            print(json.dumps({"bench": "verify_step", "shape": a.shape, "batch": b, "rows": t, "mode": mode,
+            if tp.rank:
+                continue
+            print(json.dumps({"bench": "verify_step", "shape": a.shape, "tp_size": tp.world_size, "batch": b,
+                              "rows": t, "mode": mode,
                               "us_per_step": round(us, 1), f"x_{modes[0]}": round(first / us, 2),
                               "vs_first_rows": round(us / single[mode], 2), "start": a.start, "branch": a.branch,
                               "gpu": torch.cuda.get_device_name(), "commit": git_commit(),

@@ -46,7 +46,8 @@ class TargetConfig:
                          "shape")
     fused_decode: str = flag("auto", "--fused-decode", "steps of up to 64 tokens (decodes, verifies of chains and "
                              "trees, batches of them) as the fused Triton step, five kernels a layer: auto (default) "
-                             "wherever it runs (CUDA, tp 1, a model it supports; elsewhere the padded path), with "
+                             "wherever it runs (CUDA, tp 1, a model it supports; elsewhere the padded path; at tp > 1 "
+                             "each rank runs it on its shard when asked with on or pdl), with "
                              "programmatic dependent launch where it pays (specsplit.models.fused.pdl_pays); on: "
                              "without it; pdl: with it at every step; off: the padded path",
                              choices=FUSED_DECODE)
@@ -78,8 +79,8 @@ class TargetConfig:
             raise ValueError(f"port {self.port} out of range")
         if self.fused_decode not in FUSED_DECODE:
             raise ValueError(f"fused_decode {self.fused_decode!r} not in {FUSED_DECODE}")
-        if self.fused_decode in ("on", "pdl") and (not self.device.startswith("cuda") or self.tp_size != 1):
-            raise ValueError("fused_decode needs a CUDA device and tp_size 1")
+        if self.fused_decode in ("on", "pdl") and not self.device.startswith("cuda"):
+            raise ValueError("fused_decode needs a CUDA device")
         check_step_socket(self.step_socket)
         check_spin_us(self.step_socket_spin_us)
         return self

@@ -379,8 +379,12 @@ class TargetEngine:
 
 
 def fused_runs(model: LlamaModel) -> bool:
-    """--fused-decode auto: the fused step wherever it runs (a CUDA device, Triton, a model it supports)."""
+    """--fused-decode auto: the fused step wherever it runs (a CUDA device, Triton, a model it
+    supports) on one rank. Under tensor parallelism it runs on each rank's shard, but auto keeps
+    the padded path there until the fused step is measured against it (on / pdl ask for it)."""
     if model.embed_tokens.weight.device.type != "cuda" or fused_decode_unsupported(model) is not None:
+        return False
+    if model.tp.world_size > 1:
         return False
     try:
         import triton  # noqa: F401

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from bench.ranks import spawn_ranks
 from specsplit.checkpoints.eagle_head import random_head, save_head
 from specsplit.checkpoints.target_checkpoint import load_target_config
 from specsplit.checkpoints.tiny import tiny_config, write_tiny_target
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
+from specsplit.models.parallel import TensorParallel
 
 
 def run_stack(cfg: StackConfig, requests: list) -> list[list[int]]:  # noqa: ANN001
@@ -70,7 +74,6 @@ def test_the_end_to_end_bench_runs_the_services_target_over_ranks(tiny_target: P
                                                                   tmp_path: Path) -> None:
     """bench.end_to_end --tp-size 2: the services' target over two ranks decodes the in-process
     (one rank) tokens, and every services row says its TP size."""
-    import json
     import subprocess
     import sys
 
@@ -85,3 +88,24 @@ def test_the_end_to_end_bench_runs_the_services_target_over_ranks(tiny_target: P
     assert {r["num_steps"] for r in services} == {0, 2} and all(r["tp_size"] == 2 for r in services)
     assert next(r for r in services if r["num_steps"] == 0)["same_tokens_as_in_process_target_only"] == 1.0
     assert rows[-1]["services_tp_size"] == 2
+
+
+def _sum_of_ranks(out: str, tp: TensorParallel) -> None:
+    x = tp.all_reduce(torch.full((2,), float(tp.rank + 1)))
+    if tp.rank == 0:
+        Path(out).write_text(json.dumps(x.tolist()))
+
+
+def _rank_one_fails(_: None, tp: TensorParallel) -> None:
+    if tp.rank == 1:
+        raise ValueError("rank one fails")
+    tp.all_reduce(torch.ones(1))  # waits for rank 1 until stopped
+
+
+def test_bench_ranks_run_a_body_on_every_rank_and_report_a_failed_one(tmp_path: Path) -> None:
+    """bench.ranks (the benches' --tp-size): the body runs on 3 ranks joined over gloo; a rank
+    that fails stops the group with its traceback instead of leaving the others waiting."""
+    spawn_ranks(_sum_of_ranks, 3, str(tmp_path / "sum"), device="cpu")
+    assert json.loads((tmp_path / "sum").read_text()) == [6.0, 6.0]
+    with pytest.raises(RuntimeError, match="rank one fails"):
+        spawn_ranks(_rank_one_fails, 2, None, device="cpu")

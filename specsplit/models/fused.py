@@ -21,18 +21,30 @@ kernel (position, slot, rotary tables, the first block of committed keys and val
 waiting for it. A step of B×T tokens streams the same weights once for all its rows; its
 attention runs one program per (query head, sequence), each sequence over its own slot.
 
+Under tensor parallelism each rank runs these kernels on its shard (its query and KV heads, its
+columns of q|k|v and gate|up, its rows of o and down, its slice of the vocabulary) with one
+all-reduce after the o and after the down projection, as the padded path does: rank 0's
+projection adds the residual, the others' add zeros, so the sum is h + W·o. For T tokens the
+next norm's scaled input is then written from the sum (kernels.projections.prenorm), and the
+logits of every rank's vocabulary slice are gathered.
+
 `FusedLlama.forward` takes what LlamaModel.forward takes, for a padded batch, so the runner
 captures it in a CUDA graph like any step (`--fused-decode`); anything else (more rows,
-tensor parallelism, biases, q/k norms) keeps the padded path.
+biases, q/k norms) keeps the padded path.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from specsplit.models.batch import Batch
 from specsplit.models.layers import KVCache
 from specsplit.models.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from specsplit.models.kernels.projections import Normed
 
 
 def fused_attention_unsupported(step: str, head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
@@ -47,8 +59,6 @@ def fused_attention_unsupported(step: str, head_dim: int, num_heads: int, num_kv
 def fused_decode_unsupported(model: LlamaModel) -> str | None:
     """Why this model cannot use the fused decode step, or None."""
     cfg = model.cfg
-    if model.tp.world_size != 1:
-        return "the fused decode step runs on one GPU (tensor parallelism 1)"
     if cfg.attention_bias or cfg.qk_norm:
         return "the fused decode step supports neither attention biases nor q/k norms"
     return fused_attention_unsupported("fused decode", cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
@@ -112,20 +122,22 @@ class FusedLlama:
         eps = cfg.rms_norm_eps
         cos, sin = m.rotary.cos, m.rotary.sin  # [max_pos, D] float32, sin signed
         h = m.embed_tokens(tokens).view(-1)  # [H]
+        zero = torch.zeros_like(h) if m.tp.rank else None  # the residual of ranks past 0
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = k.norm_gemv(h, attn.qkv_proj.weight, layer.input_layernorm.weight, eps, pdl)  # [(Hq+2Hkv)*D]
             o = k.rope_attention(qkv, cos, sin, positions, slots, cache.k[i], cache.v[i], attn.shard.q_count,
                                  attn.shard.kv_count, pdl)  # [Hq*D]
-            h = k.gemv_residual(o, attn.o_proj.weight, h, pdl)  # [H]
+            h = m.tp.all_reduce(k.gemv_residual(o, attn.o_proj.weight, h if zero is None else zero, pdl))  # [H]
             a = k.gate_up_silu(h, mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight, eps, pdl)  # [I]
-            h = k.gemv_residual(a, mlp.down_proj.weight, h, pdl)
+            h = m.tp.all_reduce(k.gemv_residual(a, mlp.down_proj.weight, h if zero is None else zero, pdl))
             if capture and i in m.aux_layer_ids:
                 captured[i] = h
-        logits = k.norm_gemv(h, m.lm_head.weight, m.norm.weight, eps, pdl, torch.float32)[: m.lm_head.vocab]  # [V]
+        logits = k.norm_gemv(h, m.lm_head.weight, m.norm.weight, eps, pdl, torch.float32)  # [V / ranks]
+        logits = m.tp.all_gather_last(logits.view(1, -1))[:, : m.lm_head.vocab]  # [1, V]
         aux = torch.cat([captured[i] for i in m.aux_layer_ids]).view(1, -1) if capture else None
-        return logits.view(1, -1), aux
+        return logits, aux
 
     def _rows(self, tokens: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
               mask: torch.Tensor, cache: KVCache, capture: bool, pdl: bool
@@ -137,6 +149,7 @@ class FusedLlama:
         norms = [w for layer in m.layers for w in (layer.input_layernorm.weight,
                                                    layer.post_attention_layernorm.weight)] + [m.norm.weight]
         h, x = k.embed_prenorm(tokens, m.embed_tokens.weight, norms[0])  # [B*T, H]
+        zero = torch.zeros_like(h) if m.tp.rank else None  # the residual of ranks past 0
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -144,11 +157,25 @@ class FusedLlama:
             o = self.tree.tree_attention(qkv, cos, sin, positions, entries, slots, mask, cache.k[i], cache.v[i],
                                          attn.shard.q_count, attn.shard.kv_count, ws.counters, ws.sms,
                                          pdl)  # [B*T, Hq*D]
-            h, x = k.mm_residual(o, attn.o_proj.weight, h, pdl, ws, norms[2 * i + 1])  # [B*T, H]
+            h, x = self._residual(o, attn.o_proj.weight, h if zero is None else zero, norms[2 * i + 1], pdl)  # [B*T, H]
             a = k.gate_up_silu(x, mlp.gate_up_proj.weight, eps, pdl, ws)  # [B*T, I]
-            h, x = k.mm_residual(a, mlp.down_proj.weight, h, pdl, ws, norms[2 * i + 2])
+            h, x = self._residual(a, mlp.down_proj.weight, h if zero is None else zero, norms[2 * i + 2], pdl)
             if capture and i in m.aux_layer_ids:
                 captured[i] = h
-        logits = k.norm_mm(x, m.lm_head.weight, eps, pdl, torch.float32, ws)[:, : m.lm_head.vocab]
+        logits = k.norm_mm(x, m.lm_head.weight, eps, pdl, torch.float32, ws)  # [B*T, V / ranks]
+        logits = m.tp.all_gather_last(logits)[:, : m.lm_head.vocab]
         aux = torch.cat([captured[i] for i in m.aux_layer_ids], -1) if capture else None
         return logits, aux
+
+    def _residual(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, next_norm: torch.Tensor,
+                  pdl: bool) -> tuple[torch.Tensor, Normed]:
+        """residual + x · weightᵀ [B*T, H] and its Normed for the next norm; under tensor
+        parallelism the all-reduce of every rank's product (rank 0's residual the running h,
+        the others' zeros), normed after."""
+        tp, k = self.model.tp, self.proj
+        if tp.world_size == 1:
+            out, normed = k.mm_residual(x, weight, residual, pdl, self.ws, next_norm)
+            assert normed is not None
+            return out, normed
+        out = tp.all_reduce(k.mm_residual(x, weight, residual, pdl, self.ws)[0])
+        return out, k.prenorm(out, next_norm)

@@ -2,6 +2,7 @@
 verify's chain or tree, or of a batch of sequences):
 
   embed_prenorm  H = E[tokens], and H·nw with the partial Σ h² of each row for the first layer's norm
+  prenorm        H·nw and the partial Σ h² of rows already in hand (tensor parallelism: after the all-reduce)
   norm_mm        Y = rms_norm(X) · Wᵀ          q|k|v, and the final norm + lm_head
   gate_up_silu   A = silu(rms_norm(X)·Gᵀ) * (rms_norm(X)·Uᵀ)
   mm_residual    H' = H + A · Wᵀ               the o and down projections with the residual add; it also
@@ -151,18 +152,19 @@ def _put_normed(y, m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, BLOCK_M: tl
 
 
 @triton.jit
-def _embed_prenorm(tok_ptr, e_ptr, h_ptr, nw_ptr, xn_ptr, q_ptr, M, N, stride_e, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """The step's embeddings H = E[tokens], and H·nw with its partial Σ h² for the first norm."""
+def _prenorm(tok_ptr, e_ptr, h_ptr, nw_ptr, xn_ptr, q_ptr, M, N, stride_e, GATHER: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """H·nw with its partial Σ h² for the next norm, of rows H = E (GATHER: H = E[tokens], stored)."""
     tile = tl.program_id(0)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
-    tok = tl.load(tok_ptr + m, mask=m_ok, other=0)
     ok = m_ok[:, None] & n_ok[None, :]
-    x = tl.load(e_ptr + tok[:, None].to(tl.int64) * stride_e + n[None, :], mask=ok, other=0.0)
-    tl.store(h_ptr + m[:, None] * N + n[None, :], x, mask=ok)
+    row = tl.load(tok_ptr + m, mask=m_ok, other=0).to(tl.int64) if GATHER else m.to(tl.int64)
+    x = tl.load(e_ptr + row[:, None] * stride_e + n[None, :], mask=ok, other=0.0)
+    if GATHER:
+        tl.store(h_ptr + m[:, None] * N + n[None, :], x, mask=ok)
     _put_normed(x.to(tl.float32), m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, BLOCK_M)
 
 
@@ -308,17 +310,32 @@ class Normed:
 PRENORM_BLOCK = 64  # columns a program of embed_prenorm
 
 
+def _normed(h: torch.Tensor) -> Normed:
+    tiles = triton.cdiv(h.shape[1], PRENORM_BLOCK)
+    return Normed(torch.empty_like(h), torch.empty(tiles * block_m(h.shape[0]), dtype=torch.float32,
+                                                   device=h.device), tiles)
+
+
 def embed_prenorm(tokens: torch.Tensor, embedding: torch.Tensor, norm_weight: torch.Tensor
                   ) -> tuple[torch.Tensor, Normed]:
     """tokens [T], embedding [V, K] -> (h = embedding[tokens] [T, K], the Normed of h for a
     projection after rms_norm(·, norm_weight): the first layer's input)."""
-    (m,), k, bm = tokens.shape, embedding.shape[1], block_m(tokens.shape[0])
-    tiles = triton.cdiv(k, PRENORM_BLOCK)
+    (m,), k = tokens.shape, embedding.shape[1]
     h = torch.empty(m, k, device=embedding.device, dtype=embedding.dtype)
-    out = Normed(torch.empty_like(h), torch.empty(tiles * bm, dtype=torch.float32, device=h.device), tiles)
-    _embed_prenorm[(tiles,)](tokens, embedding, h, norm_weight, out.scaled, out.squares, m, k, embedding.stride(0),
-                             BLOCK_M=bm, BLOCK_N=PRENORM_BLOCK)
+    out = _normed(h)
+    _prenorm[(out.tiles,)](tokens, embedding, h, norm_weight, out.scaled, out.squares, m, k, embedding.stride(0),
+                           GATHER=True, BLOCK_M=block_m(m), BLOCK_N=PRENORM_BLOCK)
     return h, out
+
+
+def prenorm(h: torch.Tensor, norm_weight: torch.Tensor) -> Normed:
+    """h [T, K] -> its Normed for a projection after rms_norm(h, norm_weight): under tensor
+    parallelism, the all-reduced sum that mm_residual could not norm on its own shard."""
+    m, k = h.shape
+    out = _normed(h)
+    _prenorm[(out.tiles,)](h, h, h, norm_weight, out.scaled, out.squares, m, k, h.stride(0), GATHER=False,
+                           BLOCK_M=block_m(m), BLOCK_N=PRENORM_BLOCK)
+    return out
 
 
 def norm_mm(x: Normed, weight: torch.Tensor, eps: float, pdl: bool = False, out_dtype: torch.dtype | None = None,
