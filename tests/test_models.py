@@ -136,3 +136,15 @@ def test_cpu_fp32_projections_packed_for_onednn_match_and_keep_each_rows_bits() 
     model.lm_head.load_full(model.lm_head.weight.detach().clone())
     assert model.lm_head.packed is None  # loaded again: back to the unpacked product
     assert pack_for_cpu(model.to(torch.bfloat16)) == 0
+
+
+@pytest.mark.parametrize(("name", "params"), [("llama-3.1-8b", 8.03e9), ("llama-3.1-70b", 70.55e9)])
+def test_timing_shapes_have_their_models_parameter_counts_and_shard_over_eight_ranks(name: str, params: float) -> None:
+    from specsplit.checkpoints.shapes import SHAPES
+
+    cfg = SHAPES[name]
+    with torch.device("meta"):
+        whole = LlamaModel(cfg, TensorParallel(), cfg.default_aux_layer_ids())
+        rank = LlamaModel(cfg, TensorParallel(7, 8), cfg.default_aux_layer_ids())
+    assert abs(sum(p.numel() for p in whole.parameters()) / params - 1) < 0.005
+    assert rank.kv_heads_local == 1 and rank.layers[0].self_attn.shard.q_count == cfg.num_heads // 8

@@ -1,6 +1,6 @@
 """Model shapes with random weights, for timing at sizes that are not shipped.
 
-`shape:llama-3.1-8b` names a target directory holding only config.json and
+`shape:llama-3.1-8b` (`-70b`, `smollm2-135m`) names a target directory holding only config.json and
 random_weights.json: the target service initialises its shard on its own GPU from a seed
 (seconds, no 16 GB file), and the draft borrows a seeded random embedding table.
 Acceptance on random weights means nothing: benchmarks on them replay an acceptance profile.
@@ -23,6 +23,11 @@ SHAPES: dict[str, LlamaConfig] = {
     "llama-3.1-8b": LlamaConfig(
         hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, vocab_size=128256,
         rope_theta=500000.0, max_position=8192, name="llama-3.1-8b-shape", eos_token_ids=[128001],
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}),
+    "llama-3.1-70b": LlamaConfig(
+        hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8, vocab_size=128256,
+        rope_theta=500000.0, max_position=8192, name="llama-3.1-70b-shape", eos_token_ids=[128001],
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192}),
     # SmolLM2-135M-Instruct's shape: the shipped head's target, for timing without its 94 MiB file
