@@ -1,10 +1,10 @@
-"""The fused steps under tensor parallelism (specsplit.models.fused): N ranks, each running the
-fused kernels on its shard with an all-reduce after the o and down projections, decode the
-greedy tokens of the one-rank static path in fp32 with its logits and features to rounding, and
-verify a tree to the same. Shapes: SmolLM2's head layout (9 heads / 3 KV heads: an uneven split
-on 2 ranks, KV heads copied on 4) and the Llama-3.1-8B shape's layers. On N GPUs over NCCL
-(skipped below N); on the CPU over gloo under the Triton interpreter (TRITON_INTERPRET=1, small
-shapes only)."""
+"""Tensor parallelism on GPUs and the fused steps under it (specsplit.models.fused): N ranks,
+each running the fused kernels (or the padded path) on its shard with an all-reduce after the o
+and down projections, decode the greedy tokens of the one-rank padded path in fp32 with its
+logits and features to rounding, and verify a tree to the same. Shapes: SmolLM2's head layout
+(9 heads / 3 KV heads: an uneven split on 2 ranks, KV heads copied on 4 and 8) and the
+Llama-3.1-8B shape's layers. On N GPUs over NCCL (skipped below N); the fused step also on the
+CPU over gloo under the Triton interpreter (TRITON_INTERPRET=1, small shapes only)."""
 
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ def _close(got: np.ndarray, want: np.ndarray, what: str, tol: float = 1e-4) -> N
     assert got.shape == want.shape and err <= tol * scale, f"{what}: max |diff| {err} of {scale}"
 
 
-def _check(cfg: LlamaConfig, world: int) -> None:
-    want, got = _group(cfg, 1, fused=False), _group(cfg, world, fused=True)
+def _check(cfg: LlamaConfig, world: int, fused: bool = True) -> None:
+    want, got = _group(cfg, 1, fused=False), _group(cfg, world, fused=fused)
     assert got["tokens"] == want["tokens"]
     for i in range(DECODES):
         _close(got["logits"][i], want["logits"][i], f"decode {i} logits")
@@ -132,10 +132,12 @@ def test_fused_tp_on_the_cpu_equals_one_static_rank(world: int) -> None:
 @pytest.mark.skipif(INTERPRETED, reason="on GPUs")
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("shape", list(SHAPED))
-def test_fused_tp_on_gpus_equals_one_static_rank(shape: str, world: int) -> None:
+@pytest.mark.parametrize("path", ["fused", "padded"])
+def test_tp_on_gpus_equals_one_static_rank(path: str, shape: str, world: int) -> None:
+    """Either path over `world` GPUs against the padded path on one."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA devices")
-    _check(SHAPED[shape], world)
+    _check(SHAPED[shape], world, fused=path == "fused")
 
 
 @pytest.mark.gpu
