@@ -119,13 +119,16 @@ def _nearest(table: dict[int, dict[int, float]], batch: int) -> dict[int, float]
 @dataclass
 class CostModel:
     """Moving averages (ms) of this gateway's calls: draft calls by batch size, branching and
-    steps; verify-only target calls by batch size and rows per sequence; the rest of a cycle
+    steps; verify-only target calls by batch size and rows per sequence, those that decode a token
+    a call (a verify's rows are one call's); calls that decode several tokens a sequence (decoding
+    ahead) by batch size, a token's share of the call; the rest of a cycle
     (host work, transport between the calls) by batch size, for cycles with a draft call and
     for cycles without one (a cycle that drafts nothing makes one call)."""
 
     alpha: float = 0.25
     draft: dict[int, dict[int, dict[int, float]]] = field(default_factory=dict)  # topk -> batch -> steps -> ms
-    verify: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> rows -> ms
+    verify: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> rows -> ms, a token a call
+    decode: dict[int, float] = field(default_factory=dict)  # batch -> ms a token, calls that decode several
     rest: dict[int, float] = field(default_factory=dict)  # batch -> ms, cycles with a draft call
     rest_alone: dict[int, float] = field(default_factory=dict)  # batch -> ms, cycles with the target's call alone
     prefill: dict[int, float] = field(default_factory=dict)  # tokens -> ms, target calls that prefill or recapture
@@ -147,6 +150,10 @@ class CostModel:
 
     def record_verify(self, batch: int, rows: int, ms: float) -> None:
         self._avg(self.verify.setdefault(batch, {}), rows, ms)
+
+    def record_decode(self, batch: int, ms: float) -> None:
+        """A call that decoded several tokens for each of `batch` sequences: `ms` a token."""
+        self._avg(self.decode, batch, ms)
 
     def record_prefill(self, tokens: int, ms: float) -> None:
         """A target call that prefilled (or recomputed the features of) `tokens` tokens in all."""
@@ -179,19 +186,41 @@ class CostModel:
         table[batch] = ms if batch not in table else table[batch] + self.alpha * (ms - table[batch])
 
     def token_ms(self, batch: int) -> float | None:
-        """A target call's ms a token when nothing is drafted, at the nearest batch measured."""
+        """A target call's ms a token when nothing is drafted, at the nearest batch measured:
+        decoding ahead's where it was measured, else a call of one token."""
+        if self.decode:
+            return self.decode[min(self.decode, key=lambda b: (abs(b - batch), b))]
         verify = _nearest(self.verify, batch)
         return verify.get(1) if verify else None
+
+    def verify_ms(self, batch: int, rows: int) -> float | None:
+        """A verify call of `rows` rows a sequence at the nearest batch measured. Where that batch
+        has one row count measured only (speculation off there), the rows' growth is the nearest
+        batch's that has several: a verify of many rows is never priced as a decode."""
+        table = _nearest(self.verify, batch)
+        if table is None:
+            return None
+        if rows in table or len(table) > 1:
+            return _line(table, rows)
+        (at, ms), = table.items()
+        wider = {b: t for b, t in self.verify.items() if len(t) > 1}
+        other = _nearest(wider, batch)
+        return ms + (max(_line(other, rows) - _line(other, at), 0.0) if other else 0.0)
 
     def cycle_ms(self, batch: int, shape: Shape) -> float | None:
         """A cycle of `shape` at `batch`; None until both calls have been measured once."""
         # a branching not measured yet is priced as the chains (or any measured one)
         family = self.draft.get(shape.family) or self.draft.get(1) or next(iter(self.draft.values()), {})
         draft = _nearest(family, batch)
-        verify = _nearest(self.verify, batch)
+        if shape.steps:
+            verify = self.verify_ms(batch, shape.rows)
+        else:  # decoding ahead's token where it was measured
+            verify = self.decode[min(self.decode, key=lambda b: (abs(b - batch), b))] if self.decode else \
+                self.verify_ms(batch, 1)
         if draft is None or verify is None:
             return None
         table = self.rest_alone if not shape.steps and self.rest_alone else self.rest
         rest = table[min(table, key=lambda b: (abs(b - batch), b))] if table else 0.0
-        # nothing drafted: no draft call (the extend is put off, gateway.phases)
-        return (_line(draft, shape.steps) if shape.steps else 0.0) + _line(verify, shape.rows) + rest
+        # nothing drafted: no draft call (the extend is put off, gateway.phases), a token's share
+        # of a call that decodes ahead where that was measured
+        return (_line(draft, shape.steps) if shape.steps else 0.0) + verify + rest

@@ -89,6 +89,23 @@ def test_costs_take_measured_points_and_a_line_elsewhere() -> None:
     assert costs.draft[1][1][8] == 9.0
 
 
+def test_a_verify_of_many_rows_is_not_priced_as_decoding_ahead() -> None:
+    """At a batch size where only speculation off was measured, a speculative verify is priced
+    from a one-token call plus the rows' growth at the nearest batch that verified several rows,
+    never from decoding ahead's cheap share of a call; a cycle that drafts nothing is priced
+    at that share."""
+    costs = CostModel()
+    costs.record_draft(1, 1, 3, 0.6)
+    costs.record_verify(1, 1, 0.45)
+    costs.record_verify(1, 4, 0.8)  # batch 1 drafted: 3 more rows cost 0.35
+    costs.record_verify(4, 1, 0.9)  # batch 4: speculation off, a token a call
+    costs.record_decode(4, 0.2)  # ... and decoding ahead, a token's share of a call
+    assert costs.verify_ms(4, 4) == pytest.approx(0.9 + 0.35)
+    assert costs.cycle_ms(4, Shape.chain(3)) == pytest.approx(0.6 + 0.9 + 0.35)
+    assert costs.cycle_ms(4, Shape.chain(0)) == pytest.approx(0.2)
+    assert costs.token_ms(4) == pytest.approx(0.2) and costs.verify[4] == {1: 0.9}
+
+
 def test_no_acceptance_means_no_speculation() -> None:
     chooser = priced(draft_step_ms=1.0, verify_row_ms=0.5)
     s = taught(chooser, adaptive_request([1]), accepted=0)

@@ -70,6 +70,25 @@ def test_a_cycle_that_drafts_nothing_decodes_ahead_within_what_is_left() -> None
     assert len(greedy) == len(sampled) == 29 and max(n for call in target.verifies for _, n in call) == 8
 
 
+def test_calls_that_decode_ahead_are_priced_apart_from_one_token_calls() -> None:
+    """The chooser's costs: a call that decodes several tokens a sequence is recorded as a
+    token's share of it (CostModel.decode), and the verify table keeps one-token calls only, from
+    which verifies of several rows are priced (gateway.costs)."""
+    async def main() -> Scheduler:
+        sched = Scheduler(CountingTarget(), InstantDraft(), max_sequences=2, limits=AHEAD)
+        sched.draft_restored()
+        seq = sched.submit(request(29))
+        sched.start()
+        while not isinstance(await seq.events.get(), Finished):
+            pass
+        await sched.stop()
+        return sched
+
+    costs = asyncio.run(main()).chooser.costs
+    assert set(costs.decode) == {1} and set(costs.verify) == {1} and set(costs.verify[1]) == {1}
+    assert costs.token_ms(1) == costs.decode[1]
+
+
 def test_one_token_a_call_where_a_sequence_drafts_or_decoding_ahead_is_off() -> None:
     for requests, limits in (([request(20), request(20, steps=3)], AHEAD),
                              ([request(20)], Limits(max_queue=8))):
