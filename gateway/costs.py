@@ -185,11 +185,16 @@ class CostModel:
         self._count(batch not in table)
         table[batch] = ms if batch not in table else table[batch] + self.alpha * (ms - table[batch])
 
+    def _decode_ms(self, batch: int) -> float | None:
+        """Decoding ahead's ms a token at the nearest batch measured, if any."""
+        return self.decode[min(self.decode, key=lambda b: (abs(b - batch), b))] if self.decode else None
+
     def token_ms(self, batch: int) -> float | None:
         """A target call's ms a token when nothing is drafted, at the nearest batch measured:
         decoding ahead's where it was measured, else a call of one token."""
-        if self.decode:
-            return self.decode[min(self.decode, key=lambda b: (abs(b - batch), b))]
+        ahead = self._decode_ms(batch)
+        if ahead is not None:
+            return ahead
         verify = _nearest(self.verify, batch)
         return verify.get(1) if verify else None
 
@@ -212,11 +217,8 @@ class CostModel:
         # a branching not measured yet is priced as the chains (or any measured one)
         family = self.draft.get(shape.family) or self.draft.get(1) or next(iter(self.draft.values()), {})
         draft = _nearest(family, batch)
-        if shape.steps:
-            verify = self.verify_ms(batch, shape.rows)
-        else:  # decoding ahead's token where it was measured
-            verify = self.decode[min(self.decode, key=lambda b: (abs(b - batch), b))] if self.decode else \
-                self.verify_ms(batch, 1)
+        ahead = None if shape.steps else self._decode_ms(batch)
+        verify = ahead if ahead is not None else self.verify_ms(batch, shape.rows)
         if draft is None or verify is None:
             return None
         table = self.rest_alone if not shape.steps and self.rest_alone else self.rest
