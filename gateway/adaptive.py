@@ -275,6 +275,13 @@ class StepChooser:
         s.dormant, s.idle_cycles, s.wake_probe = False, 0, True
         return s
 
+    def record_verify(self, batch: int, rows: int, ms: float) -> None:
+        """A verify call's cost (a token a call); a shape the target ran for the first time (its
+        graph captured) forgives this cycle's probe."""
+        if rows not in self.costs.verify.get(batch, {}):
+            self.forgive_probe()
+        self.costs.record_verify(batch, rows, ms)
+
     def forgive_probe(self) -> None:
         """This cycle's calls ran shapes for the first time (their graphs captured, their kernels
         compiled): a probe in it is charged its expected loss only, not that one-time cost."""

@@ -295,9 +295,7 @@ async def target_phase(sched: Scheduler, newcomers: list[Sequence]) -> None:
         if decoded > 1:
             sched.chooser.costs.record_decode(len(verifies), ms / decoded)  # a token's share
         else:
-            if rows not in sched.chooser.costs.verify.get(len(verifies), {}):  # a shape the target runs first
-                sched.chooser.forgive_probe()
-            sched.chooser.costs.record_verify(len(verifies), rows, ms)
+            sched.chooser.record_verify(len(verifies), rows, ms)
     by_id = {r.seq_id: r for r in results}
     for s, op in zip(work, sent, strict=True):
         apply_result(sched, s, by_id.get(s.seq_id), op, ms, timing)
