@@ -13,21 +13,22 @@ import json
 import os
 import subprocess
 import sys
-import traceback
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from bench.ranks import spawn_ranks
 from specsplit.checkpoints.shapes import SHAPES
 from specsplit.cli.client import make_request
-from specsplit.cli.launcher import StackConfig, free_port
+from specsplit.cli.launcher import StackConfig
 from specsplit.models.batch import Batch, tree_layout
 from specsplit.models.config import LlamaConfig
 from specsplit.models.llama import LlamaModel, random_llama_weights
-from target_service.runtime import init_distributed, rank_device
+from specsplit.models.parallel import TensorParallel
+from target_service.runtime import rank_device
 from tests.test_tp import run_stack
 
 INTERPRETED = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
@@ -42,69 +43,55 @@ TREE = [-1, 0, 0, 0, 0, 1, 1, 2, 3, 4, 5, 5, 6, 7, 10, 11]  # SGLang's topk 4 / 
 PROMPT, DECODES, CONTEXT = 40, 6, 128
 
 
-def _run(rank: int, world: int, port: int, cfg: LlamaConfig, fused: bool, q) -> None:  # noqa: ANN001
+def _run(args: tuple[LlamaConfig, bool, str], tp: TensorParallel) -> None:
     """One rank: a prompt through the static path, then DECODES greedy decodes and a tree verify
-    through the fused step (or the static path); rank 0 reports logits, features and tokens."""
-    try:
-        from specsplit.models.fused import FusedLlama
+    through the fused step (or the static path); rank 0 saves logits, features and tokens."""
+    from specsplit.models.fused import FusedLlama
 
-        tp = init_distributed(rank, world, port, DEVICE)
-        dev = rank_device(DEVICE, rank)
-        with torch.device(dev):
-            model = LlamaModel(cfg, tp, [0, cfg.num_layers - 1]).eval()
-        model.load_full_weights(random_llama_weights(cfg, seed=3, std=0.05))
-        cache = model.new_cache(2, CONTEXT)
-        slots = torch.ones(1, dtype=torch.long, device=dev)
-        g = torch.Generator().manual_seed(4)
-        prompt = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=g).to(dev)
-        step = FusedLlama(model).forward if fused else model.forward
-        ctx = 0 if fused else CONTEXT
-        with torch.inference_mode():
-            logits, _ = model(prompt, Batch.sequence(prompt, slot=1), cache)
-            tok, out = logits[-1].argmax().view(1), {"tokens": [], "logits": [], "aux": []}
-            for pos in range(PROMPT, PROMPT + DECODES):
-                positions = torch.full((1, 1), pos, dtype=torch.long, device=dev)
-                logits, aux = step(tok, Batch.padded(positions, slots, positions, ctx, capture=True), cache)
-                tok = logits[-1].argmax().view(1)
-                out["tokens"].append(int(tok))
-                out["logits"].append(logits.cpu().numpy())
-                out["aux"].append(aux.float().cpu().numpy())
-            start, t = PROMPT + DECODES, len(TREE)
-            pos_list, rows, cols = tree_layout(start, TREE)
-            positions = torch.tensor([pos_list], device=dev)
-            entries = torch.arange(start, start + t, device=dev).view(1, t)
-            visible = torch.zeros(1, t, CONTEXT, dtype=torch.bool, device=dev)
-            visible[:, :, :start] = True
-            visible[0, rows, cols] = True
-            mask = visible[:, :, start : start + t].contiguous()
-            tokens = torch.randint(0, cfg.vocab_size, (t,), generator=g).to(dev)
-            batch = (Batch.padded(positions, slots, entries, 0, mask, capture=True) if fused
-                     else Batch.padded(positions, slots, entries, CONTEXT, visible=visible, capture=True))
-            logits, aux = step(tokens, batch, cache)
-            out["tree_logits"], out["tree_aux"] = logits.cpu().numpy(), aux.float().cpu().numpy()
-        if world > 1:
-            torch.distributed.destroy_process_group()
-        q.put({"rank": rank, **out})
-    except BaseException:  # noqa: BLE001
-        q.put({"rank": rank, "error": traceback.format_exc()})
+    cfg, fused, path = args
+    dev = rank_device(DEVICE, tp.rank)
+    with torch.device(dev):
+        model = LlamaModel(cfg, tp, [0, cfg.num_layers - 1]).eval()
+    model.load_full_weights(random_llama_weights(cfg, seed=3, std=0.05))
+    cache = model.new_cache(2, CONTEXT)
+    slots = torch.ones(1, dtype=torch.long, device=dev)
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=g).to(dev)
+    step = FusedLlama(model).forward if fused else model.forward
+    ctx = 0 if fused else CONTEXT
+    with torch.inference_mode():
+        logits, _ = model(prompt, Batch.sequence(prompt, slot=1), cache)
+        tok, out = logits[-1].argmax().view(1), {"tokens": [], "logits": [], "aux": []}
+        for pos in range(PROMPT, PROMPT + DECODES):
+            positions = torch.full((1, 1), pos, dtype=torch.long, device=dev)
+            logits, aux = step(tok, Batch.padded(positions, slots, positions, ctx, capture=True), cache)
+            tok = logits[-1].argmax().view(1)
+            out["tokens"].append(int(tok))
+            out["logits"].append(logits.cpu().numpy())
+            out["aux"].append(aux.float().cpu().numpy())
+        start, t = PROMPT + DECODES, len(TREE)
+        pos_list, rows, cols = tree_layout(start, TREE)
+        positions = torch.tensor([pos_list], device=dev)
+        entries = torch.arange(start, start + t, device=dev).view(1, t)
+        visible = torch.zeros(1, t, CONTEXT, dtype=torch.bool, device=dev)
+        visible[:, :, :start] = True
+        visible[0, rows, cols] = True
+        mask = visible[:, :, start : start + t].contiguous()
+        tokens = torch.randint(0, cfg.vocab_size, (t,), generator=g).to(dev)
+        batch = (Batch.padded(positions, slots, entries, 0, mask, capture=True) if fused
+                 else Batch.padded(positions, slots, entries, CONTEXT, visible=visible, capture=True))
+        logits, aux = step(tokens, batch, cache)
+        out["tree_logits"], out["tree_aux"] = logits.cpu().numpy(), aux.float().cpu().numpy()
+    if tp.rank == 0:
+        torch.save(out, path)
 
 
 def _group(cfg: LlamaConfig, world: int, fused: bool) -> dict:
-    ctx = mp.get_context("spawn")
-    q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_run, args=(r, world, port, cfg, fused, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        outs = [q.get(timeout=600) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = [o["error"] for o in outs if "error" in o]
-    assert not errors, errors[0]
-    return next(o for o in outs if o["rank"] == 0)
+    """Rank 0's outputs of a `world`-rank group (bench.ranks: spawned ranks, gloo or NCCL)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "rank0.pt")
+        spawn_ranks(_run, world, (cfg, fused, path), device=DEVICE)
+        return torch.load(path, weights_only=False)
 
 
 def _close(got: np.ndarray, want: np.ndarray, what: str, tol: float = 1e-4) -> None:
