@@ -9,6 +9,9 @@ branching --branch ways, as the draft proposes them) and each of the --modes:
   fused      the fused step (specsplit.models.fused: kernels.decode for one token, kernels.verify
              for more), where B·T fits it,
   fused-pdl  the same with programmatic dependent launch (--fused-decode pdl),
+  fused-few, fused-pdl-few  the same with steps of up to 8 rows on kernels.few (the decode's GEMVs
+             over every row; without the suffix, as FusedLlama decides),
+  fused-tc, fused-pdl-tc  steps of several rows on the tensor-core projections (kernels.projections),
 µs per step (mean of --iters replays after 10 warm-up ones, every sequence's committed context
 --start tokens long), its ratio to the first mode's at the same (B, T), and its ratio to the
 same mode's first (B, T) step. Random bf16 weights of --shape (default SmolLM2-135M's).
@@ -52,7 +55,8 @@ def step_fn(model: LlamaModel, mode: str, b: int, t: int, start: int, branch: in
               "positions": torch.tensor([positions] * b, device=dev),
               "slots": torch.arange(b, device=dev),
               "entries": torch.arange(start, start + t, device=dev).repeat(b, 1), "mask": mask}
-    fused = FusedLlama(model, pdl=mode == "fused-pdl") if mode != "graphs" else None
+    few_rows = 0 if mode.endswith("-tc") else 8 if mode.endswith("-few") else None
+    fused = FusedLlama(model, pdl=mode.startswith("fused-pdl"), few_rows=few_rows) if mode != "graphs" else None
     runner = ModelRunner(model, b, ctx, fused=fused)
 
     def step(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,

@@ -1,7 +1,7 @@
 """Tensor parallelism on GPUs and the fused steps under it (specsplit.models.fused): N ranks,
 each running the fused kernels (or the padded path) on its shard with an all-reduce after the o
 and down projections, decode the greedy tokens of the one-rank padded path in fp32 with its
-logits and features to rounding, and verify a tree to the same. Shapes: SmolLM2's head layout
+logits and features to rounding, and verify a chain (a few rows) and a tree to the same. Shapes: SmolLM2's head layout
 (9 heads / 3 KV heads: an uneven split on 2 ranks, KV heads copied on 4 and 8) and the
 Llama-3.1-8B shape's layers. On N GPUs over NCCL (skipped below N); the fused step also on the
 CPU over gloo under the Triton interpreter (TRITON_INTERPRET=1, small shapes only)."""
@@ -40,12 +40,13 @@ SMALL = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=2, hidden_size=96
 SHAPED = {"smollm2": dataclasses.replace(SHAPES["smollm2-135m"], num_layers=3, vocab_size=4096),
           "llama-8b": dataclasses.replace(SHAPES["llama-3.1-8b"], num_layers=2, vocab_size=4096)}
 TREE = [-1, 0, 0, 0, 0, 1, 1, 2, 3, 4, 5, 5, 6, 7, 10, 11]  # SGLang's topk 4 / 16 drafts shape
+CHAIN = [-1, 0, 1, 2]
 PROMPT, DECODES, CONTEXT = 40, 6, 128
 
 
 def _run(args: tuple[LlamaConfig, bool, str], tp: TensorParallel) -> None:
-    """One rank: a prompt through the static path, then DECODES greedy decodes and a tree verify
-    through the fused step (or the static path); rank 0 saves logits, features and tokens."""
+    """One rank: a prompt through the static path, then DECODES greedy decodes, a chain verify and a
+    tree verify through the fused step (or the static path); rank 0 saves logits, features and tokens."""
     from specsplit.models.fused import FusedLlama
 
     cfg, fused, path = args
@@ -69,19 +70,21 @@ def _run(args: tuple[LlamaConfig, bool, str], tp: TensorParallel) -> None:
             out["tokens"].append(int(tok))
             out["logits"].append(logits.cpu().numpy())
             out["aux"].append(aux.float().cpu().numpy())
-        start, t = PROMPT + DECODES, len(TREE)
-        pos_list, rows, cols = tree_layout(start, TREE)
-        positions = torch.tensor([pos_list], device=dev)
-        entries = torch.arange(start, start + t, device=dev).view(1, t)
-        visible = torch.zeros(1, t, CONTEXT, dtype=torch.bool, device=dev)
-        visible[:, :, :start] = True
-        visible[0, rows, cols] = True
-        mask = visible[:, :, start : start + t].contiguous()
-        tokens = torch.randint(0, cfg.vocab_size, (t,), generator=g).to(dev)
-        batch = (Batch.padded(positions, slots, entries, 0, mask, capture=True) if fused
-                 else Batch.padded(positions, slots, entries, CONTEXT, visible=visible, capture=True))
-        logits, aux = step(tokens, batch, cache)
-        out["tree_logits"], out["tree_aux"] = logits.cpu().numpy(), aux.float().cpu().numpy()
+        start = PROMPT + DECODES
+        for name, parents in (("chain", CHAIN), ("tree", TREE)):  # a few rows (kernels.few), then many
+            t = len(parents)
+            pos_list, rows, cols = tree_layout(start, parents)
+            positions = torch.tensor([pos_list], device=dev)
+            entries = torch.arange(start, start + t, device=dev).view(1, t)
+            visible = torch.zeros(1, t, CONTEXT, dtype=torch.bool, device=dev)
+            visible[:, :, :start] = True
+            visible[0, rows, cols] = True
+            mask = visible[:, :, start : start + t].contiguous()
+            tokens = torch.randint(0, cfg.vocab_size, (t,), generator=g).to(dev)
+            batch = (Batch.padded(positions, slots, entries, 0, mask, capture=True) if fused
+                     else Batch.padded(positions, slots, entries, CONTEXT, visible=visible, capture=True))
+            logits, aux = step(tokens, batch, cache)
+            out[f"{name}_logits"], out[f"{name}_aux"] = logits.cpu().numpy(), aux.float().cpu().numpy()
     if tp.rank == 0:
         torch.save(out, path)
 
@@ -105,9 +108,10 @@ def _check(cfg: LlamaConfig, world: int, fused: bool = True) -> None:
     for i in range(DECODES):
         _close(got["logits"][i], want["logits"][i], f"decode {i} logits")
         _close(got["aux"][i], want["aux"][i], f"decode {i} features")
-    _close(got["tree_logits"], want["tree_logits"], "tree logits")
-    _close(got["tree_aux"], want["tree_aux"], "tree features")
-    assert (got["tree_logits"].argmax(-1) == want["tree_logits"].argmax(-1)).all()
+    for name in ("chain", "tree"):
+        _close(got[f"{name}_logits"], want[f"{name}_logits"], f"{name} logits")
+        _close(got[f"{name}_aux"], want[f"{name}_aux"], f"{name} features")
+        assert (got[f"{name}_logits"].argmax(-1) == want[f"{name}_logits"].argmax(-1)).all()
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the CPU variant runs under TRITON_INTERPRET=1")

@@ -76,22 +76,29 @@ def pdl_pays(hidden_size: int, rows: int, capability: tuple[int, int]) -> bool:
     return capability[0] >= 9 and (rows == 1 or hidden_size <= 2048)
 
 
+FEW_ROWS_DEFAULT = 0  # rows up to which a step runs kernels.few unless told (0: never; not yet measured on a GPU)
+
+
 class FusedLlama:
     """LlamaModel's forward for a padded batch of B sequences of T tokens (B·T ≤ max_rows), as
     fused kernels. pdl: True or False for every step; None: per step, as pdl_pays says."""
 
-    def __init__(self, model: LlamaModel, pdl: bool | None = False) -> None:
+    def __init__(self, model: LlamaModel, pdl: bool | None = False, few_rows: int | None = None) -> None:
         reason = fused_decode_unsupported(model)
         if reason:
             raise ValueError(reason)
         # Triton: imported only when a fused step is made
-        from specsplit.models.kernels import decode, projections, verify
+        from specsplit.models.kernels import decode, few, projections, verify
 
-        self.model, self.pdl, self.k, self.proj, self.tree = model, pdl, decode, projections, verify
+        self.model, self.pdl, self.k, self.few, self.proj, self.tree = model, pdl, decode, few, projections, verify
         dev = model.embed_tokens.weight.device
         self.capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
         self.max_rows = verify.MAX_ROWS
         self.ws = projections.Workspace(dev)  # split projections' partials, counters
+        layer = model.layers[0]
+        widest = max(model.cfg.hidden_size, layer.self_attn.o_proj.weight.shape[1], layer.mlp.down_proj.weight.shape[1])
+        # steps of up to few_rows rows run kernels.few where its whole-K tiles fit (default: FEW_ROWS_DEFAULT)
+        self.few_rows = (FEW_ROWS_DEFAULT if few_rows is None else few_rows) if few.supported(widest) else 0
 
     def pdl_for(self, rows: int) -> bool:
         return self.pdl if self.pdl is not None else pdl_pays(self.model.cfg.hidden_size, rows, self.capability)
@@ -113,8 +120,8 @@ class FusedLlama:
             return self._decode(tokens, batch.positions, batch.slots, cache, batch.capture, self.pdl_for(1))
         mask = (torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril().expand(b, t, t).contiguous()
                 if batch.tree_mask is None else batch.tree_mask)
-        return self._rows(tokens, batch.positions, batch.entries, batch.slots, mask, cache, batch.capture,
-                          self.pdl_for(n))
+        rows = self._few if n <= self.few_rows else self._rows
+        return rows(tokens, batch.positions, batch.entries, batch.slots, mask, cache, batch.capture, self.pdl_for(n))
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
                 capture: bool, pdl: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -137,6 +144,31 @@ class FusedLlama:
         logits = k.norm_gemv(h, m.lm_head.weight, m.norm.weight, eps, pdl, torch.float32)  # [V / ranks]
         logits = m.tp.all_gather_last(logits.view(1, -1))[:, : m.lm_head.vocab]  # [1, V]
         aux = torch.cat([captured[i] for i in m.aux_layer_ids]).view(1, -1) if capture else None
+        return logits, aux
+
+    def _few(self, tokens: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
+             mask: torch.Tensor, cache: KVCache, capture: bool, pdl: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A step of a few rows: the decode's GEMVs over every row (kernels.few), the rows' attention."""
+        m, cfg, f, ws = self.model, self.model.cfg, self.few, self.ws
+        eps = cfg.rms_norm_eps
+        cos, sin = m.rotary.cos, m.rotary.sin
+        h = m.embed_tokens(tokens)  # [B*T, H]
+        zero = torch.zeros_like(h) if m.tp.rank else None  # the residual of ranks past 0
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(m.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = f.norm_gemv(h, attn.qkv_proj.weight, layer.input_layernorm.weight, eps, pdl)  # [B*T, (Hq+2Hkv)*D]
+            o = self.tree.tree_attention(qkv, cos, sin, positions, entries, slots, mask, cache.k[i], cache.v[i],
+                                         attn.shard.q_count, attn.shard.kv_count, ws.counters, ws.sms,
+                                         pdl)  # [B*T, Hq*D]
+            h = m.tp.all_reduce(f.gemv_residual(o, attn.o_proj.weight, h if zero is None else zero, pdl))
+            a = f.gate_up_silu(h, mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight, eps, pdl)
+            h = m.tp.all_reduce(f.gemv_residual(a, mlp.down_proj.weight, h if zero is None else zero, pdl))
+            if capture and i in m.aux_layer_ids:
+                captured[i] = h
+        logits = f.norm_gemv(h, m.lm_head.weight, m.norm.weight, eps, pdl, torch.float32)  # [B*T, V / ranks]
+        logits = m.tp.all_gather_last(logits)[:, : m.lm_head.vocab]
+        aux = torch.cat([captured[i] for i in m.aux_layer_ids], -1) if capture else None
         return logits, aux
 
     def _rows(self, tokens: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
