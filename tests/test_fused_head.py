@@ -44,8 +44,8 @@ def _head(dtype: torch.dtype) -> Eagle3Head:
 
 
 def _both(head: Eagle3Head, tokens: torch.Tensor, batch: Batch) -> tuple[tuple[torch.Tensor, ...], ...]:
-    """(logits, pre-norm states, keys, values) of the head and of the fused step, each on a cache
-    of its own holding the same committed entries."""
+    """(logits, pre-norm states, keys, values) of the head and of the fused step (its multi-row
+    projections, then kernels.few's), each on a cache of its own holding the same committed entries."""
     from specsplit.models.fused_head import FusedHead
 
     first = head.new_cache(5, 64)
@@ -53,7 +53,7 @@ def _both(head: Eagle3Head, tokens: torch.Tensor, batch: Batch) -> tuple[tuple[t
     for kv in (first.k, first.v):
         kv.copy_(torch.randn(kv.shape, generator=g).to(kv))
     outs = []
-    for fn in (head.forward, FusedHead(head).forward):
+    for fn in (head.forward, FusedHead(head, few_rows=0).forward, FusedHead(head, few_rows=8).forward):
         cache = head.new_cache(5, 64)
         cache.k.copy_(first.k)
         cache.v.copy_(first.v)
@@ -72,10 +72,11 @@ def test_fused_head_extend_matches_the_head(dtype: torch.dtype) -> None:
     tokens = torch.randint(0, 600, (b * t,), device=DEV)
     features = torch.randn(b * t, 3 * 128, device=DEV).to(dtype)
     batch = Batch.padded(entries, torch.tensor([2, 0], device=DEV), entries, 32, hidden=features.view(b, t, -1))
-    (want, got) = _both(head, tokens, batch)
+    want, *gots = _both(head, tokens, batch)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
-    for x, y in zip(want, got, strict=True):
-        torch.testing.assert_close(y.float(), x.float(), **tol)
+    for got in gots:
+        for x, y in zip(want, got, strict=True):
+            torch.testing.assert_close(y.float(), x.float(), **tol)
 
 
 @pytest.mark.parametrize("t", [1, 3])
@@ -91,9 +92,10 @@ def test_fused_head_reads_the_engines_packed_inputs(t: int) -> None:
     positions, slots = ints[:, t : 2 * t], ints[:, 2 * t]
     features = torch.randn(b, t, 3 * 128, device=DEV)
     batch = Batch.padded(positions, slots, positions, 48, hidden=features)
-    (want, got) = _both(head, ints[:, :t].reshape(b * t), batch)
-    for x, y in zip(want, got, strict=True):
-        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
+    want, *gots = _both(head, ints[:, :t].reshape(b * t), batch)
+    for got in gots:
+        for x, y in zip(want, got, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -111,10 +113,11 @@ def test_fused_head_tree_level_matches_the_head(dtype: torch.dtype) -> None:
     tokens = torch.randint(0, 600, (b * k,), device=DEV)
     prenorm = torch.randn(b, k, 128, device=DEV).to(dtype)
     batch = Batch.padded(positions, torch.tensor([1, 2], device=DEV), entries, ctx, visible=visible, hidden=prenorm)
-    (want, got) = _both(head, tokens, batch)
+    want, *gots = _both(head, tokens, batch)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
-    for x, y in zip(want, got, strict=True):
-        torch.testing.assert_close(y.float(), x.float(), **tol)
+    for got in gots:
+        for x, y in zip(want, got, strict=True):
+            torch.testing.assert_close(y.float(), x.float(), **tol)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA device")

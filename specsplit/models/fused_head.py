@@ -11,6 +11,8 @@ node seeing the committed entries, its ancestors' and its own).
     h'  = h + W_down · a                                     mm_residual (the pre-norm states)
     logits = W_lm · rms_norm(h')                             norm_mm, float32
 
+Steps of up to `few_rows` rows (a chain's, a tree level's) run the projections after attention
+as the decode's GEMVs over every row (kernels.few), as the fused target does.
 The unfused head runs ~60 kernels a step; this runs seven (eight for an extend: fc).
 """
 
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 from specsplit.models.batch import Batch
 from specsplit.models.eagle3 import Eagle3Head
-from specsplit.models.fused import fused_attention_unsupported, pdl_pays
+from specsplit.models.fused import FEW_ROWS_DEFAULT, fused_attention_unsupported, pdl_pays
 from specsplit.models.layers import KVCache
 
 log = logging.getLogger("specsplit.draft")
@@ -45,16 +47,21 @@ def fused_head_unsupported(head: Eagle3Head) -> str | None:
 class FusedHead:
     """Eagle3Head's forward for a padded batch of B·T ≤ max_rows tokens, as fused kernels."""
 
-    def __init__(self, head: Eagle3Head, pdl: bool | None = None) -> None:
+    def __init__(self, head: Eagle3Head, pdl: bool | None = None, few_rows: int | None = None) -> None:
         """pdl: programmatic dependent launch for every step (True, False), or per step as the
-        fused target decides it (None: specsplit.models.fused.pdl_pays)."""
+        fused target decides it (None: specsplit.models.fused.pdl_pays); few_rows: steps of up to
+        this many rows run kernels.few (None: specsplit.models.fused.FEW_ROWS_DEFAULT)."""
         reason = fused_head_unsupported(head)
         if reason:
             raise ValueError(reason)
-        from specsplit.models.kernels import head as head_kernels  # Triton: imported only when made
-        from specsplit.models.kernels import projections, verify
+        # Triton: imported only when made
+        from specsplit.models.kernels import few, projections, verify
+        from specsplit.models.kernels import head as head_kernels
 
-        self.head, self.pdl, self.proj, self.attn = head, pdl, projections, verify
+        self.head, self.pdl, self.proj, self.attn, self.few = head, pdl, projections, verify, few
+        widest = max(head.cfg.hidden_size, head.midlayer.mlp.down_proj.weight.shape[1],
+                     head.midlayer.self_attn.o_proj.weight.shape[1])
+        self.few_rows = (FEW_ROWS_DEFAULT if few_rows is None else few_rows) if few.supported(widest) else 0
         self.input = head_kernels.head_input
         dev = head.fc.weight.device
         self.capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
@@ -95,6 +102,13 @@ class FusedHead:
         o = self.attn.tree_attention(qkv, m.rotary.cos, m.rotary.sin, positions, entries, slots,
                                      mask, cache.k[0], cache.v[0], shard.q_count, shard.kv_count, ws.counters, ws.sms,
                                      pdl, visible=visible)  # [N, Hq * D]
+        if n <= self.few_rows:
+            f = self.few
+            h = f.gemv_residual(o, mid.self_attn.o_proj.weight, hidden, pdl)  # [N, H]
+            a = f.gate_up_silu(h, mid.mlp.gate_up_proj.weight, mid.post_attention_layernorm.weight, eps, pdl)
+            prenorm = f.gemv_residual(a, mid.mlp.down_proj.weight, h, pdl)
+            logits = f.norm_gemv(prenorm, m.lm_head.weight, m.norm.weight, eps, pdl, torch.float32)
+            return logits[:, : m.lm_head.vocab], prenorm
         h, normed = k.mm_residual(o, mid.self_attn.o_proj.weight, hidden, pdl, ws,
                                   mid.post_attention_layernorm.weight)
         assert normed is not None
