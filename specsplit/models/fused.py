@@ -96,9 +96,10 @@ class FusedLlama:
         self.max_rows = verify.MAX_ROWS
         self.ws = projections.Workspace(dev)  # split projections' partials, counters
         layer = model.layers[0]
-        widest = max(model.cfg.hidden_size, layer.self_attn.o_proj.weight.shape[1], layer.mlp.down_proj.weight.shape[1])
+        fits = few.supported(model.cfg.hidden_size, layer.self_attn.o_proj.weight.shape[1],
+                             layer.mlp.down_proj.weight.shape[1])
         # steps of up to few_rows rows run kernels.few where its whole-K tiles fit (default: FEW_ROWS_DEFAULT)
-        self.few_rows = (FEW_ROWS_DEFAULT if few_rows is None else few_rows) if few.supported(widest) else 0
+        self.few_rows = (FEW_ROWS_DEFAULT if few_rows is None else few_rows) if fits else 0
 
     def pdl_for(self, rows: int) -> bool:
         return self.pdl if self.pdl is not None else pdl_pays(self.model.cfg.hidden_size, rows, self.capability)

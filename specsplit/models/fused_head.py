@@ -59,9 +59,10 @@ class FusedHead:
         from specsplit.models.kernels import head as head_kernels
 
         self.head, self.pdl, self.proj, self.attn, self.few = head, pdl, projections, verify, few
-        widest = max(head.cfg.hidden_size, head.midlayer.mlp.down_proj.weight.shape[1],
-                     head.midlayer.self_attn.o_proj.weight.shape[1])
-        self.few_rows = (FEW_ROWS_DEFAULT if few_rows is None else few_rows) if few.supported(widest) else 0
+        mid = head.midlayer
+        fits = few.supported(head.cfg.hidden_size, mid.self_attn.o_proj.weight.shape[1],
+                             mid.mlp.down_proj.weight.shape[1])
+        self.few_rows = (FEW_ROWS_DEFAULT if few_rows is None else few_rows) if fits else 0
         self.input = head_kernels.head_input
         dev = head.fc.weight.device
         self.capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)

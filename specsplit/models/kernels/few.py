@@ -39,13 +39,20 @@ def _whole(rows_ptr, row_ok, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _row(x_ptr, nw_ptr, r, M, K, stride_xm, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+def _norm_weight(nw_ptr, K, BLOCK_K: tl.constexpr):
+    """The RMS norm's weight [BLOCK_K] in fp32 (loaded once for all rows, before the wait)."""
+    cols = tl.arange(0, BLOCK_K)
+    return tl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row(x_ptr, nw, r, M, K, stride_xm, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
     """Row r of X as (x·nw, Σ x²) in fp32 (x and 0 without a norm); zeros past the M rows."""
     cols = tl.arange(0, BLOCK_K)
     ok = (cols < K) & ((cols * 0 + r) < M)
     x = tl.load(x_ptr + r * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_NORM:
-        return x * tl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(tl.float32), tl.sum(x * x, axis=0)
+        return x * nw, tl.sum(x * x, axis=0)
     return x, 0.0
 
 
@@ -56,9 +63,10 @@ def _few_norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, s
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w = _whole(w_ptr + n[:, None] * stride_wn, n_ok, K, BLOCK_K)
+    nw = _norm_weight(nw_ptr, K, BLOCK_K) if HAS_NORM else 1.0
     _wait(USE_PDL)
     for r in tl.static_range(ROWS):
-        x, sq = _row(x_ptr, nw_ptr, r, M, K, stride_xm, HAS_NORM, BLOCK_K)
+        x, sq = _row(x_ptr, nw, r, M, K, stride_xm, HAS_NORM, BLOCK_K)
         y = tl.sum(w * x[None, :], axis=1)
         if HAS_NORM:
             y = y * tl.rsqrt(sq / K + eps)
@@ -74,10 +82,11 @@ def _few_gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn
     n_ok = n < N
     wg = _whole(w_ptr + n[:, None] * stride_wn, n_ok, K, BLOCK_K)
     wu = _whole(w_ptr + (n + N)[:, None] * stride_wn, n_ok, K, BLOCK_K)
+    nw = _norm_weight(nw_ptr, K, BLOCK_K)
     _wait(USE_PDL)
     dt = y_ptr.dtype.element_ty
     for r in tl.static_range(ROWS):
-        x, sq = _row(x_ptr, nw_ptr, r, M, K, stride_xm, True, BLOCK_K)
+        x, sq = _row(x_ptr, nw, r, M, K, stride_xm, True, BLOCK_K)
         rstd = tl.rsqrt(sq / K + eps)
         g = (tl.sum(wg * x[None, :], axis=1) * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
         u = (tl.sum(wu * x[None, :], axis=1) * rstd).to(dt).to(tl.float32)
@@ -94,7 +103,7 @@ def _few_gemv_residual(x_ptr, w_ptr, res_ptr, y_ptr, M, N, K, stride_xm, stride_
     _wait(USE_PDL)
     dt = y_ptr.dtype.element_ty
     for r in tl.static_range(ROWS):
-        x, _ = _row(x_ptr, x_ptr, r, M, K, stride_xm, False, BLOCK_K)
+        x, _ = _row(x_ptr, 1.0, r, M, K, stride_xm, False, BLOCK_K)
         ok = n_ok & ((n * 0 + r) < M)
         y = tl.sum(w * x[None, :], axis=1).to(dt).to(tl.float32)
         y += tl.load(res_ptr + r * N + n, mask=ok, other=0.0).to(tl.float32)
@@ -104,8 +113,9 @@ def _few_gemv_residual(x_ptr, w_ptr, res_ptr, y_ptr, M, N, K, stride_xm, stride_
 _KERNELS = {"norm_gemv": _few_norm_gemv, "gate_up_silu": _few_gate_up_silu, "gemv_residual": _few_gemv_residual}
 
 
-def supported(k: int) -> bool:
-    return k <= WHOLE_K
+def supported(*ks: int) -> bool:
+    """Whether projections of these K fit whole-K tiles."""
+    return max(ks) <= WHOLE_K
 
 
 def whole_blocks(name: str, n: int, k: int, gpu: str) -> blocks.Blocks:
