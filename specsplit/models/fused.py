@@ -76,7 +76,11 @@ def pdl_pays(hidden_size: int, rows: int, capability: tuple[int, int]) -> bool:
     return capability[0] >= 9 and (rows == 1 or hidden_size <= 2048)
 
 
-FEW_ROWS_DEFAULT = 0  # rows up to which a step runs kernels.few unless told (0: never; not yet measured on a GPU)
+# Steps of up to this many rows run kernels.few unless told, where its whole-K tiles fit. Measured
+# on the H100 (bench.verify_step, SmolLM2's size, PDL), µs a step against the tensor-core tiles:
+# 2 rows 505 against 872, 4 rows 826 against 868, 8 rows 1,434 against 881 (the rows' serial loop
+# then costs more than the weights it saves reading); the decode 478.
+FEW_ROWS_DEFAULT = 4
 
 
 class FusedLlama:
