@@ -1,6 +1,7 @@
 """The few-row kernels (specsplit.models.kernels.few): each projection against torch, a row's bits
-whatever the rows beside it, the decode's bits where the decode's blocks cover K, and the fused
-step of a few rows (FusedLlama's few-row path) against its tensor-core path. On a GPU; on the CPU
+whatever the rows beside it and equal to the decode's, each row's attention the decode's at its
+position, a chain verified or a batch decoded on the few-row path giving the one-token decodes'
+logits bit for bit, and the few-row step against the tensor-core step. On a GPU; on the CPU
 under the Triton interpreter too (TRITON_INTERPRET=1, float32 only)."""
 
 from __future__ import annotations
@@ -72,32 +73,84 @@ def test_a_row_computes_the_same_bits_whatever_rows_are_beside_it(dtype: torch.d
         assert torch.equal(few.gemv_residual(x[:m], w, res[:m]), few.gemv_residual(x, w, res)[:m])
 
 
-@pytest.mark.skipif(DEV != "cuda", reason="the decode's pinned blocks are a GPU's")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_compute_the_decodes_bits_where_its_blocks_cover_k(dtype: torch.dtype) -> None:
-    from specsplit.models.kernels import blocks, decode, few
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_row_computes_the_decodes_bits(dtype: torch.dtype) -> None:
+    """The decode's GEMVs, row by row, with its blocks: where they cover K and where they do not
+    (the down projection, the lm_head)."""
+    from specsplit.models.kernels import decode, few
 
     torch.manual_seed(2)
-    gpu = torch.cuda.get_device_name()
     cfg = SHAPES["smollm2-135m"]
-    checked = 0
-    for name, n, k in (("norm_gemv", 960, cfg.hidden_size), ("gemv_residual", 576, 576),
-                       ("gate_up_silu", cfg.intermediate_size, cfg.hidden_size)):
-        if blocks.lookup(name, n, k, gpu)[1] < k:
-            continue
-        checked += 1
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    shapes = ((("norm_gemv", 24, 576), ("norm_gemv", 20, 300), ("gemv_residual", 16, 600), ("gate_up_silu", 12, 576))
+              if INTERPRETED else  # (K past the interpreter's blocks of 256)
+              (("norm_gemv", 960, h), ("norm_gemv", 2000, h), ("gemv_residual", h, h), ("gemv_residual", h, inter),
+               ("gate_up_silu", inter, h)))
+    for name, n, k in shapes:
         x, nw = _rand(4, k, dtype=dtype), _rand(k, dtype=dtype).abs() + 0.5
         w = _rand(2 * n if name == "gate_up_silu" else n, k, dtype=dtype, scale=0.05)
         res = _rand(4, n, dtype=dtype)
         for r in range(4):
             if name == "norm_gemv":
                 assert torch.equal(few.norm_gemv(x, w, nw, 1e-5)[r], decode.norm_gemv(x[r], w, nw, 1e-5))
+                assert torch.equal(few.norm_gemv(x, w, None, 1e-5, out_dtype=torch.float32)[r],
+                                   decode.norm_gemv(x[r], w, None, 1e-5, out_dtype=torch.float32))
             elif name == "gate_up_silu":
                 assert torch.equal(few.gate_up_silu(x, w, nw, 1e-5)[r], decode.gate_up_silu(x[r], w, nw, 1e-5))
             else:
                 assert torch.equal(few.gemv_residual(x, w, res)[r], decode.gemv_residual(x[r], w, res[r]))
-    if not checked:
-        pytest.skip(f"no decode block of {gpu} covers its K")
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def _path(parents: list[int], i: int) -> list[int]:
+    """Row i's ancestors, root first, then i."""
+    path = [i]
+    while parents[path[0]] >= 0:
+        path.insert(0, parents[path[0]])
+    return path
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("start", [40, 126])
+@pytest.mark.parametrize("parents", [[-1, 0, 1, 2], [-1, 0, 0, 1, 2, 1]], ids=["chain4", "tree6"])
+def test_each_row_attends_as_the_decode_at_its_position(dtype: torch.dtype, start: int, parents: list[int]) -> None:
+    """Row i of a step (a chain, a tree) against one-token decodes down its path on a copy of the
+    cache: the same output bits, the same KV entry (at the decode's position); from 126
+    committed entries the path crosses a block of keys."""
+    from specsplit.models.kernels import decode, few
+
+    torch.manual_seed(3)
+    hq, hkv, d, t = 9, 3, 64, len(parents)
+    qkv = _rand(t, (hq + 2 * hkv) * d, dtype=dtype)
+    angles = torch.arange(512, device=DEV)[:, None] * torch.linspace(0.01, 1.0, d, device=DEV)[None, :]
+    cos, sin = angles.cos(), angles.sin()
+    k_cache, v_cache = _rand(2, 256, hkv, d, dtype=dtype), _rand(2, 256, hkv, d, dtype=dtype)
+    depth = _depths(parents)
+    positions = torch.tensor([start + x for x in depth], device=DEV)
+    entries = torch.arange(start, start + t, device=DEV).view(1, t)
+    mask = torch.zeros(1, t, t, dtype=torch.bool, device=DEV)
+    for i in range(t):
+        mask[0, i, _path(parents, i)] = True
+    slots = torch.ones(1, dtype=torch.long, device=DEV)
+    k_few, v_few = k_cache.clone(), v_cache.clone()
+    out = few.row_attention(qkv, cos, sin, positions, entries, slots, mask, k_few, v_few, hq, hkv)
+    for i in range(t):
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        for j in _path(parents, i):
+            pos = torch.tensor([start + depth[j]], device=DEV)
+            want = decode.rope_attention(qkv[j], cos, sin, pos, slots, k_ref, v_ref, hq, hkv)
+        assert torch.equal(out[i], want)
+        assert torch.equal(k_few[1, start + i], k_ref[1, start + depth[i]])
+        assert torch.equal(v_few[1, start + i], v_ref[1, start + depth[i]])
+    assert torch.equal(k_few[:, :start], k_cache[:, :start])
 
 
 def _model(cfg: object, dtype: torch.dtype) -> LlamaModel:
@@ -151,14 +204,71 @@ def test_few_rows_step_matches_the_tensor_core_step(dtype: torch.dtype, parents:
 
 
 @needs_kernels
-def test_the_few_row_path_serves_small_models_only() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_chain_and_a_batch_on_the_few_row_path_give_the_decodes_logits(dtype: torch.dtype) -> None:
+    """A chain of 4 tokens verified in one few-row step, and 3 sequences decoding side by side,
+    against one-token fused decodes on caches of their own: logits, features and KV entries bit
+    for bit (bf16 too)."""
     from specsplit.models.fused import FusedLlama
+
+    shape = (dict(num_layers=2, hidden_size=96, intermediate_size=192, head_dim=32, vocab_size=500)
+             if INTERPRETED else dict(num_layers=2, vocab_size=4096))
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], **shape)
+    model = _model(cfg, dtype)
+    fused = FusedLlama(model, few_rows=4)
+    starts = [40, 131, 7]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), device=DEV) for n in starts]
+    tokens = torch.randint(0, cfg.vocab_size, (4,), device=DEV)
+
+    def prefilled() -> object:
+        cache = model.new_cache(4, 192)
+        for slot, prompt in enumerate(prompts):
+            model(prompt, Batch.sequence(prompt, slot=slot), cache)
+        return cache
+
+    def decode(cache: object, slot: int, token: torch.Tensor, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+        one = torch.tensor([[at]], device=DEV)
+        batch = Batch.padded(one, torch.tensor([slot], device=DEV), one, 0, capture=True)
+        logits, aux = fused.forward(token.view(1), batch, cache)
+        assert aux is not None
+        return logits, aux
+
+    with torch.inference_mode():
+        ref = prefilled()
+        want = [decode(ref, 0, tokens[i], 40 + i) for i in range(4)]
+        cache = prefilled()
+        pos = torch.arange(40, 44, device=DEV).view(1, 4)
+        logits, aux = fused.forward(tokens, Batch.padded(pos, torch.zeros(1, dtype=torch.long, device=DEV), pos, 0,
+                                                         capture=True), cache)
+        assert aux is not None
+        for i in range(4):
+            assert torch.equal(logits[i], want[i][0][0]) and torch.equal(aux[i], want[i][1][0])
+        assert torch.equal(cache.k[:, 0, :44], ref.k[:, 0, :44]) and torch.equal(cache.v[:, 0, :44], ref.v[:, 0, :44])
+
+        last = torch.stack([p[-1] for p in prompts])
+        ref = prefilled()
+        want = [decode(ref, b, last[b], starts[b]) for b in range(3)]
+        cache = prefilled()
+        pos = torch.tensor(starts, device=DEV).view(3, 1)
+        logits, aux = fused.forward(last, Batch.padded(pos, torch.arange(3, device=DEV), pos, 0, capture=True), cache)
+        assert aux is not None
+        for b in range(3):
+            assert torch.equal(logits[b], want[b][0][0]) and torch.equal(aux[b], want[b][1][0])
+            assert torch.equal(cache.k[:, b, : starts[b] + 1], ref.k[:, b, : starts[b] + 1])
+
+
+@needs_kernels
+def test_the_few_row_path_serves_small_models_by_default() -> None:
+    from specsplit.models.fused import FEW_ROWS_DEFAULT, FEW_ROWS_HIDDEN, FusedLlama
     from specsplit.models.kernels import few
 
     small = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=2, hidden_size=96, intermediate_size=192,
                                 head_dim=32, vocab_size=500)
-    wide = dataclasses.replace(small, intermediate_size=2 * few.WHOLE_K)
-    assert FusedLlama(_model(small, torch.float32), few_rows=few.FEW_ROWS).few_rows == few.FEW_ROWS
-    assert FusedLlama(_model(wide, torch.float32), few_rows=few.FEW_ROWS).few_rows == 0
+    wide = dataclasses.replace(small, hidden_size=FEW_ROWS_HIDDEN + 64, num_heads=FEW_ROWS_HIDDEN // 64 + 1,
+                               head_dim=64)
+    assert FusedLlama(_model(small, torch.float32)).few_rows == FEW_ROWS_DEFAULT
+    assert FusedLlama(_model(wide, torch.float32)).few_rows == 0
+    assert FusedLlama(_model(wide, torch.float32), few_rows=2).few_rows == 2
+    assert FusedLlama(_model(small, torch.float32), few_rows=64).few_rows == few.FEW_ROWS
     with pytest.raises(ValueError, match="few-row kernels take"):
         few.norm_gemv(torch.zeros(few.FEW_ROWS + 1, 96, device=DEV), torch.zeros(8, 96, device=DEV), None, 1e-5)

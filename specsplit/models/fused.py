@@ -76,11 +76,17 @@ def pdl_pays(hidden_size: int, rows: int, capability: tuple[int, int]) -> bool:
     return capability[0] >= 9 and (rows == 1 or hidden_size <= 2048)
 
 
-# Steps of up to this many rows run kernels.few unless told, where its whole-K tiles fit. Measured
-# on the H100 (bench.verify_step, SmolLM2's size, PDL), µs a step against the tensor-core tiles:
-# 2 rows 505 against 872, 4 rows 826 against 868, 8 rows 1,434 against 881 (the rows' serial loop
-# then costs more than the weights it saves reading); the decode 478.
+# Steps of up to this many rows run kernels.few unless told (models up to FEW_ROWS_HIDDEN wide):
+# each row computes the decode's bits. Measured on the H100 at SmolLM2's size with PDL (the
+# kernels then looped over a step's rows in each program), µs a step against the tensor-core
+# tiles: 2 rows 505 against 872, 4 rows 826 against 868, 8 rows 1,434 against 881; the decode 478.
 FEW_ROWS_DEFAULT = 4
+FEW_ROWS_HIDDEN = 2048  # wider models (the 8B shape): not measured, the tensor-core tiles serve
+
+
+def few_rows_default(hidden_size: int) -> int:
+    """Rows up to which a step of a model this wide runs kernels.few unless told."""
+    return FEW_ROWS_DEFAULT if hidden_size <= FEW_ROWS_HIDDEN else 0
 
 
 class FusedLlama:
@@ -99,11 +105,8 @@ class FusedLlama:
         self.capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
         self.max_rows = verify.MAX_ROWS
         self.ws = projections.Workspace(dev)  # split projections' partials, counters
-        layer = model.layers[0]
-        fits = few.supported(model.cfg.hidden_size, layer.self_attn.o_proj.weight.shape[1],
-                             layer.mlp.down_proj.weight.shape[1])
-        # steps of up to few_rows rows run kernels.few where its whole-K tiles fit (default: FEW_ROWS_DEFAULT)
-        self.few_rows = (FEW_ROWS_DEFAULT if few_rows is None else few_rows) if fits else 0
+        # steps of up to few_rows rows run kernels.few: each row as the decode computes it
+        self.few_rows = min(few.FEW_ROWS, few_rows_default(model.cfg.hidden_size) if few_rows is None else few_rows)
 
     def pdl_for(self, rows: int) -> bool:
         return self.pdl if self.pdl is not None else pdl_pays(self.model.cfg.hidden_size, rows, self.capability)
@@ -153,8 +156,8 @@ class FusedLlama:
 
     def _few(self, tokens: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
              mask: torch.Tensor, cache: KVCache, capture: bool, pdl: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A step of a few rows: the decode's GEMVs over every row (kernels.few), the rows' attention."""
-        m, cfg, f, ws = self.model, self.model.cfg, self.few, self.ws
+        """A step of a few rows, each row computed as a decode at its position computes it (kernels.few)."""
+        m, cfg, f = self.model, self.model.cfg, self.few
         eps = cfg.rms_norm_eps
         cos, sin = m.rotary.cos, m.rotary.sin
         h = m.embed_tokens(tokens)  # [B*T, H]
@@ -163,9 +166,8 @@ class FusedLlama:
         for i, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = f.norm_gemv(h, attn.qkv_proj.weight, layer.input_layernorm.weight, eps, pdl)  # [B*T, (Hq+2Hkv)*D]
-            o = self.tree.tree_attention(qkv, cos, sin, positions, entries, slots, mask, cache.k[i], cache.v[i],
-                                         attn.shard.q_count, attn.shard.kv_count, ws.counters, ws.sms,
-                                         pdl)  # [B*T, Hq*D]
+            o = f.row_attention(qkv, cos, sin, positions, entries, slots, mask, cache.k[i], cache.v[i],
+                                attn.shard.q_count, attn.shard.kv_count, pdl)  # [B*T, Hq*D]
             h = m.tp.all_reduce(f.gemv_residual(o, attn.o_proj.weight, h if zero is None else zero, pdl))
             a = f.gate_up_silu(h, mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight, eps, pdl)
             h = m.tp.all_reduce(f.gemv_residual(a, mlp.down_proj.weight, h if zero is None else zero, pdl))

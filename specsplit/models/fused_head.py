@@ -12,7 +12,7 @@ node seeing the committed entries, its ancestors' and its own).
     logits = W_lm · rms_norm(h')                             norm_mm, float32
 
 Steps of up to `few_rows` rows (a chain's, a tree level's) run the projections after attention
-as the decode's GEMVs over every row (kernels.few), as the fused target does.
+as the decode's GEMVs over every row (kernels.few).
 The unfused head runs ~60 kernels a step; this runs seven (eight for an extend: fc).
 """
 
@@ -27,14 +27,15 @@ import torch.nn.functional as F
 
 from specsplit.models.batch import Batch
 from specsplit.models.eagle3 import Eagle3Head
-from specsplit.models.fused import fused_attention_unsupported, pdl_pays
+from specsplit.models.fused import FEW_ROWS_HIDDEN, fused_attention_unsupported, pdl_pays
 from specsplit.models.layers import KVCache
 
 log = logging.getLogger("specsplit.draft")
 
-# Steps of up to this many rows run kernels.few unless told, where its whole-K tiles fit. Measured
-# on the H100 (SmolLM2's size, a step replayed from a CUDA graph), µs a step against the
-# tensor-core tiles: 1 row 22.3 against 34.0, 4 rows 40.1 against 34.3, 8 rows 65.3 against 34.5.
+# Steps of up to this many rows run kernels.few unless told (heads up to FEW_ROWS_HIDDEN wide).
+# Measured on the H100 (bench.head_step, SmolLM2's size; the kernels then looped over a step's
+# rows in each program), µs a step against the tensor-core tiles: 1 row 22.2 against 33.9, 2 rows
+# 28.0 against 34.0, 4 rows 39.6 against 33.8.
 HEAD_FEW_ROWS = 2
 
 
@@ -64,10 +65,8 @@ class FusedHead:
         from specsplit.models.kernels import head as head_kernels
 
         self.head, self.pdl, self.proj, self.attn, self.few = head, pdl, projections, verify, few
-        mid = head.midlayer
-        fits = few.supported(head.cfg.hidden_size, mid.self_attn.o_proj.weight.shape[1],
-                             mid.mlp.down_proj.weight.shape[1])
-        self.few_rows = (HEAD_FEW_ROWS if few_rows is None else few_rows) if fits else 0
+        default = HEAD_FEW_ROWS if head.cfg.hidden_size <= FEW_ROWS_HIDDEN else 0
+        self.few_rows = min(few.FEW_ROWS, default if few_rows is None else few_rows)
         self.input = head_kernels.head_input
         dev = head.fc.weight.device
         self.capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)

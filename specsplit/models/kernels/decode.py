@@ -64,11 +64,11 @@ def _input(x_ptr, nw_ptr, k0, K, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
 # Each GEMV loads its first weight tile before waiting for the previous kernel (weights depend
 # on nothing computed), then prefetches tile i+1 while it multiplies tile i.
 @triton.jit
-def _rows_dot(x_ptr, nw_ptr, w_ptr, N, K, stride_wn, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+def _rows_dot(x_ptr, nw_ptr, w_ptr, pid, N, K, stride_wn, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's rows of W · (x·nw): (rows, row_ok, the dot products [BLOCK_N] in fp32,
+    """Rows pid·BLOCK_N.. of W · (x·nw): (rows, row_ok, the dot products [BLOCK_N] in fp32,
     Σ x² — 0 without a norm)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None] * stride_wn
     w = _tile(w_rows, row_ok, 0, K, BLOCK_K)
@@ -83,10 +83,13 @@ def _rows_dot(x_ptr, nw_ptr, w_ptr, N, K, stride_wn, HAS_NORM: tl.constexpr, USE
     return rows, row_ok, tl.sum(acc, axis=1), tl.sum(sq, axis=0)
 
 
+# The bodies take their column tile `pid` (kernels.few runs them over several rows of x, the same
+# arithmetic for each row as here).
 @triton.jit
-def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
-               USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows, row_ok, y, sq = _rows_dot(x_ptr, nw_ptr, w_ptr, N, K, stride_wn, HAS_NORM, USE_PDL, BLOCK_N, BLOCK_K)
+def norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
+                   USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows, row_ok, y, sq = _rows_dot(x_ptr, nw_ptr, w_ptr, pid, N, K, stride_wn, HAS_NORM, USE_PDL, BLOCK_N,
+                                    BLOCK_K)
     if HAS_NORM:
         y = y * tl.rsqrt(sq / K + eps)
     # rounded to the activations' dtype, as the unfused GEMM's output, even into a float32 `out`
@@ -94,10 +97,10 @@ def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.c
 
 
 @triton.jit
-def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """w [2N, K]: gate rows, then up rows (MergedColumnParallelLinear's layout)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     g_rows = w_ptr + rows[:, None] * stride_wn
     u_rows = w_ptr + (rows + N)[:, None] * stride_wn
@@ -123,12 +126,32 @@ def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl
 
 
 @triton.jit
-def _gemv_residual(x_ptr, w_ptr, r_ptr, y_ptr, N, K, stride_wn, USE_PDL: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows, row_ok, y, _ = _rows_dot(x_ptr, x_ptr, w_ptr, N, K, stride_wn, False, USE_PDL, BLOCK_N, BLOCK_K)
+def gemv_residual_tile(x_ptr, w_ptr, r_ptr, y_ptr, pid, N, K, stride_wn, USE_PDL: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows, row_ok, y, _ = _rows_dot(x_ptr, x_ptr, w_ptr, pid, N, K, stride_wn, False, USE_PDL, BLOCK_N, BLOCK_K)
     dt = y_ptr.dtype.element_ty
     y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(dt), mask=row_ok)
+
+
+@triton.jit
+def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
+               USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, eps, HAS_NORM, USE_PDL, BLOCK_N,
+                   BLOCK_K)
+
+
+@triton.jit
+def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, eps, USE_PDL, BLOCK_N,
+                      BLOCK_K)
+
+
+@triton.jit
+def _gemv_residual(x_ptr, w_ptr, r_ptr, y_ptr, N, K, stride_wn, USE_PDL: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    gemv_residual_tile(x_ptr, w_ptr, r_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -217,12 +240,16 @@ def _gpu(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def _run_gemv(name: str, n: int, k: int, x: torch.Tensor, pdl: bool, *args: Any, **constants: Any) -> None:
-    """Launch a GEMV kernel over n output rows with the blocks pinned for this GPU model (kernels.blocks)."""
+def gemv_blocks(name: str, n: int, k: int, device: torch.device) -> blocks.Blocks:
+    """The blocks pinned for this GPU model (kernels.blocks): they fix a GEMV's order of sums."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        block_n, block_k, warps = blocks.INTERPRETER
-    else:
-        block_n, block_k, warps = blocks.lookup(name, n, k, _gpu(x.device.index or 0))
+        return blocks.INTERPRETER
+    return blocks.lookup(name, n, k, _gpu(device.index or 0))
+
+
+def _run_gemv(name: str, n: int, k: int, x: torch.Tensor, pdl: bool, *args: Any, **constants: Any) -> None:
+    """Launch a GEMV kernel over n output rows with the blocks pinned for this GPU model."""
+    block_n, block_k, warps = gemv_blocks(name, n, k, x.device)
     _KERNELS[name][(triton.cdiv(n, block_n),)](*args, USE_PDL=pdl, **constants, BLOCK_N=block_n, BLOCK_K=block_k,
                                            num_warps=warps, num_stages=3, **_launch(pdl))
 

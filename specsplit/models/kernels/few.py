@@ -1,18 +1,25 @@
 """Triton kernels of the fused step for a few rows (specsplit.models.fused: verifies of short chains,
-batches of a few decodes) on the CUDA cores: the decode's GEMVs (kernels.decode) taking up to
-FEW_ROWS rows at once.
+batches of a few decodes; specsplit.models.fused_head: a chain's steps), each row computed as the
+one-token decode (kernels.decode) computes it:
 
   norm_gemv      Y = rms_norm(X) · Wᵀ        q|k|v, and the final norm + lm_head
   gate_up_silu   A = silu(rms_norm(X)·Gᵀ) * (rms_norm(X)·Uᵀ)
   gemv_residual  H' = H + A · Wᵀ            the o and down projections with the residual add
+  row_attention  rotary, the new entries written, and each row's attention as the decode's at
+                 its position: the committed entries, then the rows it sees, in the decode's order
 
-A program loads its rows of W across the whole of K in one tile (before the wait for the previous
-kernel, with PDL), then computes each row of X against it in turn: the weights are read once for
-all rows, as a decode reads them for one, and no row waits for a tensor-core tile of 16. Each
-row's arithmetic is the decode's (the same tile, the same order of sums, the norm folded in the
-same way), so a row computes the same bits whatever the number of rows beside it, and the same
-bits as the decode kernels give with the same blocks. Whole-K tiles bound K (WHOLE_K): wider
-projections keep the tensor-core path (kernels.projections).
+A GEMV runs the decode's code for each (row, column tile), with the decode's pinned blocks: a
+row's sums are the decode's, in the same order, so a row computes the decode's bits whatever the
+rows beside it. The rows of one column tile are neighbouring programs, so their weight reads meet
+in L2: the weights cross HBM about once for all rows, as for one.
+
+Attention gives each row the keys a decode at its position would see, in the same places: the
+committed entries [0, start) from the cache, then the step's rows the row's mask shows (its
+ancestors, in order: a chain's earlier rows, a tree node's path) at entries start, start + 1, ...,
+taken from the step's q|k|v (rotated as the decode rotates them) rather than the cache, which
+other programs of the step are still writing. Blocks of keys, the new key first, the online
+softmax: the decode's (kernels.decode._attend). So a chain verified on this path, or a batch of
+a few sequences decoding, gives each row the logits that one-token decodes give, bit for bit.
 """
 
 from __future__ import annotations
@@ -23,120 +30,138 @@ import torch
 import triton
 import triton.language as tl
 
-from specsplit.models.kernels import blocks
-from specsplit.models.kernels.decode import _gpu, _launch, _wait
+from specsplit.models.kernels import decode
+from specsplit.models.kernels.decode import (
+    ATTENTION_BLOCK,
+    _launch,
+    _rotate,
+    _softmax_block,
+    _wait,
+    gate_up_silu_tile,
+    gemv_residual_tile,
+    norm_gemv_tile,
+)
 
-FEW_ROWS = 8  # rows of a step at most (the rows loop is unrolled)
-WHOLE_K = 4096  # the widest K a tile covers
+FEW_ROWS = 8  # rows of a step at most
+
+
+# Programs: (row, column tile), the row fastest: a tile's rows run side by side.
+@triton.jit
+def _few_norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, eps,
+                   HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)
+    norm_gemv_tile(x_ptr + r * stride_xm, nw_ptr, w_ptr, y_ptr + r * stride_ym, tl.program_id(1), N, K, stride_wn,
+                   eps, HAS_NORM, USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _whole(rows_ptr, row_ok, K, BLOCK_K: tl.constexpr):
-    """This program's rows of W over all of K [BLOCK_N, BLOCK_K], in fp32."""
-    cols = tl.arange(0, BLOCK_K)
-    return tl.load(rows_ptr + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0,
-                   eviction_policy="evict_first").to(tl.float32)
+def _few_gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, eps, USE_PDL: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)
+    gate_up_silu_tile(x_ptr + r * stride_xm, nw_ptr, w_ptr, y_ptr + r * N, tl.program_id(1), N, K, stride_wn, eps,
+                      USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _norm_weight(nw_ptr, K, BLOCK_K: tl.constexpr):
-    """The RMS norm's weight [BLOCK_K] in fp32 (loaded once for all rows, before the wait)."""
-    cols = tl.arange(0, BLOCK_K)
-    return tl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+def _few_gemv_residual(x_ptr, w_ptr, res_ptr, y_ptr, N, K, stride_xm, stride_wn, USE_PDL: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)
+    gemv_residual_tile(x_ptr + r * stride_xm, w_ptr, res_ptr + r * N, y_ptr + r * N, tl.program_id(1), N, K,
+                       stride_wn, USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _row(x_ptr, nw, r, M, K, stride_xm, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Row r of X as (x·nw, Σ x²) in fp32 (x and 0 without a norm); zeros past the M rows."""
-    cols = tl.arange(0, BLOCK_K)
-    ok = (cols < K) & ((cols * 0 + r) < M)
-    x = tl.load(x_ptr + r * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        return x * nw, tl.sum(x * x, axis=0)
-    return x, 0.0
+def _ancestors(kb, vb, keys, start, qkv_row0, stride_qkv, mask_row, pos_row0, cos_ptr, sin_ptr, d, i, T, kvh,
+               HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, TP: tl.constexpr):
+    """Keys and values [BLOCK_S, D] at logical entries `keys` with the step's rows that row i sees
+    put at start, start + 1, ... in their order, as the decode's cache holds them."""
+    half: tl.constexpr = D // 2
+    dt = qkv_row0.dtype.element_ty
+    rank = start
+    for j in tl.static_range(TP):
+        seen = (j < T) & (j != i)
+        seen = seen & (tl.load(mask_row + j, mask=j < T, other=0) != 0)
+        if seen:
+            p = tl.load(pos_row0 + j)
+            cos = tl.load(cos_ptr + p * D + d).to(dt).to(tl.float32)
+            sin = tl.load(sin_ptr + p * D + d).to(dt).to(tl.float32)
+            k_j = _rotate(qkv_row0 + j * stride_qkv + (HQ + kvh) * D, d, half, D, cos, sin)
+            v_j = tl.load(qkv_row0 + j * stride_qkv + (HQ + HKV + kvh) * D + d)
+            at = (keys == rank)[:, None]
+            kb = tl.where(at, k_j[None, :].to(kb.dtype), kb)
+            vb = tl.where(at, v_j[None, :].to(vb.dtype), vb)
+        rank += seen.to(tl.int32)
+    return kb, vb
 
 
 @triton.jit
-def _few_norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
-                   HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    w = _whole(w_ptr + n[:, None] * stride_wn, n_ok, K, BLOCK_K)
-    nw = _norm_weight(nw_ptr, K, BLOCK_K) if HAS_NORM else 1.0
+def _row_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, slot_ptr, mask_ptr, k_ptr, v_ptr,
+                   out_ptr, stride_slot, stride_pos, T, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale,
+                   USE_PDL: tl.constexpr, BLOCK_S: tl.constexpr, TP: tl.constexpr):
+    """One program per (query head, row); rows of B sequences of T."""
+    h, row = tl.program_id(0), tl.program_id(1)
+    b, i = row // T, row % T
+    kvh = h // (HQ // HKV)
+    d = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    # everything written before the step (positions, entries, slot, mask, rotary tables, the
+    # committed keys and values of the first block): read before waiting for the previous kernel
+    pos = tl.load(pos_ptr + row)
+    start = tl.load(entry_ptr + b * T)  # committed entries [0, start); the rows' at start..start+T-1
+    slot = tl.load(slot_ptr + b)
+    mask_row = mask_ptr + row * T  # [T]: the rows row i sees
+    jj = tl.arange(0, TP)
+    shown = (tl.load(mask_row + jj, mask=jj < T, other=0) != 0) & (jj != i) & (jj < T)
+    hi = start + tl.sum(shown.to(tl.int32), axis=0)  # the keys before this row's own, as a decode's `pos`
+    dt = qkv_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
+    k_base = k_ptr + slot * stride_slot + kvh * D
+    v_base = v_ptr + slot * stride_slot + kvh * D
+    s = tl.arange(0, BLOCK_S)
+    ok = s < hi
+    cached = (s < start)[:, None]
+    kb = tl.load(k_base + s[:, None] * stride_pos + d[None, :], mask=cached, other=0.0)  # [BLOCK_S, D]
+    vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=cached, other=0.0)
     _wait(USE_PDL)
-    for r in tl.static_range(ROWS):
-        x, sq = _row(x_ptr, nw, r, M, K, stride_xm, HAS_NORM, BLOCK_K)
-        y = tl.sum(w * x[None, :], axis=1)
-        if HAS_NORM:
-            y = y * tl.rsqrt(sq / K + eps)
-        tl.store(y_ptr + r * stride_ym + n, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty),
-                 mask=n_ok & ((n * 0 + r) < M))
-
-
-@triton.jit
-def _few_gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, eps, USE_PDL: tl.constexpr,
-                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """w [2N, K]: gate rows, then up rows."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    wg = _whole(w_ptr + n[:, None] * stride_wn, n_ok, K, BLOCK_K)
-    wu = _whole(w_ptr + (n + N)[:, None] * stride_wn, n_ok, K, BLOCK_K)
-    nw = _norm_weight(nw_ptr, K, BLOCK_K)
-    _wait(USE_PDL)
-    dt = y_ptr.dtype.element_ty
-    for r in tl.static_range(ROWS):
-        x, sq = _row(x_ptr, nw, r, M, K, stride_xm, True, BLOCK_K)
-        rstd = tl.rsqrt(sq / K + eps)
-        g = (tl.sum(wg * x[None, :], axis=1) * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
-        u = (tl.sum(wu * x[None, :], axis=1) * rstd).to(dt).to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(y_ptr + r * N + n, (silu * u).to(dt), mask=n_ok & ((n * 0 + r) < M))
-
-
-@triton.jit
-def _few_gemv_residual(x_ptr, w_ptr, res_ptr, y_ptr, M, N, K, stride_xm, stride_wn, USE_PDL: tl.constexpr,
-                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    w = _whole(w_ptr + n[:, None] * stride_wn, n_ok, K, BLOCK_K)
-    _wait(USE_PDL)
-    dt = y_ptr.dtype.element_ty
-    for r in tl.static_range(ROWS):
-        x, _ = _row(x_ptr, 1.0, r, M, K, stride_xm, False, BLOCK_K)
-        ok = n_ok & ((n * 0 + r) < M)
-        y = tl.sum(w * x[None, :], axis=1).to(dt).to(tl.float32)
-        y += tl.load(res_ptr + r * N + n, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + r * N + n, y.to(dt), mask=ok)
+    qkv_row0 = qkv_ptr + b * T * stride_qkv
+    me = qkv_ptr + row * stride_qkv
+    q = _rotate(me + h * D, d, half, D, cos, sin).to(tl.float32)
+    k_new = _rotate(me + (HQ + kvh) * D, d, half, D, cos, sin)
+    v_new = tl.load(me + (HQ + HKV + kvh) * D + d)
+    if h % (HQ // HKV) == 0:  # one query head of the group stores the row's entry
+        entry = start + i
+        tl.store(k_base + entry * stride_pos + d, k_new.to(k_ptr.dtype.element_ty))
+        tl.store(v_base + entry * stride_pos + d, v_new.to(v_ptr.dtype.element_ty))
+    if start < BLOCK_S:
+        kb, vb = _ancestors(kb, vb, s, start, qkv_row0, stride_qkv, mask_row, pos_ptr + b * T, cos_ptr, sin_ptr, d,
+                            i, T, kvh, HQ, HKV, D, TP)
+    m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
+    den = m * 0.0 + 1.0
+    acc = v_new.to(tl.float32)
+    m, den, acc = _softmax_block(kb, vb, ok, q, m, den, acc, scale)
+    for s0 in range(BLOCK_S, hi, BLOCK_S):
+        keys = s0 + tl.arange(0, BLOCK_S)
+        valid = keys < hi
+        k_blk = tl.load(k_base + keys[:, None] * stride_pos + d[None, :], mask=(keys < start)[:, None], other=0.0)
+        v_blk = tl.load(v_base + keys[:, None] * stride_pos + d[None, :], mask=(keys < start)[:, None], other=0.0)
+        if s0 + BLOCK_S > start:
+            k_blk, v_blk = _ancestors(k_blk, v_blk, keys, start, qkv_row0, stride_qkv, mask_row, pos_ptr + b * T,
+                                      cos_ptr, sin_ptr, d, i, T, kvh, HQ, HKV, D, TP)
+        m, den, acc = _softmax_block(k_blk, v_blk, valid, q, m, den, acc, scale)
+    tl.store(out_ptr + row * (HQ * D) + h * D + d, (acc / den).to(out_ptr.dtype.element_ty))
 
 
 _KERNELS = {"norm_gemv": _few_norm_gemv, "gate_up_silu": _few_gate_up_silu, "gemv_residual": _few_gemv_residual}
 
 
-def supported(*ks: int) -> bool:
-    """Whether projections of these K fit whole-K tiles."""
-    return max(ks) <= WHOLE_K
-
-
-def whole_blocks(name: str, n: int, k: int, gpu: str) -> blocks.Blocks:
-    """The decode's pinned blocks where their tile covers K (then a row's bits are the decode's), else
-    a whole-K tile of about 8192 weights a program."""
-    b = blocks.lookup(name, n, k, gpu)
-    if b[1] >= k:
-        return b
-    block_k = triton.next_power_of_2(k)
-    return max(1, 8192 // block_k), block_k, 8
-
-
 def _run(name: str, n: int, k: int, x: torch.Tensor, pdl: bool, *args: Any, **constants: Any) -> None:
     m = x.shape[0]
-    if not 1 <= m <= FEW_ROWS or not supported(k):
-        raise ValueError(f"the few-row kernels take 1..{FEW_ROWS} rows of K <= {WHOLE_K}, got {m} of {k}")
-    gpu = _gpu(x.device.index or 0) if x.device.type == "cuda" else "interpreter"
-    block_n, block_k, warps = whole_blocks(name, n, k, gpu)
-    _KERNELS[name][(triton.cdiv(n, block_n),)](*args, USE_PDL=pdl, ROWS=triton.next_power_of_2(m), **constants,
-                                               BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                                               **_launch(pdl))
+    if not 1 <= m <= FEW_ROWS:
+        raise ValueError(f"the few-row kernels take 1..{FEW_ROWS} rows, got {m}")
+    block_n, block_k, warps = decode.gemv_blocks(name, n, k, x.device)
+    _KERNELS[name][(m, triton.cdiv(n, block_n))](*args, USE_PDL=pdl, **constants, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                 num_warps=warps, num_stages=3, **_launch(pdl))
 
 
 def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
@@ -146,7 +171,7 @@ def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor |
     (m, k), n = x.shape, weight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     nw = x if norm_weight is None else norm_weight
-    _run("norm_gemv", n, k, x, pdl, x, nw, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), eps,
+    _run("norm_gemv", n, k, x, pdl, x, nw, weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0), eps,
          HAS_NORM=norm_weight is not None)
     return y
 
@@ -156,13 +181,44 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     """x [M, K], weight [2I, K] (gate; up) -> silu(n·gateᵀ) * (n·upᵀ) [M, I], n = rms_norm(x)."""
     (m, k), n = x.shape, weight.shape[0] // 2
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    _run("gate_up_silu", n, k, x, pdl, x, norm_weight, weight, y, m, n, k, x.stride(0), weight.stride(0), eps)
+    _run("gate_up_silu", n, k, x, pdl, x, norm_weight, weight, y, n, k, x.stride(0), weight.stride(0), eps)
     return y
 
 
 def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-    """x [M, K], weight [N, K], residual [M, N] -> residual + x · weightᵀ [M, N]."""
-    (m, k), n = x.shape, weight.shape[0]
+    """x [M, K], weight [N, K], residual [M, N] (contiguous) -> residual + x · weightᵀ [M, N]."""
+    k, n = x.shape[1], weight.shape[0]
+    if not residual.is_contiguous():
+        raise ValueError("gemv_residual reads the residual as a contiguous [M, N]")
     y = torch.empty_like(residual)
-    _run("gemv_residual", n, k, x, pdl, x, weight, residual, y, m, n, k, x.stride(0), weight.stride(0))
+    _run("gemv_residual", n, k, x, pdl, x, weight, residual, y, n, k, x.stride(0), weight.stride(0))
     return y
+
+
+def row_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  entries: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, pdl: bool = False) -> torch.Tensor:
+    """B sequences of T tokens: qkv [B*T, (Hq + 2 Hkv) * D] at rotary `positions` [B*T], written
+    to KV entries `entries` [B, T] (each row consecutive: only its first is read) of `slots` [B];
+    mask [B, T, T] (nonzero: token i sees new token j of its sequence: its ancestors, listed
+    before it); k_cache, v_cache [slots, max_len, Hkv, D] of this layer -> [B*T, Hq * D], each
+    row as kernels.decode.rope_attention computes it at the row's position after its ancestors."""
+    (b, t), d = entries.shape, k_cache.shape[-1]
+    if b * t > FEW_ROWS:
+        raise ValueError(f"row_attention takes at most {FEW_ROWS} rows, got {b * t}")
+    if k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or cos.shape[-1] != d:
+        raise ValueError("row_attention needs a contiguous [slots, max_len, kv_heads, head_dim] cache")
+    if qkv.shape[0] != b * t or mask.shape != (b, t, t) or not mask.is_contiguous():
+        raise ValueError(f"row_attention: {qkv.shape[0]} rows for entries {tuple(entries.shape)} and mask "
+                         f"{tuple(mask.shape)} (contiguous)")
+    if not (entries.is_contiguous() and positions.is_contiguous() and slots.is_contiguous()):
+        raise ValueError("row_attention reads entries, positions and slots as contiguous tensors")
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    out = torch.empty(b * t, num_heads * d, device=qkv.device, dtype=qkv.dtype)
+    block, warps = ATTENTION_BLOCK
+    _row_attention[(num_heads, b * t)](qkv, qkv.stride(0), cos, sin, positions, entries, slots, mask, k_cache,
+                                       v_cache, out, k_cache.stride(0), k_cache.stride(1), t, HQ=num_heads,
+                                       HKV=num_kv_heads, D=d, scale=d ** -0.5, USE_PDL=pdl, BLOCK_S=block,
+                                       TP=max(2, triton.next_power_of_2(t)), num_warps=warps, **_launch(pdl))
+    return out
