@@ -189,6 +189,30 @@ def test_local_engines_cuda_fp32_greedy_equals_cpu(tiny_target: Path, tiny_head:
 
 
 @needs_gpus(1)
+def test_bf16_greedy_chains_on_the_few_row_path_give_target_only_tokens(tiny_target: Path, tiny_head: Path) -> None:
+    """bf16, the fused path: a verify of up to 4 tokens computes each row as a one-token decode
+    does (kernels.few), so greedy chains of 1 to 3 drafts give target-only decoding's tokens
+    exactly, one request at a time."""
+    def greedy(steps: int) -> list[list[int]]:
+        engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="bfloat16", fused_decode="pdl",
+                                            max_context=256),
+                               DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda",
+                                           dtype="bfloat16", max_context=256))
+        try:
+            fused = engines.target.engine.runner.fused
+            assert fused is not None and fused.few_rows >= 4
+            return [engines.generate([GenerationRequest(p, 48, Sampling(), {511}, steps)])[0].tokens
+                    for p in TINY_PROMPTS]
+        finally:
+            engines.close()
+
+    alone = greedy(0)
+    assert all(len(t) > 0 for t in alone)
+    for steps in (1, 2, 3):
+        assert greedy(steps) == alone, f"chains of {steps}"
+
+
+@needs_gpus(1)
 def test_local_engines_cuda_prefill_logits_close_to_cpu(tiny_target: Path) -> None:
     prompt = list(range(10, 60))
     cpu = tp_logits(str(tiny_target), "float32", "cpu", 1, prompt)
