@@ -17,6 +17,7 @@ import platform
 import torch
 
 from bench.spec_vs_baseline import git_commit
+from bench.tune_gemv import time_launch
 from specsplit.checkpoints.shapes import SHAPES
 from specsplit.models.batch import Batch
 from specsplit.models.config import Eagle3Config
@@ -53,21 +54,7 @@ def step_us(head: Eagle3Head, few_rows: int, rows: int, start: int, ctx: int, it
     batch = Batch.padded(torch.full((1, rows), start, device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda"),
                          entries, ctx, visible=visible, hidden=hidden)
     with torch.inference_mode():
-        for _ in range(3):
-            fused.forward(tokens, batch, cache)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(STEPS_A_GRAPH):
-                fused.forward(tokens, batch, cache)
-        graph.replay()
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        end.synchronize()
-    return begin.elapsed_time(end) * 1e3 / (iters * STEPS_A_GRAPH)
+        return time_launch(lambda: fused.forward(tokens, batch, cache), STEPS_A_GRAPH, iters)
 
 
 def main() -> None:

@@ -84,9 +84,10 @@ FEW_ROWS_DEFAULT = 4
 FEW_ROWS_HIDDEN = 2048  # wider models (the 8B shape): not measured, the tensor-core tiles serve
 
 
-def few_rows_default(hidden_size: int) -> int:
-    """Rows up to which a step of a model this wide runs kernels.few unless told."""
-    return FEW_ROWS_DEFAULT if hidden_size <= FEW_ROWS_HIDDEN else 0
+def few_rows_default(hidden_size: int, rows: int = FEW_ROWS_DEFAULT) -> int:
+    """Rows up to which a step of a model this wide runs kernels.few unless told (`rows` where it
+    is narrow enough, else none)."""
+    return rows if hidden_size <= FEW_ROWS_HIDDEN else 0
 
 
 class FusedLlama:

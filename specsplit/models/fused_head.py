@@ -27,12 +27,12 @@ import torch.nn.functional as F
 
 from specsplit.models.batch import Batch
 from specsplit.models.eagle3 import Eagle3Head
-from specsplit.models.fused import FEW_ROWS_HIDDEN, fused_attention_unsupported, pdl_pays
+from specsplit.models.fused import few_rows_default, fused_attention_unsupported, pdl_pays
 from specsplit.models.layers import KVCache
 
 log = logging.getLogger("specsplit.draft")
 
-# Steps of up to this many rows run kernels.few unless told (heads up to FEW_ROWS_HIDDEN wide).
+# Steps of up to this many rows run kernels.few unless told (heads up to fused.FEW_ROWS_HIDDEN wide).
 # Measured on the H100 (bench.head_step, SmolLM2's size; the kernels then looped over a step's
 # rows in each program), µs a step against the tensor-core tiles: 1 row 22.2 against 33.9, 2 rows
 # 28.0 against 34.0, 4 rows 39.6 against 33.8.
@@ -65,7 +65,7 @@ class FusedHead:
         from specsplit.models.kernels import head as head_kernels
 
         self.head, self.pdl, self.proj, self.attn, self.few = head, pdl, projections, verify, few
-        default = HEAD_FEW_ROWS if head.cfg.hidden_size <= FEW_ROWS_HIDDEN else 0
+        default = few_rows_default(head.cfg.hidden_size, HEAD_FEW_ROWS)
         self.few_rows = min(few.FEW_ROWS, default if few_rows is None else few_rows)
         self.input = head_kernels.head_input
         dev = head.fc.weight.device
