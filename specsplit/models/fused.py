@@ -77,9 +77,8 @@ def pdl_pays(hidden_size: int, rows: int, capability: tuple[int, int]) -> bool:
 
 
 # Steps of up to this many rows run kernels.few unless told (models up to FEW_ROWS_HIDDEN wide):
-# each row computes the decode's bits. Measured on the H100 at SmolLM2's size with PDL (the
-# kernels then looped over a step's rows in each program), µs a step against the tensor-core
-# tiles: 2 rows 505 against 872, 4 rows 826 against 868, 8 rows 1,434 against 881; the decode 478.
+# each row computes the decode's bits. Chosen from bench.verify_step at SmolLM2's size with PDL
+# (docs/benchmarks.md: on the H100 2 and 4 rows beat the tensor-core tiles, 8 rows lose).
 FEW_ROWS_DEFAULT = 4
 FEW_ROWS_HIDDEN = 2048  # wider models (the 8B shape): not measured, the tensor-core tiles serve
 

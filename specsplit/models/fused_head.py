@@ -33,9 +33,8 @@ from specsplit.models.layers import KVCache
 log = logging.getLogger("specsplit.draft")
 
 # Steps of up to this many rows run kernels.few unless told (heads up to fused.FEW_ROWS_HIDDEN wide).
-# Measured on the H100 (bench.head_step, SmolLM2's size; the kernels then looped over a step's
-# rows in each program), µs a step against the tensor-core tiles: 1 row 22.2 against 33.9, 2 rows
-# 28.0 against 34.0, 4 rows 39.6 against 33.8.
+# Chosen from bench.head_step at SmolLM2's size (docs/benchmarks.md: on the H100 1 and 2 rows beat
+# the tensor-core tiles, 4 rows lose).
 HEAD_FEW_ROWS = 2
 
 
