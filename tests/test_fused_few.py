@@ -85,21 +85,40 @@ def test_each_row_computes_the_decodes_bits(dtype: torch.dtype) -> None:
     h, inter = cfg.hidden_size, cfg.intermediate_size
     shapes = ((("norm_gemv", 24, 576), ("norm_gemv", 20, 300), ("gemv_residual", 16, 600), ("gate_up_silu", 12, 576))
               if INTERPRETED else  # (K past the interpreter's blocks of 256)
-              (("norm_gemv", 960, h), ("norm_gemv", 2000, h), ("gemv_residual", h, h), ("gemv_residual", h, inter),
-               ("gate_up_silu", inter, h)))
+              (("norm_gemv", 960, h), ("norm_gemv", 2000, h), ("norm_gemv", cfg.vocab_size, h),
+               ("gemv_residual", h, h), ("gemv_residual", h, inter), ("gate_up_silu", inter, h)))
     for name, n, k in shapes:
-        x, nw = _rand(4, k, dtype=dtype), _rand(k, dtype=dtype).abs() + 0.5
+        x, nw = _rand(6, k, dtype=dtype), _rand(k, dtype=dtype).abs() + 0.5
         w = _rand(2 * n if name == "gate_up_silu" else n, k, dtype=dtype, scale=0.05)
-        res = _rand(4, n, dtype=dtype)
-        for r in range(4):
+        res = _rand(6, n, dtype=dtype)
+        if name == "norm_gemv":
+            want = [decode.norm_gemv(x[r], w, nw, 1e-5) for r in range(6)]
+            want32 = [decode.norm_gemv(x[r], w, None, 1e-5, out_dtype=torch.float32) for r in range(6)]
+        elif name == "gate_up_silu":
+            want = [decode.gate_up_silu(x[r], w, nw, 1e-5) for r in range(6)]
+        else:
+            want = [decode.gemv_residual(x[r], w, res[r]) for r in range(6)]
+        for m in (3, 4, 6):  # one program's rows; two programs' (some rows repeated, not stored)
             if name == "norm_gemv":
-                assert torch.equal(few.norm_gemv(x, w, nw, 1e-5)[r], decode.norm_gemv(x[r], w, nw, 1e-5))
-                assert torch.equal(few.norm_gemv(x, w, None, 1e-5, out_dtype=torch.float32)[r],
-                                   decode.norm_gemv(x[r], w, None, 1e-5, out_dtype=torch.float32))
+                got = few.norm_gemv(x[:m], w, nw, 1e-5)
+                got32 = few.norm_gemv(x[:m], w, None, 1e-5, out_dtype=torch.float32)
+                assert all(torch.equal(got32[r], want32[r]) for r in range(m))
             elif name == "gate_up_silu":
-                assert torch.equal(few.gate_up_silu(x, w, nw, 1e-5)[r], decode.gate_up_silu(x[r], w, nw, 1e-5))
+                got = few.gate_up_silu(x[:m], w, nw, 1e-5)
             else:
-                assert torch.equal(few.gemv_residual(x, w, res)[r], decode.gemv_residual(x[r], w, res[r]))
+                got = few.gemv_residual(x[:m], w, res[:m])
+            assert all(torch.equal(got[r], want[r]) for r in range(m)), (name, n, k, m)
+
+
+@needs_kernels
+def test_a_program_takes_the_rows_its_sums_fit_in_registers() -> None:
+    from specsplit.models.kernels import few
+
+    assert [few.rows_a_program("norm_gemv", m, (1, 512, 4)) for m in range(1, 9)] == [1, 2, 3, 4, 3, 3, 4, 4]
+    # 64 sums a row for the lm_head's 16 × 512 tiles on 4 warps: two rows a program
+    assert [few.rows_a_program("norm_gemv", m, (16, 512, 4)) for m in (1, 2, 3, 4)] == [1, 2, 2, 2]
+    assert few.rows_a_program("gate_up_silu", 4, (4, 1024, 4)) == 2  # two sums a row
+    assert few.rows_a_program("gemv_residual", 4, (32, 1024, 4)) == 1  # never none
 
 
 def _depths(parents: list[int]) -> list[int]:
