@@ -98,7 +98,7 @@ def test_each_row_computes_the_decodes_bits(dtype: torch.dtype) -> None:
             want = [decode.gate_up_silu(x[r], w, nw, 1e-5) for r in range(6)]
         else:
             want = [decode.gemv_residual(x[r], w, res[r]) for r in range(6)]
-        for m in (3, 4, 6):  # one program's rows; two programs' (some rows repeated, not stored)
+        for m in (3, 4, 6):
             if name == "norm_gemv":
                 got = few.norm_gemv(x[:m], w, nw, 1e-5)
                 got32 = few.norm_gemv(x[:m], w, None, 1e-5, out_dtype=torch.float32)
@@ -108,17 +108,6 @@ def test_each_row_computes_the_decodes_bits(dtype: torch.dtype) -> None:
             else:
                 got = few.gemv_residual(x[:m], w, res[:m])
             assert all(torch.equal(got[r], want[r]) for r in range(m)), (name, n, k, m)
-
-
-@needs_kernels
-def test_a_program_takes_the_rows_its_sums_fit_in_registers() -> None:
-    from specsplit.models.kernels import few
-
-    assert [few.rows_a_program("norm_gemv", m, (1, 512, 4)) for m in range(1, 9)] == [1, 2, 3, 4, 3, 3, 4, 4]
-    # 64 sums a row for the lm_head's 16 × 512 tiles on 4 warps: two rows a program
-    assert [few.rows_a_program("norm_gemv", m, (16, 512, 4)) for m in (1, 2, 3, 4)] == [1, 2, 2, 2]
-    assert few.rows_a_program("gate_up_silu", 4, (4, 1024, 4)) == 2  # two sums a row
-    assert few.rows_a_program("gemv_residual", 4, (32, 1024, 4)) == 1  # never none
 
 
 def _depths(parents: list[int]) -> list[int]:

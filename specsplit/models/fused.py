@@ -78,8 +78,8 @@ def pdl_pays(hidden_size: int, rows: int, capability: tuple[int, int]) -> bool:
 
 # Steps of up to this many rows run kernels.few unless told (models up to FEW_ROWS_HIDDEN wide):
 # each row computes the decode's bits. Chosen from bench.verify_step at SmolLM2's size with PDL
-# (docs/benchmarks.md: on the H100 2 and 4 rows beat the tensor-core tiles, 8 rows lose).
-FEW_ROWS_DEFAULT = 4
+# (docs/benchmarks.md: on the H100 and the H200 2 and 3 rows beat the tensor-core tiles, 4 lose).
+FEW_ROWS_DEFAULT = 3
 FEW_ROWS_HIDDEN = 2048  # wider models (the 8B shape): not measured, the tensor-core tiles serve
 
 

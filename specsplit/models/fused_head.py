@@ -33,8 +33,8 @@ from specsplit.models.layers import KVCache
 log = logging.getLogger("specsplit.draft")
 
 # Steps of up to this many rows run kernels.few unless told (heads up to fused.FEW_ROWS_HIDDEN wide).
-# Chosen from bench.head_step at SmolLM2's size (docs/benchmarks.md: on the H100 1 and 2 rows beat
-# the tensor-core tiles, 4 rows lose).
+# Chosen from bench.head_step at SmolLM2's size (docs/benchmarks.md: 1 row beats the tensor-core
+# tiles on the H100 and the H200, 2 rows on the H100 and ties on the H200, 3 and 4 lose).
 HEAD_FEW_ROWS = 2
 
 

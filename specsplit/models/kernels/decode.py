@@ -62,51 +62,13 @@ def _input(x_ptr, nw_ptr, k0, K, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 # Each GEMV loads its first weight tile before waiting for the previous kernel (weights depend
-# on nothing computed), then prefetches tile i+1 while it multiplies tile i. The loop keeps
-# elementwise fp32 sums [BLOCK_N, BLOCK_K] that the epilogues reduce; kernels.few runs the same
-# steps (`fma_row`) and the same epilogues for each of a few rows on one loaded tile.
+# on nothing computed), then prefetches tile i+1 while it multiplies tile i.
 @triton.jit
-def fma_row(acc, sq, w, x_ptr, nw_ptr, k0, K, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One step of the loop: acc += w · (x·nw), sq += x² at columns k0.. (w: the loaded tile)."""
-    x, x2 = _input(x_ptr, nw_ptr, k0, K, HAS_NORM, BLOCK_K)
-    return acc + w.to(tl.float32) * x[None, :], sq + x2
-
-
-@triton.jit
-def norm_out(acc, sq, rows, ok, x_ptr, y_ptr, K, eps, HAS_NORM: tl.constexpr):
-    """y = Σ acc (· rstd with a norm), rounded to x's dtype, stored at y_ptr + rows where `ok`."""
-    y = tl.sum(acc, axis=1)
-    if HAS_NORM:
-        y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-    # rounded to the activations' dtype, as the unfused GEMM's output, even into a float32 `out`
-    tl.store(y_ptr + rows, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def silu_out(acc_g, acc_u, sq, rows, ok, y_ptr, K, eps):
-    """silu(gate) * up from the two sums, each rounded as the unfused model rounds it."""
-    rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-    dt = y_ptr.dtype.element_ty
-    g = (tl.sum(acc_g, axis=1) * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
-    u = (tl.sum(acc_u, axis=1) * rstd).to(dt).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(y_ptr + rows, (silu * u).to(dt), mask=ok)
-
-
-@triton.jit
-def residual_out(acc, rows, ok, r_ptr, y_ptr):
-    """y = r + Σ acc (the GEMM's output rounded first)."""
-    dt = y_ptr.dtype.element_ty
-    y = tl.sum(acc, axis=1).to(dt).to(tl.float32) + tl.load(r_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(dt), mask=ok)
-
-
-@triton.jit
-def _rows_acc(x_ptr, nw_ptr, w_ptr, N, K, stride_wn, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+def _rows_dot(x_ptr, nw_ptr, w_ptr, pid, N, K, stride_wn, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows program_id·BLOCK_N.. of W against x·nw: (rows, row_ok, the sums [BLOCK_N, BLOCK_K],
-    the squares [BLOCK_K] — 0 without a norm)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Rows pid·BLOCK_N.. of W · (x·nw): (rows, row_ok, the dot products [BLOCK_N] in fp32,
+    Σ x² — 0 without a norm)."""
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None] * stride_wn
     w = _tile(w_rows, row_ok, 0, K, BLOCK_K)
@@ -114,23 +76,31 @@ def _rows_acc(x_ptr, nw_ptr, w_ptr, N, K, stride_wn, HAS_NORM: tl.constexpr, USE
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        acc, sq = fma_row(acc, sq, w, x_ptr, nw_ptr, k0, K, HAS_NORM, BLOCK_K)
+        x, x2 = _input(x_ptr, nw_ptr, k0, K, HAS_NORM, BLOCK_K)
+        acc += w.to(tl.float32) * x[None, :]
+        sq += x2
         w = _tile(w_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
-    return rows, row_ok, acc, sq
+    return rows, row_ok, tl.sum(acc, axis=1), tl.sum(sq, axis=0)
+
+
+# The bodies take their column tile `pid` (kernels.few runs them over several rows of x, the same
+# arithmetic for each row as here).
+@triton.jit
+def norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
+                   USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows, row_ok, y, sq = _rows_dot(x_ptr, nw_ptr, w_ptr, pid, N, K, stride_wn, HAS_NORM, USE_PDL, BLOCK_N,
+                                    BLOCK_K)
+    if HAS_NORM:
+        y = y * tl.rsqrt(sq / K + eps)
+    # rounded to the activations' dtype, as the unfused GEMM's output, even into a float32 `out`
+    tl.store(y_ptr + rows, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
-def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
-               USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows, row_ok, acc, sq = _rows_acc(x_ptr, nw_ptr, w_ptr, N, K, stride_wn, HAS_NORM, USE_PDL, BLOCK_N, BLOCK_K)
-    norm_out(acc, sq, rows, row_ok, x_ptr, y_ptr, K, eps, HAS_NORM)
-
-
-@triton.jit
-def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """w [2N, K]: gate rows, then up rows (MergedColumnParallelLinear's layout)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     g_rows = w_ptr + rows[:, None] * stride_wn
     u_rows = w_ptr + (rows + N)[:, None] * stride_wn
@@ -141,18 +111,47 @@ def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        acc_g, sq = fma_row(acc_g, sq, wg, x_ptr, nw_ptr, k0, K, True, BLOCK_K)
-        acc_u, _ = fma_row(acc_u, sq, wu, x_ptr, nw_ptr, k0, K, True, BLOCK_K)
+        x, x2 = _input(x_ptr, nw_ptr, k0, K, True, BLOCK_K)
+        acc_g += wg.to(tl.float32) * x[None, :]
+        acc_u += wu.to(tl.float32) * x[None, :]
+        sq += x2
         wg = _tile(g_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
         wu = _tile(u_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
-    silu_out(acc_g, acc_u, sq, rows, row_ok, y_ptr, K, eps)
+    rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    dt = y_ptr.dtype.element_ty
+    g = (tl.sum(acc_g, axis=1) * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
+    u = (tl.sum(acc_u, axis=1) * rstd).to(dt).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(y_ptr + rows, (silu * u).to(dt), mask=row_ok)
+
+
+@triton.jit
+def gemv_residual_tile(x_ptr, w_ptr, r_ptr, y_ptr, pid, N, K, stride_wn, USE_PDL: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows, row_ok, y, _ = _rows_dot(x_ptr, x_ptr, w_ptr, pid, N, K, stride_wn, False, USE_PDL, BLOCK_N, BLOCK_K)
+    dt = y_ptr.dtype.element_ty
+    y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(dt), mask=row_ok)
+
+
+@triton.jit
+def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
+               USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, eps, HAS_NORM, USE_PDL, BLOCK_N,
+                   BLOCK_K)
+
+
+@triton.jit
+def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, eps, USE_PDL, BLOCK_N,
+                      BLOCK_K)
 
 
 @triton.jit
 def _gemv_residual(x_ptr, w_ptr, r_ptr, y_ptr, N, K, stride_wn, USE_PDL: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows, row_ok, acc, _ = _rows_acc(x_ptr, x_ptr, w_ptr, N, K, stride_wn, False, USE_PDL, BLOCK_N, BLOCK_K)
-    residual_out(acc, rows, row_ok, r_ptr, y_ptr)
+    gemv_residual_tile(x_ptr, w_ptr, r_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit

@@ -8,10 +8,10 @@ one-token decode (kernels.decode) computes it:
   row_attention  rotary, the new entries written, and each row's attention as the decode's at
                  its position: the committed entries, then the rows it sees, in the decode's order
 
-A GEMV runs the decode's loop with the decode's pinned blocks, each weight tile loaded once for
-up to ROW_GROUP rows and a sum kept per row (as many rows as those sums fit in registers): a
+A GEMV runs the decode's code for each (row, column tile), with the decode's pinned blocks: a
 row's sums are the decode's, in the same order, so a row computes the decode's bits whatever the
-rows beside it, and the weights cross HBM once for all rows, as for one.
+rows beside it. The rows of one column tile are neighbouring programs, so their weight reads meet
+in L2: the weights cross HBM about once for all rows, as for one.
 
 Attention gives each row the keys a decode at its position would see, in the same places: the
 committed entries [0, start) from the cache, then the step's rows the row's mask shows (its
@@ -36,139 +36,38 @@ from specsplit.models.kernels.decode import (
     _launch,
     _rotate,
     _softmax_block,
-    _tile,
     _wait,
-    fma_row,
-    norm_out,
-    residual_out,
-    silu_out,
+    gate_up_silu_tile,
+    gemv_residual_tile,
+    norm_gemv_tile,
 )
 
 FEW_ROWS = 8  # rows of a step at most
 
 
-# Programs: (group of up to ROW_GROUP rows, column tile). A program loads each weight tile once
-# and runs the decode's loop step (decode.fma_row) for each of its rows on it, with a sum of its
-# own per row: each row's sums are the decode's, in the decode's order. Rows past M repeat the
-# last row (their loads are valid) and store nothing.
-ROW_GROUP = 4
+# Programs: (row, column tile), the row fastest: a tile's rows run side by side.
+@triton.jit
+def _few_norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, eps,
+                   HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)
+    norm_gemv_tile(x_ptr + r * stride_xm, nw_ptr, w_ptr, y_ptr + r * stride_ym, tl.program_id(1), N, K, stride_wn,
+                   eps, HAS_NORM, USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _row(x_ptr, r0, j, M, stride_xm):
-    return x_ptr + tl.minimum(r0 + j, M - 1) * stride_xm
+def _few_gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, eps, USE_PDL: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)
+    gate_up_silu_tile(x_ptr + r * stride_xm, nw_ptr, w_ptr, y_ptr + r * N, tl.program_id(1), N, K, stride_wn, eps,
+                      USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _stored(rows, N, r0, j, M):
-    """The tile's rows that row r0 + j stores: none past M."""
-    return rows < tl.where(r0 + j < M, N, 0)
-
-
-@triton.jit
-def _few_norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
-                   HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    r0 = tl.program_id(0) * R
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    w_rows = w_ptr + rows[:, None] * stride_wn
-    x0, x1, x2, x3 = (_row(x_ptr, r0, 0, M, stride_xm), _row(x_ptr, r0, 1, M, stride_xm),
-                      _row(x_ptr, r0, 2, M, stride_xm), _row(x_ptr, r0, 3, M, stride_xm))
-    w = _tile(w_rows, row_ok, 0, K, BLOCK_K)
-    _wait(USE_PDL)
-    a0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    s0 = tl.zeros([BLOCK_K], dtype=tl.float32)
-    a1, a2, a3, s1, s2, s3 = a0, a0, a0, s0, s0, s0
-    for k0 in range(0, K, BLOCK_K):
-        a0, s0 = fma_row(a0, s0, w, x0, nw_ptr, k0, K, HAS_NORM, BLOCK_K)
-        if R > 1:
-            a1, s1 = fma_row(a1, s1, w, x1, nw_ptr, k0, K, HAS_NORM, BLOCK_K)
-        if R > 2:
-            a2, s2 = fma_row(a2, s2, w, x2, nw_ptr, k0, K, HAS_NORM, BLOCK_K)
-        if R > 3:
-            a3, s3 = fma_row(a3, s3, w, x3, nw_ptr, k0, K, HAS_NORM, BLOCK_K)
-        w = _tile(w_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
-    norm_out(a0, s0, rows, row_ok, x_ptr, y_ptr + r0 * stride_ym, K, eps, HAS_NORM)
-    if R > 1:
-        norm_out(a1, s1, rows, _stored(rows, N, r0, 1, M), x_ptr, y_ptr + (r0 + 1) * stride_ym, K, eps, HAS_NORM)
-    if R > 2:
-        norm_out(a2, s2, rows, _stored(rows, N, r0, 2, M), x_ptr, y_ptr + (r0 + 2) * stride_ym, K, eps, HAS_NORM)
-    if R > 3:
-        norm_out(a3, s3, rows, _stored(rows, N, r0, 3, M), x_ptr, y_ptr + (r0 + 3) * stride_ym, K, eps, HAS_NORM)
-
-
-@triton.jit
-def _few_gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, eps, USE_PDL: tl.constexpr,
-                      R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """w [2N, K]: gate rows, then up rows; y [M, N]."""
-    r0 = tl.program_id(0) * R
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    g_rows = w_ptr + rows[:, None] * stride_wn
-    u_rows = w_ptr + (rows + N)[:, None] * stride_wn
-    x0, x1, x2, x3 = (_row(x_ptr, r0, 0, M, stride_xm), _row(x_ptr, r0, 1, M, stride_xm),
-                      _row(x_ptr, r0, 2, M, stride_xm), _row(x_ptr, r0, 3, M, stride_xm))
-    wg = _tile(g_rows, row_ok, 0, K, BLOCK_K)
-    wu = _tile(u_rows, row_ok, 0, K, BLOCK_K)
-    _wait(USE_PDL)
-    g0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    s0 = tl.zeros([BLOCK_K], dtype=tl.float32)
-    g1, g2, g3, u0, u1, u2, u3, s1, s2, s3 = g0, g0, g0, g0, g0, g0, g0, s0, s0, s0
-    for k0 in range(0, K, BLOCK_K):
-        g0, s0 = fma_row(g0, s0, wg, x0, nw_ptr, k0, K, True, BLOCK_K)
-        u0, _ = fma_row(u0, s0, wu, x0, nw_ptr, k0, K, True, BLOCK_K)
-        if R > 1:
-            g1, s1 = fma_row(g1, s1, wg, x1, nw_ptr, k0, K, True, BLOCK_K)
-            u1, _ = fma_row(u1, s1, wu, x1, nw_ptr, k0, K, True, BLOCK_K)
-        if R > 2:
-            g2, s2 = fma_row(g2, s2, wg, x2, nw_ptr, k0, K, True, BLOCK_K)
-            u2, _ = fma_row(u2, s2, wu, x2, nw_ptr, k0, K, True, BLOCK_K)
-        if R > 3:
-            g3, s3 = fma_row(g3, s3, wg, x3, nw_ptr, k0, K, True, BLOCK_K)
-            u3, _ = fma_row(u3, s3, wu, x3, nw_ptr, k0, K, True, BLOCK_K)
-        wg = _tile(g_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
-        wu = _tile(u_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
-    silu_out(g0, u0, s0, rows, row_ok, y_ptr + r0 * N, K, eps)
-    if R > 1:
-        silu_out(g1, u1, s1, rows, _stored(rows, N, r0, 1, M), y_ptr + (r0 + 1) * N, K, eps)
-    if R > 2:
-        silu_out(g2, u2, s2, rows, _stored(rows, N, r0, 2, M), y_ptr + (r0 + 2) * N, K, eps)
-    if R > 3:
-        silu_out(g3, u3, s3, rows, _stored(rows, N, r0, 3, M), y_ptr + (r0 + 3) * N, K, eps)
-
-
-@triton.jit
-def _few_gemv_residual(x_ptr, w_ptr, res_ptr, y_ptr, M, N, K, stride_xm, stride_wn, USE_PDL: tl.constexpr,
-                       R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """residual, y [M, N] contiguous."""
-    r0 = tl.program_id(0) * R
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    w_rows = w_ptr + rows[:, None] * stride_wn
-    x0, x1, x2, x3 = (_row(x_ptr, r0, 0, M, stride_xm), _row(x_ptr, r0, 1, M, stride_xm),
-                      _row(x_ptr, r0, 2, M, stride_xm), _row(x_ptr, r0, 3, M, stride_xm))
-    w = _tile(w_rows, row_ok, 0, K, BLOCK_K)
-    _wait(USE_PDL)
-    a0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    s0 = tl.zeros([BLOCK_K], dtype=tl.float32)
-    a1, a2, a3 = a0, a0, a0
-    for k0 in range(0, K, BLOCK_K):
-        a0, _ = fma_row(a0, s0, w, x0, x0, k0, K, False, BLOCK_K)
-        if R > 1:
-            a1, _ = fma_row(a1, s0, w, x1, x1, k0, K, False, BLOCK_K)
-        if R > 2:
-            a2, _ = fma_row(a2, s0, w, x2, x2, k0, K, False, BLOCK_K)
-        if R > 3:
-            a3, _ = fma_row(a3, s0, w, x3, x3, k0, K, False, BLOCK_K)
-        w = _tile(w_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
-    residual_out(a0, rows, row_ok, res_ptr + r0 * N, y_ptr + r0 * N)
-    if R > 1:
-        residual_out(a1, rows, _stored(rows, N, r0, 1, M), res_ptr + (r0 + 1) * N, y_ptr + (r0 + 1) * N)
-    if R > 2:
-        residual_out(a2, rows, _stored(rows, N, r0, 2, M), res_ptr + (r0 + 2) * N, y_ptr + (r0 + 2) * N)
-    if R > 3:
-        residual_out(a3, rows, _stored(rows, N, r0, 3, M), res_ptr + (r0 + 3) * N, y_ptr + (r0 + 3) * N)
+def _few_gemv_residual(x_ptr, w_ptr, res_ptr, y_ptr, N, K, stride_xm, stride_wn, USE_PDL: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)
+    gemv_residual_tile(x_ptr + r * stride_xm, w_ptr, res_ptr + r * N, y_ptr + r * N, tl.program_id(1), N, K,
+                       stride_wn, USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -256,28 +155,13 @@ def _row_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, sl
 _KERNELS = {"norm_gemv": _few_norm_gemv, "gate_up_silu": _few_gate_up_silu, "gemv_residual": _few_gemv_residual}
 
 
-ACC_REGISTERS = 128  # fp32 sums a thread holds for its program's rows at most (more would spill)
-
-
-def rows_a_program(name: str, m: int, blocks: tuple[int, int, int]) -> int:
-    """Rows a program of `name` takes of m: up to ROW_GROUP, as many as its sums fit in
-    ACC_REGISTERS, spread evenly over the fewest programs."""
-    block_n, block_k, warps = blocks
-    per_row = (2 if name == "gate_up_silu" else 1) * block_n * block_k // (32 * warps)
-    most = max(1, min(ROW_GROUP, ACC_REGISTERS // max(1, per_row)))
-    groups = -(-m // most)
-    return -(-m // groups)
-
-
 def _run(name: str, n: int, k: int, x: torch.Tensor, pdl: bool, *args: Any, **constants: Any) -> None:
     m = x.shape[0]
     if not 1 <= m <= FEW_ROWS:
         raise ValueError(f"the few-row kernels take 1..{FEW_ROWS} rows, got {m}")
-    block_n, block_k, warps = blocks = decode.gemv_blocks(name, n, k, x.device)
-    r = rows_a_program(name, m, blocks)
-    _KERNELS[name][(triton.cdiv(m, r), triton.cdiv(n, block_n))](
-        *args, USE_PDL=pdl, **constants, R=r, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
-        **_launch(pdl))
+    block_n, block_k, warps = decode.gemv_blocks(name, n, k, x.device)
+    _KERNELS[name][(m, triton.cdiv(n, block_n))](*args, USE_PDL=pdl, **constants, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                 num_warps=warps, num_stages=3, **_launch(pdl))
 
 
 def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
@@ -287,7 +171,7 @@ def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor |
     (m, k), n = x.shape, weight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     nw = x if norm_weight is None else norm_weight
-    _run("norm_gemv", n, k, x, pdl, x, nw, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), eps,
+    _run("norm_gemv", n, k, x, pdl, x, nw, weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0), eps,
          HAS_NORM=norm_weight is not None)
     return y
 
@@ -297,17 +181,17 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     """x [M, K], weight [2I, K] (gate; up) -> silu(n·gateᵀ) * (n·upᵀ) [M, I], n = rms_norm(x)."""
     (m, k), n = x.shape, weight.shape[0] // 2
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    _run("gate_up_silu", n, k, x, pdl, x, norm_weight, weight, y, m, n, k, x.stride(0), weight.stride(0), eps)
+    _run("gate_up_silu", n, k, x, pdl, x, norm_weight, weight, y, n, k, x.stride(0), weight.stride(0), eps)
     return y
 
 
 def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """x [M, K], weight [N, K], residual [M, N] (contiguous) -> residual + x · weightᵀ [M, N]."""
-    (m, k), n = x.shape, weight.shape[0]
+    k, n = x.shape[1], weight.shape[0]
     if not residual.is_contiguous():
         raise ValueError("gemv_residual reads the residual as a contiguous [M, N]")
     y = torch.empty_like(residual)
-    _run("gemv_residual", n, k, x, pdl, x, weight, residual, y, m, n, k, x.stride(0), weight.stride(0))
+    _run("gemv_residual", n, k, x, pdl, x, weight, residual, y, n, k, x.stride(0), weight.stride(0))
     return y
 
 
