@@ -253,3 +253,36 @@ def test_prompt_steps_replay_graphs_bitwise_equal_to_eager(tiny_target: Path) ->
     for (le, fe, be), (lg, fg, bg) in zip(eager, graph, strict=True):
         assert torch.equal(le, lg) and torch.equal(fe, fg) and be == bg
     assert torch.equal(k_eager, k_graph)
+
+
+@pytest.mark.quick
+@needs_gpus(1)
+def test_a_capture_survives_the_collector_freeing_a_dropped_graph() -> None:
+    """A graph dropped in a reference cycle is torn down whenever Python's collector runs; one
+    that would run during a capture (here: cyclic garbage holding a graph, and a collection
+    threshold of one allocation) must wait until the capture ends."""
+    import gc
+
+    x = torch.ones(8, device="cuda")
+    old = GraphCache(torch.device("cuda"))
+    old.run(("old",), lambda x: (x * 2,), x=x)
+    held = [old]
+    del old
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor]:
+        if held and torch.cuda.is_current_stream_capturing():
+            cycle: dict[str, object] = {"graphs": held.pop()}
+            cycle["self"] = cycle
+            del cycle
+            _ = [[] for _ in range(2000)]  # allocations: the collector's threshold is crossed
+        return (x + 1,)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        (out,) = GraphCache(torch.device("cuda")).run(("new",), fn, x=x)
+        torch.cuda.synchronize()
+    finally:
+        gc.set_threshold(*threshold)
+    assert not held and torch.equal(out, x + 1)
+    gc.collect()  # the dropped graph is freed after the capture

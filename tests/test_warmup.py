@@ -37,6 +37,27 @@ def test_warm_topk_must_lie_within_max_topk() -> None:
     assert DraftConfig(warm_topk=[2, 8]).validate().warm_topk == [2, 8]
 
 
+def test_captures_hold_the_cyclic_collector_off_and_restore_it() -> None:
+    import gc
+
+    from specsplit.runner.graphs import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+        with collector_paused():  # another engine thread's capture
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # left as the process had it
+    finally:
+        gc.enable()
+
+
 def test_a_new_ring_drops_the_graphs_that_read_the_old_one() -> None:
     cache = GraphCache(torch.device("cpu"))
     keys = [("extend+grow", 1, 4, 1728, 4, 3, 2153, ("ring", 1234)), ("extend+grow", 1, 4, 1728, 4, 3, 2153, None),

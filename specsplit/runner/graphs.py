@@ -12,8 +12,11 @@ captures it: its elementwise work, norms and index arithmetic become a few gener
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +41,31 @@ def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return (*out, largest)
+
+
+_paused = 0
+_paused_lock = threading.Lock()
+_was_enabled = False
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector held off (for every thread: captures on several engine threads
+    nest): a graph dropped in a reference cycle is torn down when the collector frees it, and CUDA
+    refuses that teardown while any stream captures, which invalidates the capture."""
+    global _paused, _was_enabled
+    with _paused_lock:
+        if _paused == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _paused += 1
+    try:
+        yield
+    finally:
+        with _paused_lock:
+            _paused -= 1
+            if _paused == 0 and _was_enabled:
+                gc.enable()
 
 
 @dataclass
@@ -132,7 +160,7 @@ class GraphCache:
                 fn(**static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+        with collector_paused(), torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             outputs = fn(**static)
         staging = {name: torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for name, x in inputs.items()
                    if x.device.type == "cpu"}
