@@ -5,9 +5,15 @@ GPU tests in tests/test_fused_few.py check the bits themselves). Needs Triton, n
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 
 import pytest
+
+# Triton's compiler, not its interpreter (TRITON_INTERPRET=1 turns the kernels into Python)
+needs_compiler = pytest.mark.skipif(importlib.util.find_spec("triton") is None
+                                    or os.environ.get("TRITON_INTERPRET") == "1",
+                                    reason="needs Triton's compiler (no GPU), not its interpreter")
 
 
 def _float_ops(kernel: object, signature: dict[str, str], constants: dict[str, object], warps: int) -> list[str]:
@@ -24,7 +30,7 @@ def _float_ops(kernel: object, signature: dict[str, str], constants: dict[str, o
     return [op for op in ops if ".f32" in op or ".bf16" in op or op.startswith(("ex2", "rcp", "rsqrt"))]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (no GPU)")
+@needs_compiler
 def test_the_few_row_gemvs_compile_to_the_decodes_float_instructions() -> None:
     """Each few-row GEMV, compiled for sm_90, runs the decode's float instructions in the decode's
     order (where the decode's tile covers K and where it loops over K): only addressing differs."""
@@ -49,7 +55,7 @@ def test_the_few_row_gemvs_compile_to_the_decodes_float_instructions() -> None:
         assert want and _float_ops(few._few_gemv_residual, sig_f, consts, 8) == want
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (no GPU)")
+@needs_compiler
 @pytest.mark.parametrize("pdl", [False, True])
 def test_row_attention_compiles_for_hopper(pdl: bool) -> None:
     """The rows' attention (its branches on the rows each row sees) compiles for sm_90, with and
