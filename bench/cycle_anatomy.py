@@ -198,7 +198,7 @@ def main() -> None:
     backend = "cuda_ipc" if a.device.startswith("cuda") else "shm"  # as bench.end_to_end and the services
     target = TargetRuntime(TargetConfig(model=a.model, dtype=a.dtype, device=a.device, hidden_backend=backend,
                                         max_context=1024, max_sequences=2, max_draft_tokens=max(16, a.num_draft_tokens),
-                                        fused_decode=a.fused_decode).validate(),
+                                        fused_decode=a.fused_decode, few_rows=a.few_rows).validate(),
                            TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
                                      max_context=1024, max_sequences=2, max_topk=max(8, a.topk),

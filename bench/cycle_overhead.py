@@ -61,7 +61,8 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
                ) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
     target = TargetRuntime(TargetConfig(model=a.model, dtype=a.dtype, device=a.device, hidden_backend=a.backend,
                                         max_context=a.max_context, max_sequences=2, compile=a.compile,
-                                        fused_decode=a.fused_decode, forced_acceptance=forced(a) is not None,
+                                        fused_decode=a.fused_decode, few_rows=a.few_rows,
+                                        forced_acceptance=forced(a) is not None,
                                         max_draft_tokens=max(16, tree_size(a))).validate(), TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
                                      max_context=a.max_context, max_sequences=2, compile=draft_compiles(a),
@@ -161,6 +162,8 @@ def traced_env(folder: Path) -> dict[str, str]:
 def add_fused_decode_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-decode", choices=FUSED_DECODE, default="auto",
                    help="the target's --fused-decode, in process and in its service (default: auto, as served)")
+    p.add_argument("--few-rows", type=int, default=-1,
+                   help="the target's --few-rows, in process and in its service (default: -1, as served)")
 
 
 ADAPTIVE = -1  # services' key of the requests that leave num_steps unset (steps chosen per cycle)
@@ -186,7 +189,8 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                          hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
                          tp_size=a.tp_size,
                          extra_target_args=[*engine_flags, *target_only, *service_extra, "--max-draft-tokens",
-                                            str(max(16, tree_size(a))), "--fused-decode", a.fused_decode],
+                                            str(max(16, tree_size(a))), "--fused-decode", a.fused_decode,
+                                            "--few-rows", str(a.few_rows)],
                          extra_draft_args=[*engine_flags, *(["--compile"] if a.draft_compile else []),
                                            "--fused-head", a.draft_fused_head,
                                            *service_extra, "--max-topk", str(max(8, tree_topk(a)))],

@@ -51,6 +51,11 @@ class TargetConfig:
                              "programmatic dependent launch where it pays (specsplit.models.fused.pdl_pays); on: "
                              "without it; pdl: with it at every step; off: the padded path",
                              choices=FUSED_DECODE)
+    few_rows: int = flag(-1, "--few-rows", "fused steps of up to this many tokens in all (a chain's verify, a batch of "
+                         "decodes) compute every row as a one-token decode does, bit for bit: bf16 speculation "
+                         "and batching then give the tokens decoding alone gives. Larger steps take the "
+                         "tensor-core tiles, faster from about 4 rows at SmolLM2's size. 0 to 8; -1 (default): 3 "
+                         "for targets up to 2048 wide, else 0")
     forced_acceptance: bool = flag(False, "--benchmark-forced-acceptance", "benchmark only: honour verifies that "
                                    "force how many drafts are accepted (the gateway's --benchmark-forced-acceptance); "
                                    "their output is not the model's")
@@ -60,6 +65,7 @@ class TargetConfig:
 
     def validate(self) -> TargetConfig:
         # torch comes with these: imported here, so that building a parser from this class stays light
+        from specsplit.models.fused import FEW_ROWS_MAX
         from specsplit.transport.handoff.base import DTYPES
         from specsplit.transport.handoff.factory import BACKENDS
         from specsplit.transport.step_socket import check_spin_us, check_step_socket
@@ -81,6 +87,8 @@ class TargetConfig:
             raise ValueError(f"fused_decode {self.fused_decode!r} not in {FUSED_DECODE}")
         if self.fused_decode in ("on", "pdl") and not self.device.startswith("cuda"):
             raise ValueError("fused_decode needs a CUDA device")
+        if not -1 <= self.few_rows <= FEW_ROWS_MAX:
+            raise ValueError(f"few_rows {self.few_rows} not within -1 (the default) .. {FEW_ROWS_MAX}")
         check_step_socket(self.step_socket)
         check_spin_us(self.step_socket_spin_us)
         return self

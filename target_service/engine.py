@@ -83,7 +83,8 @@ class TargetEngine:
         self.vocab = model.cfg.vocab_size
         fused = None
         if cfg.fused_decode in ("on", "pdl") or (cfg.fused_decode == "auto" and fused_runs(model)):
-            fused = FusedLlama(model, pdl={"on": False, "pdl": True}.get(cfg.fused_decode))
+            fused = FusedLlama(model, pdl={"on": False, "pdl": True}.get(cfg.fused_decode),
+                               few_rows=None if cfg.few_rows < 0 else cfg.few_rows)
         # room for a padded verify past the context
         self.runner = ModelRunner(model, cfg.max_sequences, cfg.max_context + cfg.max_draft_tokens + 1,
                                   cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, fused=fused,

@@ -118,6 +118,7 @@ def test_service_flags_keep_their_behaviours(clean_env: pytest.MonkeyPatch, tmp_
 @pytest.mark.parametrize("module, argv, message", [
     ("gateway", ["--num-steps", "99"], "gateway: configuration error: default_num_steps must be within"),
     ("target_service", ["--port", "0"], "target_service: configuration error: port 0 out of range"),
+    ("target_service", ["--few-rows", "9"], "target_service: configuration error: few_rows 9 not within"),
     ("draft_service", ["--max-topk", "0"], "draft_service: configuration error: max_topk must be >= 1"),
     ("draft_service", ["--fused-head", "on"], "draft_service: configuration error: fused_head on needs a CUDA"),
     ("draft_service", ["--fused-head", "on", "--device", "cuda", "--compile"],

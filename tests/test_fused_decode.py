@@ -39,6 +39,13 @@ def test_config_refuses_fused_decode_off_cuda() -> None:
     assert TargetConfig().validate().fused_decode == "auto"  # the default: the fused step wherever it runs
 
 
+def test_config_bounds_few_rows() -> None:
+    assert TargetConfig(few_rows=8).validate().few_rows == 8 and TargetConfig().validate().few_rows == -1
+    for bad in (-2, 9):
+        with pytest.raises(ValueError, match=f"few_rows {bad} not within -1"):
+            TargetConfig(few_rows=bad).validate()
+
+
 def test_auto_serves_the_padded_path_where_the_fused_step_cannot_run(tiny_target: Path) -> None:
     engine = TargetEngine(TargetConfig(model=str(tiny_target)), build_model(TargetConfig(model=str(tiny_target)),
                                                                           TensorParallel()))
@@ -357,7 +364,7 @@ def test_auto_falls_back_to_the_padded_path_when_the_kernels_do_not_compile(
     from target_service.runtime import TargetRuntime
 
     class Uncompilable(PaddedAsFused):
-        def __init__(self, model: LlamaModel, pdl: bool | None = None) -> None:
+        def __init__(self, model: LlamaModel, pdl: bool | None = None, few_rows: int | None = None) -> None:
             super().__init__(model)
 
         def forward(self, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -267,7 +267,7 @@ def test_a_chain_and_a_batch_on_the_few_row_path_give_the_decodes_logits(dtype: 
 
 @needs_kernels
 def test_the_few_row_path_serves_small_models_by_default() -> None:
-    from specsplit.models.fused import FEW_ROWS_DEFAULT, FEW_ROWS_HIDDEN, FusedLlama
+    from specsplit.models.fused import FEW_ROWS_DEFAULT, FEW_ROWS_HIDDEN, FEW_ROWS_MAX, FusedLlama
     from specsplit.models.kernels import few
 
     small = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=2, hidden_size=96, intermediate_size=192,
@@ -277,7 +277,7 @@ def test_the_few_row_path_serves_small_models_by_default() -> None:
     assert FusedLlama(_model(small, torch.float32)).few_rows == FEW_ROWS_DEFAULT
     assert FusedLlama(_model(wide, torch.float32)).few_rows == 0
     assert FusedLlama(_model(wide, torch.float32), few_rows=2).few_rows == 2
-    assert FusedLlama(_model(small, torch.float32), few_rows=64).few_rows == few.FEW_ROWS
+    assert FusedLlama(_model(small, torch.float32), few_rows=64).few_rows == few.FEW_ROWS == FEW_ROWS_MAX
     with pytest.raises(ValueError, match="few-row kernels take"):
         few.norm_gemv(torch.zeros(few.FEW_ROWS + 1, 96, device=DEV), torch.zeros(8, 96, device=DEV), None, 1e-5)
 

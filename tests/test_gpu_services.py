@@ -189,18 +189,20 @@ def test_local_engines_cuda_fp32_greedy_equals_cpu(tiny_target: Path, tiny_head:
 
 
 @needs_gpus(1)
-def test_bf16_greedy_chains_on_the_few_row_path_give_target_only_tokens(tiny_target: Path, tiny_head: Path) -> None:
-    """bf16, the fused path: a verify of up to 3 tokens (the default for a model this narrow)
-    computes each row as a one-token decode does (kernels.few), so greedy chains of 1 and 2 drafts
-    give target-only decoding's tokens exactly, one request at a time."""
+@pytest.mark.parametrize("few_rows, chains", [(-1, (1, 2)), (4, (1, 2, 3))])
+def test_bf16_greedy_chains_on_the_few_row_path_give_target_only_tokens(tiny_target: Path, tiny_head: Path,
+                                                                        few_rows: int, chains: tuple[int, ...]) -> None:
+    """bf16, the fused path: a verify of up to 3 tokens (the default for a model this narrow; 4
+    with --few-rows 4) computes each row as a one-token decode does (kernels.few), so greedy
+    chains of up to 2 (3) drafts give target-only decoding's tokens exactly, one request at a time."""
     def greedy(steps: int) -> list[list[int]]:
         engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="bfloat16", fused_decode="pdl",
-                                            max_context=256),
+                                            max_context=256, few_rows=few_rows),
                                DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda",
                                            dtype="bfloat16", max_context=256))
         try:
             fused = engines.target.engine.runner.fused
-            assert fused is not None and fused.few_rows >= 3
+            assert fused is not None and fused.few_rows == max(chains) + 1
             return [engines.generate([GenerationRequest(p, 48, Sampling(), {511}, steps)])[0].tokens
                     for p in TINY_PROMPTS]
         finally:
@@ -208,7 +210,7 @@ def test_bf16_greedy_chains_on_the_few_row_path_give_target_only_tokens(tiny_tar
 
     alone = greedy(0)
     assert all(len(t) > 0 for t in alone)
-    for steps in (1, 2):
+    for steps in chains:
         assert greedy(steps) == alone, f"chains of {steps}"
 
 

@@ -81,6 +81,7 @@ def pdl_pays(hidden_size: int, rows: int, capability: tuple[int, int]) -> bool:
 # (docs/benchmarks.md: on the H100 and the H200 2 and 3 rows beat the tensor-core tiles, 4 lose).
 FEW_ROWS_DEFAULT = 3
 FEW_ROWS_HIDDEN = 2048  # wider models (the 8B shape): not measured, the tensor-core tiles serve
+FEW_ROWS_MAX = 8  # kernels.few.FEW_ROWS: the most rows a step takes on that path
 
 
 def few_rows_default(hidden_size: int, rows: int = FEW_ROWS_DEFAULT) -> int:
@@ -106,7 +107,7 @@ class FusedLlama:
         self.max_rows = verify.MAX_ROWS
         self.ws = projections.Workspace(dev)  # split projections' partials, counters
         # steps of up to few_rows rows run kernels.few: each row as the decode computes it
-        self.few_rows = min(few.FEW_ROWS, few_rows_default(model.cfg.hidden_size) if few_rows is None else few_rows)
+        self.few_rows = min(FEW_ROWS_MAX, few_rows_default(model.cfg.hidden_size) if few_rows is None else few_rows)
 
     def pdl_for(self, rows: int) -> bool:
         return self.pdl if self.pdl is not None else pdl_pays(self.model.cfg.hidden_size, rows, self.capability)

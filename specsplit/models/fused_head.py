@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from specsplit.models.batch import Batch
 from specsplit.models.eagle3 import Eagle3Head
-from specsplit.models.fused import few_rows_default, fused_attention_unsupported, pdl_pays
+from specsplit.models.fused import FEW_ROWS_MAX, few_rows_default, fused_attention_unsupported, pdl_pays
 from specsplit.models.layers import KVCache
 
 log = logging.getLogger("specsplit.draft")
@@ -65,7 +65,7 @@ class FusedHead:
 
         self.head, self.pdl, self.proj, self.attn, self.few = head, pdl, projections, verify, few
         default = few_rows_default(head.cfg.hidden_size, HEAD_FEW_ROWS)
-        self.few_rows = min(few.FEW_ROWS, default if few_rows is None else few_rows)
+        self.few_rows = min(FEW_ROWS_MAX, default if few_rows is None else few_rows)
         self.input = head_kernels.head_input
         dev = head.fc.weight.device
         self.capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
