@@ -192,7 +192,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12, help="host operators and graph kernels listed per mode")
     p.add_argument("--draft-fused-head", default="auto", choices=FUSED_HEAD, help="the draft's --fused-head")
     p.add_argument("--draft-compile", action="store_true", help="the draft's --compile: cycle graphs compiled whole")
-    cycle_overhead.add_fused_decode_arg(p)
+    cycle_overhead.add_fused_args(p)
     a = p.parse_args()
     t0 = time.time()
     backend = "cuda_ipc" if a.device.startswith("cuda") else "shm"  # as bench.end_to_end and the services

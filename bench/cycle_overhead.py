@@ -159,7 +159,7 @@ def traced_env(folder: Path) -> dict[str, str]:
     return {"OTEL_TRACES_EXPORTER": "jsonl", "SPECSPLIT_TRACE_DIR": str(folder), "OTEL_TRACES_SAMPLER": "always_on"}
 
 
-def add_fused_decode_arg(p: argparse.ArgumentParser) -> None:
+def add_fused_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-decode", choices=FUSED_DECODE, default="auto",
                    help="the target's --fused-decode, in process and in its service (default: auto, as served)")
     p.add_argument("--few-rows", type=int, default=-1,
@@ -276,7 +276,7 @@ def main() -> None:
     p.add_argument("--grpc-steps", action="store_true",
                    help="the gateway's Steps over the gRPC streams (default: the services' Unix step sockets)")
     add_compile_args(p)
-    add_fused_decode_arg(p)
+    add_fused_args(p)
     add_variant_args(p)
     a = p.parse_args()
     steps_list = [int(x) for x in a.num_steps.split(",") if x]

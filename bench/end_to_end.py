@@ -96,7 +96,7 @@ def main() -> None:
     p.add_argument("--grpc-steps", action="store_true",
                    help="the gateway's Steps over the gRPC streams (default: the services' Unix step sockets)")
     cycle_overhead.add_compile_args(p)
-    cycle_overhead.add_fused_decode_arg(p)
+    cycle_overhead.add_fused_args(p)
     p.add_argument("--topk", type=int, default=1, help="> 1: the draft proposes trees branching topk ways")
     p.add_argument("--num-draft-tokens", type=int, default=16, help="a tree's size counting the root (trees only)")
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the HF generate reference (0: skip it)")

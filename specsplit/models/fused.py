@@ -81,7 +81,7 @@ def pdl_pays(hidden_size: int, rows: int, capability: tuple[int, int]) -> bool:
 # (docs/benchmarks.md: on the H100 and the H200 2 and 3 rows beat the tensor-core tiles, 4 lose).
 FEW_ROWS_DEFAULT = 3
 FEW_ROWS_HIDDEN = 2048  # wider models (the 8B shape): not measured, the tensor-core tiles serve
-FEW_ROWS_MAX = 8  # kernels.few.FEW_ROWS: the most rows a step takes on that path
+FEW_ROWS_MAX = 8  # the most rows a step takes on kernels.few
 
 
 def few_rows_default(hidden_size: int, rows: int = FEW_ROWS_DEFAULT) -> int:

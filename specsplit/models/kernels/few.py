@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specsplit.models.fused import FEW_ROWS_MAX
 from specsplit.models.kernels import decode
 from specsplit.models.kernels.decode import (
     ATTENTION_BLOCK,
@@ -42,7 +43,7 @@ from specsplit.models.kernels.decode import (
     norm_gemv_tile,
 )
 
-FEW_ROWS = 8  # rows of a step at most
+FEW_ROWS = FEW_ROWS_MAX  # rows of a step at most
 
 
 # Programs: (row, column tile), the row fastest: a tile's rows run side by side.
