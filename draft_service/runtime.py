@@ -75,10 +75,14 @@ class DraftRuntime:
         """Once attached: capture the warm-up's graphs, reading the features where serving will
         (draft_service.warmup); how many shapes ran."""
         if not self.cfg.warm_up or self.engine.reader is None:
+            self.engine.runner.graphs.serving = True
             return 0
         ring = self.engine.reader.ring_on(self.engine.device)
-        with self._on_device():
-            return warm_up(self.engine, self.warm_topk, capture=True, ring=ring)
+        try:
+            with self._on_device():
+                return warm_up(self.engine, self.warm_topk, capture=True, ring=ring)
+        finally:
+            self.engine.runner.graphs.serving = True  # a capture from now on holds up a step: logged
 
     def _on_device(self) -> contextlib.AbstractContextManager[object]:
         device = self.engine.device

@@ -80,6 +80,7 @@ class TargetRuntime:
                 self.engine.runner.graphs.graphs.clear()
             else:
                 log.info("fused step's kernels compiled and its shapes captured in %.1f s", time.perf_counter() - t0)
+        self.engine.runner.graphs.serving = True  # a capture from now on holds up a step: logged
 
     def _on_device(self) -> contextlib.AbstractContextManager[object]:
         # the current CUDA device is per thread and steps run on the server's engine thread:

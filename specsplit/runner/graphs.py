@@ -16,6 +16,7 @@ import contextlib
 import gc
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -104,6 +105,10 @@ class GraphCache:
         self.replays = 0
         self.refused: set[object] = set()  # kinds of keys (their first item) whose capture failed here: run eagerly
         self.last: torch.cuda.CUDAGraph | None = None  # the graph replayed last (benchmarks time it alone)
+        # set once the engine's warm-up is done: a capture after it held up a step, and is logged
+        self.serving = False
+        self.late_captures = 0  # captures while serving
+        self.late_capture_ms = 0.0
 
     def run(self, key: tuple[object, ...], fn: StaticFn, **inputs: HostInput) -> Outputs:
         if not self.enabled:
@@ -149,6 +154,18 @@ class GraphCache:
         return len(keys)
 
     def _capture(self, key: tuple[object, ...], fn: StaticFn, inputs: dict[str, torch.Tensor]) -> _Captured:
+        t0 = time.perf_counter()
+        captured = self._record(key, fn, inputs)
+        ms = (time.perf_counter() - t0) * 1e3
+        if self.serving:
+            self.late_captures += 1
+            self.late_capture_ms += ms
+            log.info("captured the graph of %s at its first use while serving: %.1f ms", key, ms)
+        else:
+            log.debug("captured the graph of %s: %.1f ms", key, ms)
+        return captured
+
+    def _record(self, key: tuple[object, ...], fn: StaticFn, inputs: dict[str, torch.Tensor]) -> _Captured:
         if self.compile:
             log.info("compiling the graph of %s (its first use)", key)
             fn = torch.compile(fn, dynamic=False)
