@@ -28,6 +28,7 @@ from specsplit.ops import (
     TargetResult,
     Verify,
 )
+from specsplit.runner.prompts import warm_prompts
 from specsplit.runner.runner import ModelRunner, Row, Step, Verified
 from specsplit.sampling import sampling_rows, select_token, verify_chain
 from target_service.config import TargetConfig
@@ -322,8 +323,9 @@ class TargetEngine:
         (into the ring's first rows where it is set, as served), accepted on the device; then the
         fused step's other tile heights (20 and 40 rows; two sequences); and, for every batch
         bucket, a one-token decode and decodes of 2, 4, ... tokens a call (decoding ahead) up to
-        max_draft_tokens + 1, greedy and sampled, the other rows on the padding slot. All on a
-        scratch slot, freed after. Returns the shapes run."""
+        max_draft_tokens + 1, greedy and sampled, the other rows on the padding slot; and before
+        them a prompt of one row in every length bucket that runs from a graph
+        (runner.prompts.warm_prompts). All on a scratch slot, freed after. Returns the shapes run."""
         fused = self.runner.fused
         if fused is None:
             return 0
@@ -339,6 +341,8 @@ class TargetEngine:
                   if rows <= fused.max_rows]
         steps.append(Step([Row(slot, 8, [0]), Row(self.runner.pad_slot, 8, [0])], capture=True))
         try:
+            with self.runner.mode():  # prompts: one row of every length bucket, with features and without
+                prompts = warm_prompts(self.runner, slot)
             self.runner.run(Step([Row(slot, 0, [0] * 8)]))  # committed entries for the steps to see
             for step in steps:
                 self.runner.verify(step)
@@ -353,7 +357,7 @@ class TargetEngine:
                     self.runner.decode(Step(rows), k, sampling_rows([Sampling(temperature=1.0)] * b))
         finally:
             self.runner.release(slot)
-        return len(steps) + len(batches) * (2 * len(ahead) + 1) - 1
+        return prompts + len(steps) + len(batches) * (2 * len(ahead) + 1) - 1
 
     def hold(self, epoch: int) -> int:
         """Serve the lease `epoch` (0: none) from now on: every sequence opened under another is

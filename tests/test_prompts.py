@@ -151,3 +151,44 @@ def test_prompt_steps_whose_capture_fails_run_eagerly_from_then_on(tiny_target: 
             assert w.best == g.best
     assert len(tried) == 1 and failing.graphs.refused == {"prompts"}
     assert caplog.text.count("capturing one failed") == 1
+
+
+def test_warm_prompts_capture_one_row_a_bucket_and_serving_never_captures_a_prompt_step(
+        tiny_target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """warm_prompts captures a one-row graph of every length bucket, with features and without;
+    once serving, a step of a few rows whose graph is missing runs them one at a time from those
+    graphs instead of capturing one (which would hold up every running sequence); a step of more
+    rows captures its own. The outputs are a runner without graphs'."""
+    model = tiny_model(tiny_target)
+    plain, warmed = ModelRunner(model, 8, 128), ModelRunner(model, 8, 128)
+    graphs = warmed.graphs
+    graphs.enabled = True  # as on CUDA: "capturing" records the key, then runs eagerly
+    ran: list[tuple[object, ...]] = []
+
+    def run(key: tuple[object, ...], fn: prompts_mod.Callable[..., prompts_mod.Outputs], **inputs: object
+            ) -> prompts_mod.Outputs:
+        ran.append(key)
+        graphs.graphs[key] = None  # type: ignore[assignment]
+        return graphs.eager(fn, **inputs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(graphs, "run", run)
+    with warmed.mode():
+        n = prompts_mod.warm_prompts(warmed, 7)
+    buckets = prompts_mod.prompt_buckets(128)
+    assert buckets == [16, 32, 48, 64, 80, 96, 112, 128]
+    assert n == 2 * len(buckets) and sorted(ran) == sorted(("prompts", 1, t, c, None, True) for t in buckets
+                                                           for c in (False, True))
+    graphs.serving = True
+    for rows in ([[7] * 20] * 3, [[5] * 17] * 6):  # 3 rows of one bucket: one by one; 6: their own graph
+        ran.clear()
+        step = Step([Row(i, 0, p) for i, p in enumerate(rows)], capture=True)
+        want, got = plain.verify(step), warmed.verify(step)
+        for w, g in zip(want, got, strict=True):
+            assert torch.equal(w.logits, g.logits) and torch.equal(w.features, g.features)  # type: ignore[arg-type]
+            assert w.best == g.best
+        assert ran == ([("prompts", 1, 32, True, None, True)] * 3 if len(rows) == 3
+                       else [("prompts", 8, 32, True, None, True)])
+    graphs.serving = False  # (warming up: a missing graph is captured at first use)
+    ran.clear()
+    warmed.verify(Step([Row(i, 0, [3] * 20) for i in range(2)], capture=True))
+    assert ran == [("prompts", 2, 32, True, None, True)]

@@ -7,7 +7,10 @@ then takes no mask and reads no cache, and the model computes logits for each ro
 only: a prefill needs no others, and they would be the largest tensor of the step. On CUDA a
 forward of up to GRAPH_TOKENS padded tokens replays a graph of its shape (its rows' count padded
 to the runner's batch bucket, padding rows in the spare slot): eagerly, its hundreds of kernel
-launches cost more than their compute.
+launches cost more than their compute. The engine captures the one-row graphs of every bucket
+before serving (warm_prompts); while serving, a step of a few rows whose graph is missing runs
+its rows one at a time from those instead of capturing one: a capture holds up every running
+sequence for a tenth of a second or more.
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ if TYPE_CHECKING:
 
 PROMPT_TOKENS = 8192  # padded tokens of one forward (a longer row runs alone)
 GRAPH_TOKENS = 1024  # forwards of up to this many padded tokens run from CUDA graphs (longer ones: their compute)
-GRAPH_SHAPES = 64  # prompt shapes captured at most, the others eagerly: the runner's other graphs keep their room
+GRAPH_SHAPES = 96  # prompt shapes captured at most, the others eagerly: the runner's other graphs keep their room
+# While serving, a step of up to this many rows of one bucket whose graph is missing runs them one
+# at a time from their one-row graphs (warm_prompts): measured on an H100 at SmolLM2's size, 2 and 4
+# rows take 3.9 and 7.6 ms so, against a capture holding up every running sequence for ~0.1 s. More
+# rows capture their graph at first use (eagerly, a step of 8 takes ~0.1 s at its first run too,
+# then 17 ms; from its graph ~2).
+ONE_BY_ONE_ROWS = 4
 log = logging.getLogger("specsplit.runner")
 
 
@@ -37,6 +46,11 @@ def prompt_bucket(n: int, most: int) -> int:
     """The padded length of a row of n tokens: a multiple of 16 up to 256, of 64 above; at most `most`."""
     step = 16 if n <= 256 else 64
     return min(-(-n // step) * step, most)
+
+
+def prompt_buckets(most: int) -> list[int]:
+    """Every padded length a row of up to `most` tokens takes."""
+    return sorted({prompt_bucket(n, most) for n in range(1, most + 1)})
 
 
 def prompt_groups(lengths: list[int], most: int) -> list[list[int]]:
@@ -60,7 +74,8 @@ def run_prompts(runner: ModelRunner, rows: list[Row], hidden: list[torch.Tensor]
     function of its rows' count (for a graph: their batch bucket, padding rows in the spare slot)
     and their length's bucket."""
     out: list[Verified | None] = [None] * len(rows)
-    for group in prompt_groups([len(r.tokens) for r in rows], runner.cache.max_len):
+    width = None if hidden is None else hidden[0].shape[-1]
+    for group in _groups(runner, rows, capture, width, verify):
         lengths = [len(rows[i].tokens) for i in group]
         n, t = len(group), prompt_bucket(max(lengths), runner.cache.max_len)
         b = runner.batch_bucket(n)  # padding rows only for a graph's shape: eagerly they would be wasted work
@@ -80,7 +95,7 @@ def run_prompts(runner: ModelRunner, rows: list[Row], hidden: list[torch.Tensor]
             logits, extra = runner.model.forward(ints[:, :t].reshape(-1), batch, runner.cache)  # [B, V], [B*T, X]
             return logits, extra, logits.argmax(-1) if verify else None
 
-        key = ("prompts", b, t, capture, None if hidden is None else inputs["hidden"].shape[-1], verify)
+        key = _key(b, t, capture, width, verify)
         (logits, extra, best), graphed = _forward(runner, key, b * t, fn, inputs)
         assert logits is not None
         if graphed:  # a graph's outputs: another forward of its shape in the same step would overwrite them
@@ -91,6 +106,44 @@ def run_prompts(runner: ModelRunner, rows: list[Row], hidden: list[torch.Tensor]
         for j, i in enumerate(group):
             out[i] = Verified(outputs, j, [0], [tops[j]])
     return out  # type: ignore[return-value]
+
+
+def warm_prompts(runner: ModelRunner, slot: int, captures: tuple[bool, ...] = (False, True),
+                 verify: bool = True) -> int:
+    """Capture the graph of one row of every length bucket a prompt graph serves (up to
+    GRAPH_TOKENS), with and without the capture layers' features (`captures`), on `slot`: before
+    serving, so that no request meets a capture (0.1-0.5 s each on an H100, while every running
+    sequence waits). Returns the shapes captured (0 without graphs)."""
+    if not runner.graphs.enabled:
+        return 0
+    n = 0
+    for t in prompt_buckets(min(GRAPH_TOKENS, runner.cache.max_len)):
+        for capture in captures:
+            if _key(1, t, capture, None, verify) not in runner.graphs.graphs:
+                run_prompts(runner, [Row(slot, 0, [0] * t)], None, capture, verify)
+                n += 1
+    return n
+
+
+def _key(b: int, t: int, capture: bool, width: int | None, verify: bool) -> tuple[object, ...]:
+    return ("prompts", b, t, capture, width, verify)
+
+
+def _groups(runner: ModelRunner, rows: list[Row], capture: bool, width: int | None, verify: bool
+            ) -> list[list[int]]:
+    """prompt_groups, where a group of up to ONE_BY_ONE_ROWS rows whose graph was not captured
+    before serving runs one row at a time from the one-row graphs."""
+    graphs, out = runner.graphs, []
+    for group in prompt_groups([len(r.tokens) for r in rows], runner.cache.max_len):
+        t = prompt_bucket(max(len(rows[i].tokens) for i in group), runner.cache.max_len)
+        b = runner.batch_bucket(len(group))
+        uncaptured = (graphs.serving and len(group) > 1 and b * t <= GRAPH_TOKENS
+                      and _key(b, t, capture, width, verify) not in graphs.graphs)
+        if uncaptured and len(group) <= ONE_BY_ONE_ROWS and _key(1, t, capture, width, verify) in graphs.graphs:
+            out += [[i] for i in group]
+        else:
+            out.append(group)
+    return out
 
 
 def _forward(runner: ModelRunner, key: tuple[object, ...], tokens: int, fn: Callable[..., Outputs],
