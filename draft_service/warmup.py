@@ -11,7 +11,8 @@ rows), each at every depth up to max_steps and each branching of `topks`:
   from, the target's ring or the messages, is not known before the target attaches);
 - once the target's hidden-state store is attached (after the attach's reply: the service's
   steps wait for it), from graphs: the graphs that read their features from where serving
-  will read them are captured.
+  will read them are captured, and a prompt's extend of one row in every length bucket
+  (runner.prompts.warm_prompts).
 
 The graphs have no context dimension (draft_service.engine: `_views`), so these shapes serve
 every context length. Larger batches capture their graphs on first use, most of their kernels
@@ -28,6 +29,7 @@ import torch
 
 from draft_service.engine import DraftEngine, DraftSequence, Work
 from specsplit.ops import ExtendPropose, HiddenRef, Sampling, extend_bucket
+from specsplit.runner.prompts import GRAPH_TOKENS, warm_prompts
 
 log = logging.getLogger("specsplit.draft")
 
@@ -75,6 +77,9 @@ def warm_up(engine: DraftEngine, topks: Sequence[int], capture: bool, ring: torc
     r.graphs.enabled = capture
     try:
         with r.mode():
+            if capture:  # prompts: one row of every length bucket (their features zeros)
+                n_shapes += warm_prompts(r, seq.slot, (False,), False,
+                                         torch.zeros(GRAPH_TOKENS, width, dtype=dtype, device=engine.device))
             for n, steps, topk in shapes(engine, topks):
                 if seq.length + n + engine.max_steps * engine.max_topk >= engine.max_context:
                     seq.length = 1

@@ -16,6 +16,7 @@ from gateway.local import LocalEngines
 from gateway.sequence import GenerationRequest
 from specsplit.ops import Sampling, extend_bucket
 from specsplit.runner.graphs import GraphCache
+from specsplit.runner.prompts import prompt_buckets
 from target_service.config import TargetConfig
 from tests.test_gpu_services import needs_gpus
 
@@ -90,8 +91,8 @@ PROMPTS = [[1, 2, 3], [7] * 20, [100, 42, 17, 250, 3, 3, 9], list(range(10, 60))
 @needs_gpus(1)
 def test_warmed_engines_capture_nothing_while_serving_one_sequence(tiny_target: Path, tiny_head: Path) -> None:
     """fp32, CUDA IPC, the fused target step and head: chains of every depth, trees and adaptive
-    requests, one at a time, capture no cycle's graph after start (and stay lossless). Prompt
-    steps' graphs, one per (rows, length) bucket, are captured on first use."""
+    requests, one at a time, capture no graph after start, their prompts' and the draft's
+    extends of them included (and stay lossless)."""
     engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="float32", max_context=256,
                                         hidden_backend="cuda_ipc", fused_decode="pdl"),
                            DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", dtype="float32",
@@ -101,10 +102,12 @@ def test_warmed_engines_capture_nothing_while_serving_one_sequence(tiny_target: 
         target, draft = engines.target.engine.runner.graphs.graphs, engines.draft.engine.runner.graphs.graphs
 
         def cycles() -> tuple[set[tuple[object, ...]], set[tuple[object, ...]]]:
-            return {k for k in target if k[0] != "prompts"}, {k for k in draft if k[0] != "prompts"}
+            return set(target), set(draft)
 
         warmed = cycles()
         assert len(warmed[0]) >= 30 and len(warmed[1]) >= 90, warmed
+        assert sum(k[0] == "prompts" for k in warmed[0]) == 2 * len(prompt_buckets(256 + 17))
+        assert sum(k[0] == "prompts" for k in warmed[1]) >= len(prompt_buckets(256))
         requests = [GenerationRequest(p, 40, Sampling(), {511}, 0) for p in PROMPTS]
         requests += [GenerationRequest(p, 40, Sampling(), {511}, steps) for steps in (1, 3, 8) for p in PROMPTS]
         requests += [GenerationRequest(p, 40, Sampling(), {511}, 5, 4, 16) for p in PROMPTS]

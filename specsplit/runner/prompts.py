@@ -109,18 +109,20 @@ def run_prompts(runner: ModelRunner, rows: list[Row], hidden: list[torch.Tensor]
 
 
 def warm_prompts(runner: ModelRunner, slot: int, captures: tuple[bool, ...] = (False, True),
-                 verify: bool = True) -> int:
+                 verify: bool = True, hidden: torch.Tensor | None = None) -> int:
     """Capture the graph of one row of every length bucket a prompt graph serves (up to
-    GRAPH_TOKENS), with and without the capture layers' features (`captures`), on `slot`: before
-    serving, so that no request meets a capture (0.1-0.5 s each on an H100, while every running
-    sequence waits). Returns the shapes captured (0 without graphs)."""
+    GRAPH_TOKENS), with and without the capture layers' features (`captures`), on `slot`, each row's
+    input features the first rows of `hidden` [GRAPH_TOKENS, W] (the draft's): before serving, so
+    that no request meets a capture (0.1-0.5 s each on an H100, while every running sequence
+    waits). Returns the shapes captured (0 without graphs)."""
     if not runner.graphs.enabled:
         return 0
-    n = 0
+    n, width = 0, None if hidden is None else hidden.shape[-1]
     for t in prompt_buckets(min(GRAPH_TOKENS, runner.cache.max_len)):
         for capture in captures:
-            if _key(1, t, capture, None, verify) not in runner.graphs.graphs:
-                run_prompts(runner, [Row(slot, 0, [0] * t)], None, capture, verify)
+            if _key(1, t, capture, width, verify) not in runner.graphs.graphs:
+                run_prompts(runner, [Row(slot, 0, [0] * t)], None if hidden is None else [hidden[:t]], capture,
+                            verify)
                 n += 1
     return n
 
