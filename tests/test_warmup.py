@@ -106,7 +106,7 @@ def test_warmed_engines_capture_nothing_while_serving_one_sequence(tiny_target: 
 
         warmed = cycles()
         assert len(warmed[0]) >= 30 and len(warmed[1]) >= 90, warmed
-        assert sum(k[0] == "prompts" for k in warmed[0]) == 2 * len(prompt_buckets(256 + 17))
+        assert sum(k[0] == "prompts" and k[-1] for k in warmed[0]) == 2 * len(prompt_buckets(256 + 17))  # prefills
         assert sum(k[0] == "prompts" for k in warmed[1]) >= len(prompt_buckets(256))
         requests = [GenerationRequest(p, 40, Sampling(), {511}, 0) for p in PROMPTS]
         requests += [GenerationRequest(p, 40, Sampling(), {511}, steps) for steps in (1, 3, 8) for p in PROMPTS]
