@@ -34,10 +34,10 @@ PROMPT_TOKENS = 8192  # padded tokens of one forward (a longer row runs alone)
 GRAPH_TOKENS = 1024  # forwards of up to this many padded tokens run from CUDA graphs (longer ones: their compute)
 GRAPH_SHAPES = 96  # prompt shapes captured at most, the others eagerly: the runner's other graphs keep their room
 # While serving, a step of up to this many rows of one bucket whose graph is missing runs them one
-# at a time from their one-row graphs (warm_prompts): measured on an H100 at SmolLM2's size, 2 and 4
-# rows take 3.9 and 7.6 ms so, against a capture holding up every running sequence for ~0.1 s. More
-# rows capture their graph at first use (eagerly, a step of 8 takes ~0.1 s at its first run too,
-# then 17 ms; from its graph ~2).
+# at a time from their one-row graphs (warm_prompts): a few ms a row at SmolLM2's size, against a
+# capture that holds up every running sequence for ~0.1 s (docs/benchmarks.md, bench.concurrency).
+# More rows capture their graph at first use: eagerly the first run of a new shape costs about as
+# much, and every later one several times a replay.
 ONE_BY_ONE_ROWS = 4
 log = logging.getLogger("specsplit.runner")
 
