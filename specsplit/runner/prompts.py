@@ -113,7 +113,7 @@ def warm_prompts(runner: ModelRunner, slot: int, captures: tuple[bool, ...] = (F
     """Capture the graph of one row of every length bucket a prompt graph serves (up to
     GRAPH_TOKENS), with and without the capture layers' features (`captures`), on `slot`, each row's
     input features the first rows of `hidden` [GRAPH_TOKENS, W] (the draft's): before serving, so
-    that no request meets a capture (0.1-0.5 s each on an H100, while every running sequence
+    that no request meets a capture (about 0.1 s each on an H100, while every running sequence
     waits). Returns the shapes captured (0 without graphs)."""
     if not runner.graphs.enabled:
         return 0
