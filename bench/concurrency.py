@@ -10,7 +10,9 @@ One JSON line per (mode, N):
   the ratio of aggregate tokens/s to the same mode at the first N (1 by default) and, for the
   speculating modes, to speculation off at the same N, the mean accepted length, and the
   share of streams whose tokens equal their prompt's stream run alone in the same mode (batch
-  invariance: 1.0 in fp32; in bf16, rows padded into other batches may round near-ties apart).
+  invariance: 1.0 in fp32; in bf16, rows padded into other batches may round near-ties apart),
+  and the CUDA graphs the services captured during the run and during its warm-up run (each
+  held up every stream: the services' Stats).
 Each (mode, N) runs once with --warmup-tokens tokens a stream first (warm-up: the CUDA graphs of
 that batch size's shapes are captured on first use; 8 by default, as many as the run for a
 steady state). --decode-ahead-ms A,B,...: the whole run once per value of the gateway's flag (a
@@ -38,6 +40,7 @@ from bench.prompts import CHAT_PROMPTS
 from bench.spec_vs_baseline import git_commit
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
+from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
 @dataclass
@@ -68,6 +71,18 @@ def mode_settings(mode: str, a: argparse.Namespace) -> dict[str, Any]:
     if mode == "adaptive":  # num_steps unset: the gateway chooses each cycle, trees of this shape included
         return {"topk": a.tree_topk, "num_draft_tokens": a.tree_tokens}
     raise ValueError(f"unknown mode {mode!r} (off, chains, trees, adaptive)")
+
+
+def captured_while_serving(stack: ServiceStack) -> int:
+    """CUDA graphs the target and the draft have captured after their warm-ups (their Stats)."""
+    with grpc.insecure_channel(stack.addr("target")) as ch:
+        n = target_pb2_grpc.TargetServiceStub(ch).Stats(target_pb2.TargetStatsRequest(), timeout=10)\
+            .graphs_captured_while_serving
+    if "draft" in stack.procs:
+        with grpc.insecure_channel(stack.addr("draft")) as ch:
+            n += draft_pb2_grpc.DraftServiceStub(ch).Stats(draft_pb2.DraftStatsRequest(), timeout=10)\
+                .graphs_captured_while_serving
+    return n
 
 
 def run(addr: str, n: int, max_new: int, settings: dict[str, Any], first: int = 0) -> tuple[list[Stream], float]:
@@ -156,8 +171,11 @@ def main() -> None:
                 solo = [run(addr, 1, a.max_new_tokens, settings, i)[0][0].ids
                         for i in range(min(max(streams), len(CHAT_PROMPTS)))]  # each prompt alone (warm too)
                 for n in streams:
+                    before_warm_up = captured_while_serving(stack)
                     run(addr, n, a.warmup_tokens, settings)
+                    before = captured_while_serving(stack)
                     done, wall = run(addr, n, a.max_new_tokens, settings)
+                    captured = captured_while_serving(stack) - before
                     ok = [s for s in done if not s.error]
                     tps = sum(s.tokens for s in ok) / wall
                     tokens_per_s[ahead, mode, n] = tps
@@ -171,7 +189,9 @@ def main() -> None:
                            "mean_accepted_length": round(sum(s.accepted for s in ok) / max(1, len(ok)), 3),
                            "same_tokens_as_solo": round(sum(s.ids == solo[i % len(solo)] for i, s in enumerate(done)
                                                             if not s.error) / max(1, len(ok)), 3),
-                           "wall_s": round(wall, 3), "errors": [s.error for s in done if s.error][:3], **settings}
+                           "wall_s": round(wall, 3), "errors": [s.error for s in done if s.error][:3],
+                           "graphs_captured": captured, "graphs_captured_in_warm_up": before - before_warm_up,
+                           **settings}
                     if mode != "off" and (ahead, "off", n) in tokens_per_s:
                         row["over_speculation_off"] = round(tps / tokens_per_s[ahead, "off", n], 3)
                     if ahead != aheads[0]:

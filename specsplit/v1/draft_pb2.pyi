@@ -198,9 +198,11 @@ class DraftStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("active_sequences", "free_kv_slots")
+    __slots__ = ("active_sequences", "free_kv_slots", "graphs_captured_while_serving")
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_CAPTURED_WHILE_SERVING_FIELD_NUMBER: _ClassVar[int]
     active_sequences: int
     free_kv_slots: int
-    def __init__(self, active_sequences: _Optional[int] = ..., free_kv_slots: _Optional[int] = ...) -> None: ...
+    graphs_captured_while_serving: int
+    def __init__(self, active_sequences: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., graphs_captured_while_serving: _Optional[int] = ...) -> None: ...
