@@ -74,11 +74,10 @@ class DraftRuntime:
     def warm_graphs(self) -> int:
         """Once attached: capture the warm-up's graphs, reading the features where serving will
         (draft_service.warmup); how many shapes ran."""
-        if not self.cfg.warm_up or self.engine.reader is None:
-            self.engine.runner.graphs.serving = True
-            return 0
-        ring = self.engine.reader.ring_on(self.engine.device)
         try:
+            if not self.cfg.warm_up or self.engine.reader is None:
+                return 0
+            ring = self.engine.reader.ring_on(self.engine.device)
             with self._on_device():
                 return warm_up(self.engine, self.warm_topk, capture=True, ring=ring)
         finally:

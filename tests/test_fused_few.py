@@ -279,5 +279,5 @@ def test_the_few_row_path_serves_small_models_by_default() -> None:
     assert FusedLlama(_model(wide, torch.float32), few_rows=2).few_rows == 2
     assert FusedLlama(_model(small, torch.float32), few_rows=64).few_rows == FEW_ROWS_MAX
     with pytest.raises(ValueError, match="few-row kernels take"):
-        few.norm_gemv(torch.zeros(few.FEW_ROWS + 1, 96, device=DEV), torch.zeros(8, 96, device=DEV), None, 1e-5)
+        few.norm_gemv(torch.zeros(FEW_ROWS_MAX + 1, 96, device=DEV), torch.zeros(8, 96, device=DEV), None, 1e-5)
 

@@ -43,8 +43,6 @@ from specsplit.models.kernels.decode import (
     norm_gemv_tile,
 )
 
-FEW_ROWS = FEW_ROWS_MAX  # rows of a step at most
-
 
 # Programs: (row, column tile), the row fastest: a tile's rows run side by side.
 @triton.jit
@@ -158,8 +156,8 @@ _KERNELS = {"norm_gemv": _few_norm_gemv, "gate_up_silu": _few_gate_up_silu, "gem
 
 def _run(name: str, n: int, k: int, x: torch.Tensor, pdl: bool, *args: Any, **constants: Any) -> None:
     m = x.shape[0]
-    if not 1 <= m <= FEW_ROWS:
-        raise ValueError(f"the few-row kernels take 1..{FEW_ROWS} rows, got {m}")
+    if not 1 <= m <= FEW_ROWS_MAX:
+        raise ValueError(f"the few-row kernels take 1..{FEW_ROWS_MAX} rows, got {m}")
     block_n, block_k, warps = decode.gemv_blocks(name, n, k, x.device)
     _KERNELS[name][(m, triton.cdiv(n, block_n))](*args, USE_PDL=pdl, **constants, BLOCK_N=block_n, BLOCK_K=block_k,
                                                  num_warps=warps, num_stages=3, **_launch(pdl))
@@ -205,8 +203,8 @@ def row_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
     before it); k_cache, v_cache [slots, max_len, Hkv, D] of this layer -> [B*T, Hq * D], each
     row as kernels.decode.rope_attention computes it at the row's position after its ancestors."""
     (b, t), d = entries.shape, k_cache.shape[-1]
-    if b * t > FEW_ROWS:
-        raise ValueError(f"row_attention takes at most {FEW_ROWS} rows, got {b * t}")
+    if b * t > FEW_ROWS_MAX:
+        raise ValueError(f"row_attention takes at most {FEW_ROWS_MAX} rows, got {b * t}")
     if k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or cos.shape[-1] != d:
         raise ValueError("row_attention needs a contiguous [slots, max_len, kv_heads, head_dim] cache")
     if qkv.shape[0] != b * t or mask.shape != (b, t, t) or not mask.is_contiguous():
