@@ -40,7 +40,6 @@ from bench.prompts import CHAT_PROMPTS
 from bench.spec_vs_baseline import git_commit
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
-from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
 @dataclass
@@ -75,14 +74,8 @@ def mode_settings(mode: str, a: argparse.Namespace) -> dict[str, Any]:
 
 def captured_while_serving(stack: ServiceStack) -> int:
     """CUDA graphs the target and the draft have captured after their warm-ups (their Stats)."""
-    with grpc.insecure_channel(stack.addr("target")) as ch:
-        n = target_pb2_grpc.TargetServiceStub(ch).Stats(target_pb2.TargetStatsRequest(), timeout=10)\
-            .graphs_captured_while_serving
-    if "draft" in stack.procs:
-        with grpc.insecure_channel(stack.addr("draft")) as ch:
-            n += draft_pb2_grpc.DraftServiceStub(ch).Stats(draft_pb2.DraftStatsRequest(), timeout=10)\
-                .graphs_captured_while_serving
-    return n
+    target, draft = stack.stats()
+    return target.graphs_captured_while_serving + (draft.graphs_captured_while_serving if draft else 0)
 
 
 def run(addr: str, n: int, max_new: int, settings: dict[str, Any], first: int = 0) -> tuple[list[Stream], float]:

@@ -16,7 +16,7 @@ import pytest
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.tokenizer import TextCodec
-from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specsplit.v1 import draft_pb2, target_pb2
 
 PROMPT = "What is the capital of France?"
 
@@ -30,9 +30,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> ServiceStack:
 
 
 def service_stats(stack: ServiceStack) -> tuple[target_pb2.TargetStats, draft_pb2.DraftStats]:
-    with grpc.insecure_channel(stack.addr("target")) as t, grpc.insecure_channel(stack.addr("draft")) as d:
-        return (target_pb2_grpc.TargetServiceStub(t).Stats(target_pb2.TargetStatsRequest(), timeout=10),
-                draft_pb2_grpc.DraftServiceStub(d).Stats(draft_pb2.DraftStatsRequest(), timeout=10))
+    target, draft = stack.stats()
+    assert draft is not None, "these stacks run a draft service"
+    return target, draft
 
 
 def wait_idle(stack: ServiceStack, timeout: float = 10.0) -> tuple[target_pb2.TargetStats, draft_pb2.DraftStats]:

@@ -22,6 +22,7 @@ from draft_service.config import DraftConfig
 from gateway.config import GatewayConfig
 from specsplit.flags import add_flags, from_args, to_argv
 from specsplit.transport.serving import LAUNCHER_PID_ENV
+from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 
 C = TypeVar("C")
@@ -127,6 +128,15 @@ class ServiceStack:
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
+
+    def stats(self) -> tuple[target_pb2.TargetStats, draft_pb2.DraftStats | None]:
+        """The target's and the draft's Stats (None without a draft service)."""
+        with grpc.insecure_channel(self.addr("target")) as ch:
+            target = target_pb2_grpc.TargetServiceStub(ch).Stats(target_pb2.TargetStatsRequest(), timeout=10)
+        if "draft" not in self.procs:
+            return target, None
+        with grpc.insecure_channel(self.addr("draft")) as ch:
+            return target, draft_pb2_grpc.DraftServiceStub(ch).Stats(draft_pb2.DraftStatsRequest(), timeout=10)
 
     def _spawn(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None
                ) -> subprocess.Popen[bytes]:
