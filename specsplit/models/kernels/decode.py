@@ -64,109 +64,94 @@ def _input(x_ptr, nw_ptr, k0, K, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
 # Each GEMV loads its first weight tile before waiting for the previous kernel (weights depend
 # on nothing computed), then prefetches tile i+1 while it multiplies tile i.
 @triton.jit
-def _row_dot(x_ptr, nw_ptr, w_rows, w0, row_ok, K, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """W · (x·nw) for the weight rows `w_rows` whose first tile w0 is loaded: (the dot products
-    [BLOCK_N] in fp32, Σ x² — 0 without a norm)."""
+def _rows_dot(x_ptr, nw_ptr, w_ptr, pid, N, K, stride_wn, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows pid·BLOCK_N.. of W · (x·nw): (rows, row_ok, the dot products [BLOCK_N] in fp32,
+    Σ x² — 0 without a norm)."""
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + rows[:, None] * stride_wn
+    w = _tile(w_rows, row_ok, 0, K, BLOCK_K)
+    _wait(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    w = w0
     for k0 in range(0, K, BLOCK_K):
         x, x2 = _input(x_ptr, nw_ptr, k0, K, HAS_NORM, BLOCK_K)
         acc += w.to(tl.float32) * x[None, :]
         sq += x2
         w = _tile(w_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
-    return tl.sum(acc, axis=1), tl.sum(sq, axis=0)
+    return rows, row_ok, tl.sum(acc, axis=1), tl.sum(sq, axis=0)
 
 
-# The bodies take their column tile `pid` and M rows of x (row m at x_ptr + m·stride_xm): a
-# program loads its first weight tile once and runs each row through the same instructions, so
-# every row computes the one-token decode's bits (M = 1) whatever rows are beside it, and the
-# weights cross HBM once for all rows (kernels.few runs them for several rows).
+# The bodies take their column tile `pid` (kernels.few runs them over several rows of x, the same
+# arithmetic for each row as here).
 @triton.jit
-def norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K, stride_wn, stride_xm, stride_ym, eps,
-                   HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    w_rows = w_ptr + rows[:, None] * stride_wn
-    w0 = _tile(w_rows, row_ok, 0, K, BLOCK_K)
-    _wait(USE_PDL)
-    for m in tl.static_range(M):
-        y, sq = _row_dot(x_ptr + m * stride_xm, nw_ptr, w_rows, w0, row_ok, K, HAS_NORM, BLOCK_N, BLOCK_K)
-        if HAS_NORM:
-            y = y * tl.rsqrt(sq / K + eps)
-        # rounded to the activations' dtype, as the unfused GEMM's output, even into a float32 `out`
-        tl.store(y_ptr + m * stride_ym + rows, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=row_ok)
+def norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
+                   USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows, row_ok, y, sq = _rows_dot(x_ptr, nw_ptr, w_ptr, pid, N, K, stride_wn, HAS_NORM, USE_PDL, BLOCK_N,
+                                    BLOCK_K)
+    if HAS_NORM:
+        y = y * tl.rsqrt(sq / K + eps)
+    # rounded to the activations' dtype, as the unfused GEMM's output, even into a float32 `out`
+    tl.store(y_ptr + rows, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
-def gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K, stride_wn, stride_xm, eps, USE_PDL: tl.constexpr,
-                      M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """w [2N, K]: gate rows, then up rows (MergedColumnParallelLinear's layout); y [M, N]."""
+def gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w [2N, K]: gate rows, then up rows (MergedColumnParallelLinear's layout)."""
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     g_rows = w_ptr + rows[:, None] * stride_wn
     u_rows = w_ptr + (rows + N)[:, None] * stride_wn
-    wg0 = _tile(g_rows, row_ok, 0, K, BLOCK_K)
-    wu0 = _tile(u_rows, row_ok, 0, K, BLOCK_K)
+    wg = _tile(g_rows, row_ok, 0, K, BLOCK_K)
+    wu = _tile(u_rows, row_ok, 0, K, BLOCK_K)
     _wait(USE_PDL)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x, x2 = _input(x_ptr, nw_ptr, k0, K, True, BLOCK_K)
+        acc_g += wg.to(tl.float32) * x[None, :]
+        acc_u += wu.to(tl.float32) * x[None, :]
+        sq += x2
+        wg = _tile(g_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
+        wu = _tile(u_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
+    rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     dt = y_ptr.dtype.element_ty
-    for m in tl.static_range(M):
-        x_row = x_ptr + m * stride_xm
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        wg, wu = wg0, wu0
-        for k0 in range(0, K, BLOCK_K):
-            x, x2 = _input(x_row, nw_ptr, k0, K, True, BLOCK_K)
-            acc_g += wg.to(tl.float32) * x[None, :]
-            acc_u += wu.to(tl.float32) * x[None, :]
-            sq += x2
-            wg = _tile(g_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
-            wu = _tile(u_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
-        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-        g = (tl.sum(acc_g, axis=1) * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
-        u = (tl.sum(acc_u, axis=1) * rstd).to(dt).to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(y_ptr + m * N + rows, (silu * u).to(dt), mask=row_ok)
+    g = (tl.sum(acc_g, axis=1) * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
+    u = (tl.sum(acc_u, axis=1) * rstd).to(dt).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(y_ptr + rows, (silu * u).to(dt), mask=row_ok)
 
 
 @triton.jit
-def gemv_residual_tile(x_ptr, w_ptr, r_ptr, y_ptr, pid, N, K, stride_wn, stride_xm, USE_PDL: tl.constexpr,
-                       M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """r, y [M, N] contiguous."""
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    w_rows = w_ptr + rows[:, None] * stride_wn
-    w0 = _tile(w_rows, row_ok, 0, K, BLOCK_K)
-    _wait(USE_PDL)
+def gemv_residual_tile(x_ptr, w_ptr, r_ptr, y_ptr, pid, N, K, stride_wn, USE_PDL: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows, row_ok, y, _ = _rows_dot(x_ptr, x_ptr, w_ptr, pid, N, K, stride_wn, False, USE_PDL, BLOCK_N, BLOCK_K)
     dt = y_ptr.dtype.element_ty
-    for m in tl.static_range(M):
-        y, _ = _row_dot(x_ptr + m * stride_xm, x_ptr, w_rows, w0, row_ok, K, False, BLOCK_N, BLOCK_K)
-        y = y.to(dt).to(tl.float32) + tl.load(r_ptr + m * N + rows, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m * N + rows, y.to(dt), mask=row_ok)
+    y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(dt), mask=row_ok)
 
 
 @triton.jit
 def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
                USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, 0, 0, eps, HAS_NORM, USE_PDL, 1,
-                   BLOCK_N, BLOCK_K)
+    norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, eps, HAS_NORM, USE_PDL, BLOCK_N,
+                   BLOCK_K)
 
 
 @triton.jit
 def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, 0, eps, USE_PDL, 1, BLOCK_N,
+    gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, eps, USE_PDL, BLOCK_N,
                       BLOCK_K)
 
 
 @triton.jit
 def _gemv_residual(x_ptr, w_ptr, r_ptr, y_ptr, N, K, stride_wn, USE_PDL: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    gemv_residual_tile(x_ptr, w_ptr, r_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, 0, USE_PDL, 1, BLOCK_N,
-                       BLOCK_K)
+    gemv_residual_tile(x_ptr, w_ptr, r_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit

@@ -8,11 +8,10 @@ one-token decode (kernels.decode) computes it:
   row_attention  rotary, the new entries written, and each row's attention as the decode's at
                  its position: the committed entries, then the rows it sees, in the decode's order
 
-A GEMV runs the decode's program for each column tile, with the decode's pinned blocks, over all
-the rows: it loads its weight tile once and runs each row through the decode's instructions, so a
-row's sums are the decode's, in the same order, and a row computes the decode's bits whatever the
-rows beside it. The grid is the decode's: the weights cross HBM once, and a row adds only its
-multiplies and its reduction to each program.
+A GEMV runs the decode's code for each (row, column tile), with the decode's pinned blocks: a
+row's sums are the decode's, in the same order, so a row computes the decode's bits whatever the
+rows beside it. The rows of one column tile are neighbouring programs, so their weight reads meet
+in L2: the weights cross HBM about once for all rows, as for one.
 
 Attention gives each row the keys a decode at its position would see, in the same places: the
 committed entries [0, start) from the cache, then the step's rows the row's mask shows (its
@@ -45,28 +44,29 @@ from specsplit.models.kernels.decode import (
 )
 
 
-# Programs: one per column tile, each running all M rows through its weight tile (kernels.decode's
-# bodies with M rows).
+# Programs: (row, column tile), the row fastest: a tile's rows run side by side.
 @triton.jit
 def _few_norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, eps,
-                   HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, stride_xm, stride_ym, eps,
-                   HAS_NORM, USE_PDL, M, BLOCK_N, BLOCK_K)
+                   HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)
+    norm_gemv_tile(x_ptr + r * stride_xm, nw_ptr, w_ptr, y_ptr + r * stride_ym, tl.program_id(1), N, K, stride_wn,
+                   eps, HAS_NORM, USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
 def _few_gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, eps, USE_PDL: tl.constexpr,
-                      M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, stride_xm, eps, USE_PDL, M,
-                      BLOCK_N, BLOCK_K)
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)
+    gate_up_silu_tile(x_ptr + r * stride_xm, nw_ptr, w_ptr, y_ptr + r * N, tl.program_id(1), N, K, stride_wn, eps,
+                      USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
 def _few_gemv_residual(x_ptr, w_ptr, res_ptr, y_ptr, N, K, stride_xm, stride_wn, USE_PDL: tl.constexpr,
-                       M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    gemv_residual_tile(x_ptr, w_ptr, res_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, stride_xm, USE_PDL, M,
-                       BLOCK_N, BLOCK_K)
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)
+    gemv_residual_tile(x_ptr + r * stride_xm, w_ptr, res_ptr + r * N, y_ptr + r * N, tl.program_id(1), N, K,
+                       stride_wn, USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -159,8 +159,8 @@ def _run(name: str, n: int, k: int, x: torch.Tensor, pdl: bool, *args: Any, **co
     if not 1 <= m <= FEW_ROWS_MAX:
         raise ValueError(f"the few-row kernels take 1..{FEW_ROWS_MAX} rows, got {m}")
     block_n, block_k, warps = decode.gemv_blocks(name, n, k, x.device)
-    _KERNELS[name][(triton.cdiv(n, block_n),)](*args, USE_PDL=pdl, **constants, M=m, BLOCK_N=block_n,
-                                              BLOCK_K=block_k, num_warps=warps, num_stages=3, **_launch(pdl))
+    _KERNELS[name][(m, triton.cdiv(n, block_n))](*args, USE_PDL=pdl, **constants, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                 num_warps=warps, num_stages=3, **_launch(pdl))
 
 
 def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
