@@ -51,12 +51,12 @@ class TargetConfig:
                              "programmatic dependent launch where it pays (specsplit.models.fused.pdl_pays); on: "
                              "without it; pdl: with it at every step; off: the padded path",
                              choices=FUSED_DECODE)
-    few_rows: int = flag(-1, "--few-rows", "fused steps of up to this many tokens in all, padding included "
-                         "(a chain's verify, a batch of decodes padded to 2, 4, 8, ... sequences) compute every "
-                         "row as a one-token decode does, bit for bit: bf16 speculation and batching then give "
-                         "the tokens decoding alone gives. Larger steps take the tensor-core tiles, faster from "
-                         "about 4 rows at SmolLM2's size. 0 to 8; -1 (default): 3 for targets up to 2048 wide, "
-                         "else 0")
+    few_rows: int = flag(-1, "--few-rows", "fused steps of up to this many tokens in all (a chain's verify, a "
+                         "batch of up to this many decodes, run unpadded; larger batches pad to a power of two) "
+                         "compute every row as a one-token decode does, bit for bit: bf16 speculation and batching "
+                         "then give the tokens decoding alone gives. Larger steps take the tensor-core tiles, "
+                         "faster from about 4 rows at SmolLM2's size. 0 to 8; -1 (default): 3 for targets up to "
+                         "2048 wide, else 0")
     forced_acceptance: bool = flag(False, "--benchmark-forced-acceptance", "benchmark only: honour verifies that "
                                    "force how many drafts are accepted (the gateway's --benchmark-forced-acceptance); "
                                    "their output is not the model's")

@@ -141,3 +141,29 @@ def test_verify_steps_accept_alike_on_every_path(tiny_target: Path) -> None:
                          (runners[name].cache.v, runners["eager"].cache.v)):
                 end = row.start + n  # the committed entries after the step
                 torch.testing.assert_close(a[:, row.slot, :end], b[:, row.slot, :end], rtol=1e-4, atol=1e-4)
+
+
+def test_batches_up_to_the_few_rows_run_unpadded(tiny_target: Path) -> None:
+    """Batch buckets: every size up to the fused step's few rows, then powers of two, so a batch
+    of 3 decodes runs as 3 rows (the few-row path, a decode's bits a row) and a batch of 5 as 6 (the
+    slots);
+    without a fused step, powers of two only. The tokens are the eager path's either way."""
+    from specsplit.runner.graphs import batch_buckets
+    from specsplit.runner.runner import ModelRunner, Row, Step
+    from tests.test_fused_decode import PaddedAsFused
+
+    assert batch_buckets(16) == (1, 2, 4, 8, 16) and batch_buckets(16, 3) == (1, 2, 3, 4, 8, 16)
+    assert batch_buckets(6, 8) == (1, 2, 3, 4, 5, 6) and batch_buckets(2, 3) == (1, 2)
+    model = tiny_model(tiny_target)
+    fused = PaddedAsFused(model)
+    runners = {"eager": ModelRunner(model, 6, 64), "fused": ModelRunner(model, 6, 64, fused=fused)}  # type: ignore[arg-type]
+    assert runners["eager"].batch_buckets == (1, 2, 4, 6) and runners["fused"].batch_buckets == (1, 2, 3, 4, 6)
+    prompts = [p[:6] for p in (TINY_PROMPTS * 2)[:5]]
+    best = {}
+    for name, r in runners.items():
+        for slot, prompt in enumerate(prompts):
+            r.run(Step([Row(slot, 0, prompt)]))
+        best[name] = [[v.best for v in r.verify(Step([Row(slot, len(prompts[slot]), [prompts[slot][-1]])
+                                                      for slot in slots]))] for slots in ([0, 1, 2], [0, 1, 2, 3, 4])]
+    assert best["fused"] == best["eager"]
+    assert fused.rows[-2:] == [(3, 1), (6, 1)]

@@ -44,6 +44,12 @@ def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
     return (*out, largest)
 
 
+def batch_buckets(slots: int, exact: int = 0) -> tuple[int, ...]:
+    """Batch sizes a step pads to: every size up to `exact` (capped at `slots`), then powers of
+    two and `slots` itself."""
+    return tuple(sorted({*range(1, min(exact, slots) + 1), *pow2_buckets(1, slots)}))
+
+
 _paused = 0
 _paused_lock = threading.Lock()
 _was_enabled = False

@@ -40,7 +40,15 @@ from specsplit.models.llama import LlamaModel
 from specsplit.models.parallel import pack_for_cpu
 from specsplit.runner.acceptance import verify_rows
 from specsplit.runner.decoding import decode
-from specsplit.runner.graphs import GraphCache, HostInput, Outputs, bucket_up, compile_static, pow2_buckets
+from specsplit.runner.graphs import (
+    GraphCache,
+    HostInput,
+    Outputs,
+    batch_buckets,
+    bucket_up,
+    compile_static,
+    pow2_buckets,
+)
 from specsplit.runner.outputs import RowOutput, RowOutputs, Verified, accepted_row, row_outputs
 from specsplit.runner.packing import Row, pack_rows, padded_rows
 from specsplit.runner.prompts import run_prompts
@@ -82,7 +90,9 @@ class ModelRunner:
         self.ring: torch.Tensor | None = None
         self.compiled = compile
         self._padded_fn = compile_static(self._padded_forward) if compile else self._padded_forward
-        self.batch_buckets = pow2_buckets(1, slots)
+        # batches of up to the fused step's few rows run unpadded: a few-row step costs by its rows,
+        # and a batch of 3 padded to 4 would leave the few-row path for the tensor-core tiles
+        self.batch_buckets = batch_buckets(slots, fused.few_rows if fused is not None else 0)
         self.ctx_buckets = pow2_buckets(min(128, max_len), max_len)
 
     # -- KV slots
