@@ -28,7 +28,6 @@ from specsplit.ops import (
     TargetResult,
     Verify,
 )
-from specsplit.runner.prompts import warm_prompts
 from specsplit.runner.runner import ModelRunner, Row, Step, Verified
 from specsplit.sampling import sampling_rows, select_token, verify_chain
 from target_service.config import TargetConfig
@@ -314,50 +313,6 @@ class TargetEngine:
             return Outcome(TargetResult(op.seq_id, tokens=[seq.last_token]), rows)
         # Recapture, Resume: features of positions 0..length-1 pair with tokens 1..length (the last not cached yet)
         return Outcome(TargetResult(op.seq_id, tokens=[*seq.tokens[1:], seq.last_token]), rows)
-
-    def warm_up(self) -> int:
-        """Run every verify shape of a one-sequence batch once before serving, so that no request
-        waits for a kernel to compile or a graph to be captured (on a machine without Triton's
-        cache a compile takes longer than many steps): one row without features (a cycle that
-        drafted nothing), and chains and trees of 1 up to max_draft_tokens + 1 rows with features
-        (into the ring's first rows where it is set, as served), accepted on the device; then the
-        fused step's other tile heights (20 and 40 rows; two sequences); and, for every batch
-        bucket, a one-token decode and decodes of 2, 4, ... tokens a call (decoding ahead) up to
-        max_draft_tokens + 1, greedy and sampled, the other rows on the padding slot; and before
-        them a prompt of one row in every length bucket that runs from a graph
-        (runner.prompts.warm_prompts). All on a scratch slot, freed after. Returns the shapes run."""
-        fused = self.runner.fused
-        if fused is None:
-            return 0
-        ring_row = 0 if self.runner.ring is not None else -1
-        most = min(self.cfg.max_draft_tokens + 1, fused.max_rows)
-        slot = self.runner.allocate()
-        steps = [Step([Row(slot, 8, [0], accept=True)])]
-        for t in range(1, most + 1):
-            steps.append(Step([Row(slot, 8, [0] * t, None, True, ring_row)], capture=True))
-            if t > 1:  # a tree (shaped as a chain: the graphs depend on the rows only)
-                steps.append(Step([Row(slot, 8, [0] * t, [-1, *range(t - 1)], True, ring_row)], capture=True))
-        steps += [Step([Row(slot, 8, [0] * rows, accept=True)], capture=True) for rows in (20, 40)
-                  if rows <= fused.max_rows]
-        steps.append(Step([Row(slot, 8, [0]), Row(self.runner.pad_slot, 8, [0])], capture=True))
-        try:
-            with self.runner.mode():  # prompts: one row of every length bucket, with features and without
-                prompts = warm_prompts(self.runner, slot)
-            self.runner.run(Step([Row(slot, 0, [0] * 8)]))  # committed entries for the steps to see
-            for step in steps:
-                self.runner.verify(step)
-            ahead = [1 << i for i in range(1, (self.cfg.max_draft_tokens + 1).bit_length())]
-            batches = [b for b in self.runner.batch_buckets if b <= fused.max_rows]
-            for b in batches:
-                rows = [Row(slot, 8, [0], accept=True), *[Row(self.runner.pad_slot, 8, [0], accept=True)] * (b - 1)]
-                if b > 1:
-                    self.runner.verify(Step(rows))
-                for k in ahead:  # greedy rows, and rows that sample
-                    self.runner.decode(Step(rows), k)
-                    self.runner.decode(Step(rows), k, sampling_rows([Sampling(temperature=1.0)] * b))
-        finally:
-            self.runner.release(slot)
-        return prompts + len(steps) + len(batches) * (2 * len(ahead) + 1) - 1
 
     def hold(self, epoch: int) -> int:
         """Serve the lease `epoch` (0: none) from now on: every sequence opened under another is

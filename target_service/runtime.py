@@ -23,6 +23,7 @@ from specsplit.transport.handoff import open_writer
 from specsplit.transport.handoff.base import DTYPES, Allocation
 from target_service.config import TargetConfig
 from target_service.engine import Outcome, Plan, TargetEngine
+from target_service.warmup import warm_up
 
 _STOP = "stop"
 log = logging.getLogger("specsplit.target")
@@ -70,7 +71,7 @@ class TargetRuntime:
             t0 = time.perf_counter()
             try:
                 with self._on_device():
-                    self.engine.warm_up()
+                    warm_up(self.engine)
             except Exception as e:  # noqa: BLE001 - e.g. Triton finds no C compiler for its launcher
                 if cfg.fused_decode != "auto":
                     raise

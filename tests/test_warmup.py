@@ -1,4 +1,4 @@
-"""Shapes run before serving (draft_service.warmup, TargetEngine.warm_up): on the GPU a request of
+"""Shapes run before serving (draft_service.warmup, target_service.warmup): on the GPU a request of
 any depth, extend length or tree size at batch one meets its kernels compiled and its graphs
 captured, whatever its context length."""
 
@@ -83,16 +83,46 @@ def test_the_warm_up_runs_every_shape_on_a_scratch_slot(tiny_target: Path, tiny_
     assert r.free_slots == free and not engine.seqs and not r.graphs.graphs
 
 
+def test_the_target_warms_every_batch_and_verify_length_that_fits_its_fused_step(tiny_target: Path) -> None:
+    """The target's warm-up (its fused step stood in for on the CPU) runs, for every batch bucket B
+    and verify length T up to max_draft_tokens + 1 with B·T within the fused step, a row with and
+    without features (T = 1), chains and trees (T > 1), on a scratch slot freed after."""
+    from specsplit.runner.graphs import batch_buckets
+    from target_service.engine import TargetEngine
+    from target_service.warmup import verify_steps
+    from target_service.warmup import warm_up as warm_target
+    from tests.test_fused_decode import PaddedAsFused
+    from tests.test_static_batches import tiny_model
+
+    model = tiny_model(tiny_target)
+    engine = TargetEngine(TargetConfig(model=str(tiny_target), max_context=128, max_draft_tokens=4,
+                                       max_sequences=20), model)
+    r = engine.runner
+    assert r.fused is None and warm_target(engine) == 0  # the CPU: no fused step, nothing warmed
+    fused = PaddedAsFused(model)
+    fused.max_rows = 16
+    r.fused, r.batch_buckets = fused, batch_buckets(20, fused.few_rows)  # type: ignore[assignment]
+    want = {(b, t) for b in (1, 2, 3, 4, 8, 16) for t in range(1, 6) if b * t <= 16}
+    steps = list(verify_steps(engine, 0))
+    assert {(len(s.rows), len(s.rows[0].tokens)) for s in steps} == want
+    assert sum(len(s.rows[0].tokens) > 1 for s in steps) == 2 * len([1 for b, t in want if t > 1])  # chains, trees
+    free = r.free_slots
+    n = warm_target(engine)
+    assert n >= len(steps) and r.free_slots == free and not engine.seqs
+    assert want <= set(fused.rows)
+
+
 PROMPTS = [[1, 2, 3], [7] * 20, [100, 42, 17, 250, 3, 3, 9], list(range(10, 60))]
 
 
 @pytest.mark.quick
 @pytest.mark.gpu
 @needs_gpus(1)
-def test_warmed_engines_capture_nothing_while_serving_one_sequence(tiny_target: Path, tiny_head: Path) -> None:
+def test_warmed_engines_capture_nothing_while_serving(tiny_target: Path, tiny_head: Path) -> None:
     """fp32, CUDA IPC, the fused target step and head: chains of every depth, trees and adaptive
     requests, one at a time, capture no graph after start, their prompts' and the draft's
-    extends of them included (and stay lossless)."""
+    extends of them included (and stay lossless); in batches of 3 and 4 the target captures none
+    either, and each request gives its tokens alone."""
     engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="float32", max_context=256,
                                         hidden_backend="cuda_ipc", fused_decode="pdl"),
                            DraftConfig(head=str(tiny_head), target=str(tiny_target), device="cuda", dtype="float32",
@@ -116,6 +146,11 @@ def test_warmed_engines_capture_nothing_while_serving_one_sequence(tiny_target: 
         assert cycles() == warmed, (cycles()[0] - warmed[0], cycles()[1] - warmed[1])
         for i, tokens in enumerate(out):
             assert tokens == out[i % len(PROMPTS)], i
+        # batches: the target's verifies of 3 or 4 sequences (chains, trees of 17 rows, adaptive) are warmed too
+        for group in (requests[4:7], requests[16:19], requests[-4:]):
+            got = [res.tokens for res in engines.generate(group)]
+            assert got == [out[requests.index(r) % len(PROMPTS)] for r in group]
+        assert cycles()[0] == warmed[0], cycles()[0] - warmed[0]
     finally:
         engines.close()
 
