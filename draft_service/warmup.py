@@ -15,8 +15,8 @@ rows), each at every depth up to max_steps and each branching of `topks`:
   (runner.prompts.warm_prompts).
 
 The graphs have no context dimension (draft_service.engine: `_views`), so these shapes serve
-every context length. Larger batches capture their graphs on first use, most of their kernels
-compiled by then.
+every context length. The eager pass also runs a cycle of every batch bucket (`batch_shapes`),
+so that a batch's kernels are compiled before serving; its graphs are captured on first use.
 """
 
 from __future__ import annotations
@@ -56,6 +56,32 @@ def shapes(engine: DraftEngine, topks: Sequence[int]) -> Iterator[tuple[int, int
                 yield n, steps, topk
 
 
+def batch_shapes(engine: DraftEngine, topks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """(sequences, tokens extended, topk) of the batches the eager pass runs at the deepest draft:
+    every batch bucket past one that the free slots hold, the shortest and the longest extend of
+    a cycle, each branching of `topks`, so that the kernels of every rows bucket compile before
+    serving (a batch's graphs are captured at first use, in tens of milliseconds)."""
+    r = engine.runner
+    for b in (b for b in r.batch_buckets[1:] if b <= r.free_slots):
+        for topk in sorted({k for k in topks if 1 <= k <= engine.max_topk}):
+            for n in (1, engine.max_steps + 1):
+                yield b, n, topk
+
+
+def _run_batch(engine: DraftEngine, b: int, n: int, topk: int, zeros: torch.Tensor) -> None:
+    """One cycle of b scratch sequences extending n tokens each (features zeros), at the deepest draft."""
+    r, steps = engine.runner, engine.max_steps
+    seqs = [DraftSequence(r.allocate(), 1, Sampling(), torch.Generator(device=engine.device), engine.epoch)
+            for _ in range(b)]
+    try:
+        engine.extend_and_propose([Work(i, ExtendPropose(-1, [0] * n, HiddenRef(0, n, 0), steps, position=1,
+                                                         topk=topk, num_draft_tokens=steps * topk + 1),
+                                        seq, zeros[:n]) for i, seq in enumerate(seqs)], None)
+    finally:
+        for seq in seqs:
+            r.release(seq.slot)
+
+
 def warm_up(engine: DraftEngine, topks: Sequence[int], capture: bool, ring: torch.Tensor | None = None) -> int:
     """Run every shape of `shapes` once for a scratch sequence, eagerly or (`capture`) from
     graphs; its features read from rows 0.. of `ring` (whatever they hold: the proposals are
@@ -73,6 +99,7 @@ def warm_up(engine: DraftEngine, topks: Sequence[int], capture: bool, ring: torc
     longest = max(extend_lengths(engine.max_steps, r.padded_tokens))
     zeros = torch.zeros(longest, width, dtype=dtype, device=engine.device)  # [tokens, 3H]
     # positions > 0: a cycle's extend continues a sequence (an extend from 0 runs eagerly)
+    batches = [] if capture else list(batch_shapes(engine, topks))
     seq = DraftSequence(r.allocate(), 1, Sampling(), torch.Generator(device=engine.device), engine.epoch)
     r.graphs.enabled = capture
     try:
@@ -88,9 +115,15 @@ def warm_up(engine: DraftEngine, topks: Sequence[int], capture: bool, ring: torc
                 work = Work(0, op, seq, None, list(range(n))) if ring is not None else Work(0, op, seq, zeros[:n])
                 engine.extend_and_propose([work], ring)
                 n_shapes += 1
+            r.release(seq.slot)
+            seq.slot = -1
+            for b, n, topk in batches:  # the eager pass: batches, for their kernels
+                _run_batch(engine, b, n, topk, zeros)
+                n_shapes += 1
     finally:
         r.graphs.enabled = True
-        r.release(seq.slot)
+        if seq.slot >= 0:
+            r.release(seq.slot)
     log.info("draft shapes warmed %s: %d in %.1f s", "from graphs" if capture else "eagerly (kernels)",
              n_shapes, time.perf_counter() - started)
     return n_shapes

@@ -11,7 +11,7 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime, reads_ring
-from draft_service.warmup import extend_lengths, shapes, warm_up
+from draft_service.warmup import batch_shapes, extend_lengths, shapes, warm_up
 from gateway.local import LocalEngines
 from gateway.sequence import GenerationRequest
 from specsplit.ops import Sampling, extend_bucket
@@ -70,14 +70,18 @@ def test_a_new_ring_drops_the_graphs_that_read_the_old_one() -> None:
 
 def test_the_warm_up_runs_every_shape_on_a_scratch_slot(tiny_target: Path, tiny_head: Path) -> None:
     """On the CPU the draft runs no graphs and warms nothing; made to run its padded path as on a
-    GPU, the warm-up runs each shape once and leaves its slots and sequences as it found them."""
+    GPU, the warm-up runs each shape once, and eagerly a cycle of every batch bucket, and leaves
+    its slots and sequences as it found them."""
     rt = DraftRuntime(DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=128, max_steps=4))
     engine, r = rt.engine, rt.engine.runner
     assert warm_up(engine, [1, 4], capture=False) == 0
     free = r.free_slots
     r.padded, r.graphs.enabled = True, True  # (eager all the same: capture=False turns the graphs off)
     try:
-        assert warm_up(engine, [1, 4, 99], capture=False) == len(list(shapes(engine, [1, 4]))) == 2 * 4 * 7
+        batches = list(batch_shapes(engine, [1, 4]))  # buckets 2, 4, 8, 16 of the 16 slots, extends of 1 and 5
+        assert batches[:2] == [(2, 1, 1), (2, 5, 1)] and len(batches) == 4 * 2 * 2
+        assert warm_up(engine, [1, 4, 99], capture=False) == len(list(shapes(engine, [1, 4]))) + len(batches)
+        assert len(list(shapes(engine, [1, 4]))) == 2 * 4 * 7
     finally:
         r.padded, r.graphs.enabled = False, False
     assert r.free_slots == free and not engine.seqs and not r.graphs.graphs
