@@ -155,6 +155,7 @@ def test_warmed_engines_capture_nothing_while_serving(tiny_target: Path, tiny_he
             got = [res.tokens for res in engines.generate(group)]
             assert got == [out[requests.index(r) % len(PROMPTS)] for r in group]
         assert cycles()[0] == warmed[0], cycles()[0] - warmed[0]
+        assert engines.target.engine.runner.graphs.over_budget == engines.draft.engine.runner.graphs.over_budget == 0
     finally:
         engines.close()
 

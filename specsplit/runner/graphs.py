@@ -96,7 +96,7 @@ class GraphCache:
     pinned buffer of its graph, filled in place: a copy from pageable memory would block the
     host until the device has it, a pinned one is queued before the replay like a kernel."""
 
-    def __init__(self, device: torch.device, enabled: bool = True, max_graphs: int = 256,
+    def __init__(self, device: torch.device, enabled: bool = True, max_graphs: int = 2048,
                  compile: bool = False) -> None:
         self.enabled = enabled and device.type == "cuda"
         self.compile = compile and self.enabled
@@ -114,6 +114,7 @@ class GraphCache:
         # set once the engine's warm-up is done: a capture after it held up a step, and is logged
         self.serving = False
         self.late_captures = 0  # captures while serving
+        self.over_budget = 0  # steps run eagerly for want of room for their graph
 
     def run(self, key: tuple[object, ...], fn: StaticFn, **inputs: HostInput) -> Outputs:
         if not self.enabled:
@@ -132,6 +133,10 @@ class GraphCache:
         captured = self.graphs.get(key)
         if captured is None:
             if len(self.graphs) >= self.max_graphs:  # shapes beyond the budget run eagerly
+                if not self.over_budget:
+                    log.warning("%d CUDA graphs held: shapes not captured by now run eagerly, %s first",
+                                self.max_graphs, key)
+                self.over_budget += 1
                 return self.eager(fn, **inputs)
             captured = self.graphs[key] = self._capture(key, fn, {name: _tensor(x) for name, x in inputs.items()})
         else:
