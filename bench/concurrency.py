@@ -78,6 +78,12 @@ def captured_while_serving(stack: ServiceStack) -> int:
     return target.graphs_captured_while_serving + (draft.graphs_captured_while_serving if draft else 0)
 
 
+def past_graph_budget(stack: ServiceStack) -> int:
+    """Steps the target and the draft have run eagerly for want of room for their graphs (their Stats)."""
+    target, draft = stack.stats()
+    return target.steps_past_graph_budget + (draft.steps_past_graph_budget if draft else 0)
+
+
 def run(addr: str, n: int, max_new: int, settings: dict[str, Any], first: int = 0) -> tuple[list[Stream], float]:
     """N streams at once, stream i on chat prompt first + i (round robin) -> each stream's figures,
     and the wall seconds from the first call to the last token."""
@@ -184,6 +190,7 @@ def main() -> None:
                                                             if not s.error) / max(1, len(ok)), 3),
                            "wall_s": round(wall, 3), "errors": [s.error for s in done if s.error][:3],
                            "graphs_captured": captured, "graphs_captured_in_warm_up": before - before_warm_up,
+                           "steps_past_graph_budget": past_graph_budget(stack),
                            **settings}
                     if mode != "off" and (ahead, "off", n) in tokens_per_s:
                         row["over_speculation_off"] = round(tps / tokens_per_s[ahead, "off", n], 3)

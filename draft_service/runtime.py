@@ -100,7 +100,8 @@ class DraftRuntime:
     def stats(self) -> dict[str, int]:
         seqs = len(self.engine.seqs)
         return {"active_sequences": seqs, "free_kv_slots": self.engine.max_sequences - seqs,
-                "graphs_captured_while_serving": self.engine.runner.graphs.late_captures}
+                "graphs_captured_while_serving": self.engine.runner.graphs.late_captures,
+                "steps_past_graph_budget": self.engine.runner.graphs.over_budget}
 
 
 def reads_ring(key: tuple[object, ...]) -> bool:

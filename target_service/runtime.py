@@ -146,7 +146,8 @@ class TargetRuntime:
         return {"active_sequences": len(self.engine.seqs), "free_kv_slots": self.engine.runner.free_slots,
                 "ring_rows_in_use": self.writer.allocator.used,
                 "ring_live_allocations": self.writer.allocator.live_allocations,
-                "graphs_captured_while_serving": self.engine.runner.graphs.late_captures}
+                "graphs_captured_while_serving": self.engine.runner.graphs.late_captures,
+                "steps_past_graph_budget": self.engine.runner.graphs.over_budget}
 
     def close(self) -> None:
         with self._on_device():
