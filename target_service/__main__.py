@@ -9,13 +9,13 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from specsplit.flags import config_parser, from_args
 from specsplit.observability.telemetry import setup_telemetry
+from specsplit.ports import free_port
 from specsplit.transport.serving import (
     configure_logging,
     exit_with_launcher,
@@ -38,12 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> TargetConfig:
     return from_args(TargetConfig, build_parser().parse_args(argv)).validate()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def serve(cfg: TargetConfig, runtime: TargetRuntime) -> None:

@@ -25,6 +25,7 @@ import yaml
 
 from specsplit.checkpoints import EMBEDDED_NAME
 from specsplit.cli.client import GatewayClient, make_request
+from specsplit.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = "specsplit-check"
@@ -43,12 +44,6 @@ def run(cmd: list[str], env: dict[str, str], timeout: float = 120, check: bool =
 def compose(env: dict[str, str], *args: str, timeout: float = 120, check: bool = True
             ) -> subprocess.CompletedProcess[str]:
     return run(["docker", "compose", "-p", PROJECT, *args], env, timeout, check)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from specsplit.cli.launcher import free_port
+from specsplit.ports import free_port
 
 
 def test_demo_runs_end_to_end(tmp_path) -> None:  # noqa: ANN001

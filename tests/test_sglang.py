@@ -24,7 +24,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sgl_grpc
 from test_services import service_stats, wait_idle
 
 from specsplit.cli.client import GatewayClient, make_request
-from specsplit.cli.launcher import ServiceStack, StackConfig, free_port
+from specsplit.cli.launcher import ServiceStack, StackConfig
+from specsplit.ports import free_port
 from specsplit.tokenizer import TextCodec
 
 PROMPT = "What is the capital of France?"

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from specsplit.cli.client import GatewayClient, Generation, make_request
-from specsplit.cli.launcher import ServiceStack, StackConfig, free_port
+from specsplit.cli.launcher import ServiceStack, StackConfig
 from specsplit.observability.trace_report import load_jsonl
+from specsplit.ports import free_port
 
 PROMPTS = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3], [42] * 10]
 

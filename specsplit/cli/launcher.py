@@ -6,7 +6,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,17 +20,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from draft_service.config import DraftConfig
 from gateway.config import GatewayConfig
 from specsplit.flags import add_flags, from_args, to_argv
+from specsplit.ports import free_port
 from specsplit.transport.serving import LAUNCHER_PID_ENV
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 
 C = TypeVar("C")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_serving(addr: str, proc: subprocess.Popen[bytes] | None, timeout: float, name: str,
