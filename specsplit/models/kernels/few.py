@@ -8,13 +8,10 @@ one-token decode (kernels.decode) computes it:
   row_attention  rotary, the new entries written, and each row's attention as the decode's at
                  its position: the committed entries, then the rows it sees, in the decode's order
 
-A GEMV's program takes a tile of columns for all M rows: it loads its weight tile once (before
-the wait for the previous kernel, as the decode does) and multiplies it by every row, the
-products [M, BLOCK_N, BLOCK_K] summed over K in one reduction for all rows. It uses the decode's
-pinned K step (BLOCK_K) and at least as many warps as that step spreads over K, so each row's
-sums run in the decode's order (each thread's elements, then across lanes, then across warps)
-and a row computes the decode's bits whatever the rows beside it; the columns a program takes
-(BLOCK_N) are the few-row path's own, sized so that the products fit in registers.
+A GEMV runs the decode's code for each (row, column tile), with the decode's pinned blocks: a
+row's sums are the decode's, in the same order, so a row computes the decode's bits whatever the
+rows beside it. The rows of one column tile are neighbouring programs, so their weight reads meet
+in L2: the weights cross HBM about once for all rows, as for one.
 
 Attention gives each row the keys a decode at its position would see, in the same places: the
 committed entries [0, start) from the cache, then the step's rows the row's mask shows (its
@@ -40,98 +37,36 @@ from specsplit.models.kernels.decode import (
     _launch,
     _rotate,
     _softmax_block,
-    _tile,
     _wait,
+    gate_up_silu_tile,
+    gemv_residual_tile,
+    norm_gemv_tile,
 )
 
 
+# Programs: (row, column tile), the row fastest: a tile's rows run side by side.
 @triton.jit
-def _rows_in(x_ptr, nw_ptr, m, m_ok, k0, K, stride_xm, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(x·nw, x²) of every row at columns k0.. in fp32 [MR, BLOCK_K] (x, 0 without a norm): the
-    decode's _input for each row."""
-    cols = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & (cols < K)[None, :],
-                other=0.0).to(tl.float32)
-    if HAS_NORM:
-        return x * tl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :], x * x
-    return x, x * 0.0
+def _few_norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, eps,
+                   HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)
+    norm_gemv_tile(x_ptr + r * stride_xm, nw_ptr, w_ptr, y_ptr + r * stride_ym, tl.program_id(1), N, K, stride_wn,
+                   eps, HAS_NORM, USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _rows_dot(x_ptr, nw_ptr, w_ptr, pid, M, N, K, stride_xm, stride_wn, HAS_NORM: tl.constexpr,
-              USE_PDL: tl.constexpr, MR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns pid·BLOCK_N.. of (x·nw) · Wᵀ for each of M rows: (cols, col_ok, rows, row_ok, the
-    dot products [MR, BLOCK_N] in fp32, each row's Σ x² [MR]): kernels.decode._rows_dot a row."""
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    w_rows = w_ptr + cols[:, None] * stride_wn
-    w = _tile(w_rows, col_ok, 0, K, BLOCK_K)
-    _wait(USE_PDL)
-    m = tl.arange(0, MR)
-    m_ok = m < M
-    acc = tl.zeros([MR, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    sq = tl.zeros([MR, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x, x2 = _rows_in(x_ptr, nw_ptr, m, m_ok, k0, K, stride_xm, HAS_NORM, BLOCK_K)
-        acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
-        sq += x2
-        w = _tile(w_rows, col_ok, k0 + BLOCK_K, K, BLOCK_K)
-    return cols, col_ok, m, m_ok, tl.sum(acc, axis=2), tl.sum(sq, axis=1)
+def _few_gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, eps, USE_PDL: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)
+    gate_up_silu_tile(x_ptr + r * stride_xm, nw_ptr, w_ptr, y_ptr + r * N, tl.program_id(1), N, K, stride_wn, eps,
+                      USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _few_norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
-                   HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, MR: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    cols, col_ok, m, m_ok, y, sq = _rows_dot(x_ptr, nw_ptr, w_ptr, tl.program_id(0), M, N, K, stride_xm, stride_wn,
-                                             HAS_NORM, USE_PDL, MR, BLOCK_N, BLOCK_K)
-    if HAS_NORM:
-        y = y * tl.rsqrt(sq / K + eps)[:, None]
-    tl.store(y_ptr + m[:, None] * stride_ym + cols[None, :], y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _few_gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, eps, USE_PDL: tl.constexpr,
-                      MR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """w [2N, K]: gate rows, then up rows (kernels.decode.gate_up_silu_tile a row)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    g_rows = w_ptr + cols[:, None] * stride_wn
-    u_rows = w_ptr + (cols + N)[:, None] * stride_wn
-    wg = _tile(g_rows, col_ok, 0, K, BLOCK_K)
-    wu = _tile(u_rows, col_ok, 0, K, BLOCK_K)
-    _wait(USE_PDL)
-    m = tl.arange(0, MR)
-    m_ok = m < M
-    acc_g = tl.zeros([MR, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([MR, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    sq = tl.zeros([MR, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x, x2 = _rows_in(x_ptr, nw_ptr, m, m_ok, k0, K, stride_xm, True, BLOCK_K)
-        acc_g += wg.to(tl.float32)[None, :, :] * x[:, None, :]
-        acc_u += wu.to(tl.float32)[None, :, :] * x[:, None, :]
-        sq += x2
-        wg = _tile(g_rows, col_ok, k0 + BLOCK_K, K, BLOCK_K)
-        wu = _tile(u_rows, col_ok, k0 + BLOCK_K, K, BLOCK_K)
-    rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
-    dt = y_ptr.dtype.element_ty
-    g = (tl.sum(acc_g, axis=2) * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
-    u = (tl.sum(acc_u, axis=2) * rstd).to(dt).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(y_ptr + m[:, None] * N + cols[None, :], (silu * u).to(dt), mask=m_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _few_gemv_residual(x_ptr, w_ptr, res_ptr, y_ptr, M, N, K, stride_xm, stride_wn, USE_PDL: tl.constexpr,
-                       MR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    cols, col_ok, m, m_ok, y, _ = _rows_dot(x_ptr, x_ptr, w_ptr, tl.program_id(0), M, N, K, stride_xm, stride_wn,
-                                            False, USE_PDL, MR, BLOCK_N, BLOCK_K)
-    at = m[:, None] * N + cols[None, :]
-    ok = m_ok[:, None] & col_ok[None, :]
-    dt = y_ptr.dtype.element_ty
-    y = y.to(dt).to(tl.float32) + tl.load(res_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + at, y.to(dt), mask=ok)
+def _few_gemv_residual(x_ptr, w_ptr, res_ptr, y_ptr, N, K, stride_xm, stride_wn, USE_PDL: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)
+    gemv_residual_tile(x_ptr + r * stride_xm, w_ptr, res_ptr + r * N, y_ptr + r * N, tl.program_id(1), N, K,
+                       stride_wn, USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -219,32 +154,13 @@ def _row_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, sl
 _KERNELS = {"norm_gemv": _few_norm_gemv, "gate_up_silu": _few_gate_up_silu, "gemv_residual": _few_gemv_residual}
 
 
-PRODUCTS_A_THREAD = 128  # fp32 products a thread holds for a K step (all rows, all accumulators)
-WARPS = 4
-
-
-def blocks(name: str, n: int, k: int, rows: int, x: torch.Tensor) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps) of a few-row GEMV over `rows` rows of x: the decode's pinned K
-    step, spread over as many warps as the decode spreads it (a warp covers 32 lanes of 16 bytes
-    of K), so a row's sums run in the decode's order; WARPS warps where that spreads the step
-    alike; columns a program so that a K step's products of every row fit in PRODUCTS_A_THREAD
-    registers a thread."""
-    _, block_k, decode_warps = decode.gemv_blocks(name, n, k, x.device)
-    spread = max(1, block_k * x.element_size() // (32 * 16))  # warps a K step spreads over
-    warps = WARPS if min(WARPS, spread) == min(decode_warps, spread) else decode_warps
-    products = triton.next_power_of_2(rows) * block_k * (2 if name == "gate_up_silu" else 1)
-    block_n = max(1, min(n, PRODUCTS_A_THREAD * 32 * warps // products))
-    return 1 << (block_n.bit_length() - 1), block_k, warps
-
-
 def _run(name: str, n: int, k: int, x: torch.Tensor, pdl: bool, *args: Any, **constants: Any) -> None:
     m = x.shape[0]
     if not 1 <= m <= FEW_ROWS_MAX:
         raise ValueError(f"the few-row kernels take 1..{FEW_ROWS_MAX} rows, got {m}")
-    block_n, block_k, warps = blocks(name, n, k, m, x)
-    _KERNELS[name][(triton.cdiv(n, block_n),)](*args, USE_PDL=pdl, **constants, MR=triton.next_power_of_2(m),
-                                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
-                                              **_launch(pdl))
+    block_n, block_k, warps = decode.gemv_blocks(name, n, k, x.device)
+    _KERNELS[name][(m, triton.cdiv(n, block_n))](*args, USE_PDL=pdl, **constants, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                 num_warps=warps, num_stages=3, **_launch(pdl))
 
 
 def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
@@ -254,7 +170,7 @@ def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor |
     (m, k), n = x.shape, weight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     nw = x if norm_weight is None else norm_weight
-    _run("norm_gemv", n, k, x, pdl, x, nw, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), eps,
+    _run("norm_gemv", n, k, x, pdl, x, nw, weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0), eps,
          HAS_NORM=norm_weight is not None)
     return y
 
@@ -264,17 +180,17 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     """x [M, K], weight [2I, K] (gate; up) -> silu(n·gateᵀ) * (n·upᵀ) [M, I], n = rms_norm(x)."""
     (m, k), n = x.shape, weight.shape[0] // 2
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    _run("gate_up_silu", n, k, x, pdl, x, norm_weight, weight, y, m, n, k, x.stride(0), weight.stride(0), eps)
+    _run("gate_up_silu", n, k, x, pdl, x, norm_weight, weight, y, n, k, x.stride(0), weight.stride(0), eps)
     return y
 
 
 def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """x [M, K], weight [N, K], residual [M, N] (contiguous) -> residual + x · weightᵀ [M, N]."""
-    (m, k), n = x.shape, weight.shape[0]
+    k, n = x.shape[1], weight.shape[0]
     if not residual.is_contiguous():
         raise ValueError("gemv_residual reads the residual as a contiguous [M, N]")
     y = torch.empty_like(residual)
-    _run("gemv_residual", n, k, x, pdl, x, weight, residual, y, m, n, k, x.stride(0), weight.stride(0))
+    _run("gemv_residual", n, k, x, pdl, x, weight, residual, y, n, k, x.stride(0), weight.stride(0))
     return y
 
 
