@@ -62,6 +62,16 @@ def test_pdl_pays_for_decodes_and_for_small_models_rows() -> None:
     assert not pdl_pays(smollm2, 1, ampere)
 
 
+def test_the_few_rows_default_is_the_gpu_models_measured_choice() -> None:
+    from specsplit.models.fused import FEW_ROWS_DEFAULT, FEW_ROWS_HIDDEN, few_rows_default
+
+    assert few_rows_default(576, gpu="NVIDIA H100 80GB HBM3") == 4  # 4 rows beat the tensor-core tiles there
+    assert few_rows_default(576, gpu="NVIDIA H200") == FEW_ROWS_DEFAULT == 3
+    assert few_rows_default(576) == FEW_ROWS_DEFAULT
+    assert few_rows_default(576, 2, gpu="NVIDIA H100 80GB HBM3") == 2
+    assert few_rows_default(FEW_ROWS_HIDDEN + 64, gpu="NVIDIA H100 80GB HBM3") == 0
+
+
 def test_models_the_fused_step_cannot_run_are_refused_with_the_reason() -> None:
     def model(tp: TensorParallel = TensorParallel(), **changes: object) -> LlamaModel:  # noqa: B008
         return LlamaModel(dataclasses.replace(tiny_config(layers=1), **changes), tp, [0])

@@ -267,14 +267,15 @@ def test_a_chain_and_a_batch_on_the_few_row_path_give_the_decodes_logits(dtype: 
 
 @needs_kernels
 def test_the_few_row_path_serves_small_models_by_default() -> None:
-    from specsplit.models.fused import FEW_ROWS_DEFAULT, FEW_ROWS_HIDDEN, FEW_ROWS_MAX, FusedLlama
+    from specsplit.models.fused import FEW_ROWS_BY_GPU, FEW_ROWS_DEFAULT, FEW_ROWS_HIDDEN, FEW_ROWS_MAX, FusedLlama
     from specsplit.models.kernels import few
 
     small = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=2, hidden_size=96, intermediate_size=192,
                                 head_dim=32, vocab_size=500)
     wide = dataclasses.replace(small, hidden_size=FEW_ROWS_HIDDEN + 64, num_heads=FEW_ROWS_HIDDEN // 64 + 1,
                                head_dim=64)
-    assert FusedLlama(_model(small, torch.float32)).few_rows == FEW_ROWS_DEFAULT
+    gpu = torch.cuda.get_device_name() if DEV == "cuda" else ""
+    assert FusedLlama(_model(small, torch.float32)).few_rows == FEW_ROWS_BY_GPU.get(gpu, FEW_ROWS_DEFAULT)
     assert FusedLlama(_model(wide, torch.float32)).few_rows == 0
     assert FusedLlama(_model(wide, torch.float32), few_rows=2).few_rows == 2
     assert FusedLlama(_model(small, torch.float32), few_rows=64).few_rows == FEW_ROWS_MAX

@@ -77,16 +77,19 @@ def pdl_pays(hidden_size: int, rows: int, capability: tuple[int, int]) -> bool:
 
 
 # Steps of up to this many rows run kernels.few unless told (models up to FEW_ROWS_HIDDEN wide):
-# each row computes the decode's bits. Chosen from bench.verify_step at SmolLM2's size with PDL
-# (docs/benchmarks.md: on the H100 and the H200 2 and 3 rows beat the tensor-core tiles, 4 lose).
+# each row computes the decode's bits. Chosen per GPU model from bench.verify_step at SmolLM2's
+# size with PDL and the GPU's pinned GEMV blocks (docs/benchmarks.md): on the H200 2 and 3 rows
+# beat the tensor-core tiles and 4 lose; on the H100 4 rows win too.
 FEW_ROWS_DEFAULT = 3
+FEW_ROWS_BY_GPU = {"NVIDIA H100 80GB HBM3": 4}  # torch.cuda.get_device_name -> rows
 FEW_ROWS_HIDDEN = 2048  # wider models (the 8B shape): not measured, the tensor-core tiles serve
 FEW_ROWS_MAX = 8  # the most rows a step takes on kernels.few
 
 
-def few_rows_default(hidden_size: int, rows: int = FEW_ROWS_DEFAULT) -> int:
-    """Rows up to which a step of a model this wide runs kernels.few unless told (`rows` where it
-    is narrow enough, else none)."""
+def few_rows_default(hidden_size: int, rows: int | None = None, gpu: str = "") -> int:
+    """Rows up to which a step of a model this wide runs kernels.few unless told where it is
+    narrow enough (`rows`, else the GPU model's entry or FEW_ROWS_DEFAULT), else none."""
+    rows = FEW_ROWS_BY_GPU.get(gpu, FEW_ROWS_DEFAULT) if rows is None else rows
     return rows if hidden_size <= FEW_ROWS_HIDDEN else 0
 
 
@@ -107,7 +110,9 @@ class FusedLlama:
         self.max_rows = verify.MAX_ROWS
         self.ws = projections.Workspace(dev)  # split projections' partials, counters
         # steps of up to few_rows rows run kernels.few: each row as the decode computes it
-        self.few_rows = min(FEW_ROWS_MAX, few_rows_default(model.cfg.hidden_size) if few_rows is None else few_rows)
+        gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+        self.few_rows = min(FEW_ROWS_MAX, few_rows_default(model.cfg.hidden_size, gpu=gpu) if few_rows is None
+                            else few_rows)
 
     def pdl_for(self, rows: int) -> bool:
         return self.pdl if self.pdl is not None else pdl_pays(self.model.cfg.hidden_size, rows, self.capability)
