@@ -55,8 +55,8 @@ class TargetConfig:
                          "batch of up to this many decodes, run unpadded; larger batches pad to a power of two) "
                          "compute every row as a one-token decode does, bit for bit: bf16 speculation and batching "
                          "then give the tokens decoding alone gives. Larger steps take the tensor-core tiles, "
-                         "faster from 4 or 5 rows at SmolLM2's size, by GPU. 0 to 8; -1 (default): for targets up to "
-                         "2048 wide the GPU model's measured choice (4 on the H100, else 3), else 0")
+                         "faster from 4 rows (H200) or by 8 (H100) at SmolLM2's size. 0 to 8; -1 (default): for "
+                         "targets up to 2048 wide the GPU model's measured choice (4 on the H100, else 3), else 0")
     forced_acceptance: bool = flag(False, "--benchmark-forced-acceptance", "benchmark only: honour verifies that "
                                    "force how many drafts are accepted (the gateway's --benchmark-forced-acceptance); "
                                    "their output is not the model's")
