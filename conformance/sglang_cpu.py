@@ -7,7 +7,6 @@ in the conformance environment (see Makefile: `make conformance`).
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +29,8 @@ from sglang.srt.utils.hf_transformers import get_config
 from sglang.test.layer_ut_utils import init_single_process_dist
 from transformers import PretrainedConfig
 
+from specsplit.ports import free_port
+
 SGLANG_VERSION = "0.5.23"
 
 # Our names for the forward passes compared, and SGLang's mode for each.
@@ -41,15 +42,9 @@ MODES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_sglang_on_cpu() -> None:
     """Once per process, before any SGLang model is built."""
-    init_single_process_dist(master_port=_free_port(), backend="gloo")
+    init_single_process_dist(master_port=free_port(), backend="gloo")
     # The rotary embedding picks its kernel when built: off CUDA, unless it believes it runs
     # on CPU, it imports vllm's. SGLANG_USE_CPU_ENGINE=1 would say so, but it also makes the
     # KV pool import sgl_kernel's CPU ops, which cannot load without a GPU. So only the rotary
