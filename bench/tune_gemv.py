@@ -58,9 +58,9 @@ def launcher(kernel: str, n: int, k: int, dtype: torch.dtype, pdl: bool
             w = weights[turn[0] % copies]
             turn[0] += 1
             if kernel == "norm_gemv":
-                fn[grid](x, nw, w, y, n, k, w.stride(0), 1e-5, HAS_NORM=True, **launch)
+                fn[grid](x, nw, w, y, n, k, k, w.stride(0), 1e-5, HAS_NORM=True, **launch)
             elif kernel == "gate_up_silu":
-                fn[grid](x, nw, w, y, n, k, w.stride(0), 1e-5, **launch)
+                fn[grid](x, nw, w, y, n, k, k, w.stride(0), 1e-5, **launch)
             else:
                 fn[grid](x, w, residual, y, n, k, w.stride(0), **launch)
 

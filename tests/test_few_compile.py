@@ -33,22 +33,23 @@ def _float_ops(kernel: object, signature: dict[str, str], constants: dict[str, o
 @needs_compiler
 def test_the_few_row_gemvs_compile_to_the_decodes_float_instructions() -> None:
     """Each few-row GEMV, compiled for sm_90, runs the decode's float instructions in the decode's
-    order (where the decode's tile covers K and where it loops over K): only addressing differs."""
+    order (where the decode's tile covers K and where it steps over K, unrolled: K is a constant):
+    only addressing differs."""
     from specsplit.models.kernels import decode, few
 
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32"}
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "stride_wn": "i32"}
     for block_k in (1024, 256):
-        sig = {**ptrs, "nw_ptr": "*bf16", "eps": "fp32"}
-        consts = {"HAS_NORM": True, "USE_PDL": True, "BLOCK_N": 8, "BLOCK_K": block_k}
+        sig = {**ptrs, "nw_ptr": "*bf16", "eps": "fp32", "K_SUM": "i32"}
+        consts = {"K": 576, "HAS_NORM": True, "USE_PDL": True, "BLOCK_N": 8, "BLOCK_K": block_k}
         sig_c = {**sig, **dict.fromkeys(consts, "constexpr")}
         want = _float_ops(decode._norm_gemv, sig_c, consts, 8)
         got = _float_ops(few._few_norm_gemv, {**sig_c, "stride_xm": "i32", "stride_ym": "i32"}, consts, 8)
         assert want and got == want
-        consts = {"USE_PDL": True, "BLOCK_N": 4, "BLOCK_K": block_k}
+        consts = {"K": 576, "USE_PDL": True, "BLOCK_N": 4, "BLOCK_K": block_k}
         sig_c = {**sig, **dict.fromkeys(consts, "constexpr")}
         want = _float_ops(decode._gate_up_silu, sig_c, consts, 4)
         assert want and _float_ops(few._few_gate_up_silu, {**sig_c, "stride_xm": "i32"}, consts, 4) == want
-        consts = {"USE_PDL": True, "BLOCK_N": 1, "BLOCK_K": block_k}
+        consts = {"K": 1536, "USE_PDL": True, "BLOCK_N": 1, "BLOCK_K": block_k}
         sig_c = {**ptrs, "r_ptr": "*bf16", **dict.fromkeys(consts, "constexpr")}
         want = _float_ops(decode._gemv_residual, sig_c, consts, 8)
         sig_f = {**ptrs, "res_ptr": "*bf16", "stride_xm": "i32", **dict.fromkeys(consts, "constexpr")}

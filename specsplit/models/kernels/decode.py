@@ -8,8 +8,11 @@ layer in five kernels instead of ~20, which is what keeps a batch-1 decode near 
                  the slot's keys [0, pos]: one program per query head
 
 Every GEMV streams whole weight rows (coalesced along K, evicted first: a weight is read once a
-step) into an fp32 accumulator. The RMS norm is folded in: rms_norm(x)·w = rstd · Σ W[n,k] x[k]
-nw[k], with rstd a scalar, so the sum of squares accumulates in the same pass. Intermediate
+step) into an fp32 accumulator. K is a compile-time constant (a model has a few), so the steps
+over K are unrolled: no loop-carried state and a small register footprint (20–96 registers a
+thread against 128–237 with a loop), a kernel compiled once per (K, blocks). The RMS norm is
+folded in: rms_norm(x)·w = rstd · Σ W[n,k] x[k] nw[k], with rstd a scalar, so the sum of
+squares accumulates in the same pass. Intermediate
 results are rounded to the activations' dtype where the unfused model rounds them (GEMM
 outputs, SiLU, the rotary products), so bf16 decoding stays close to it and fp32 decoding equal
 to it within fp32 rounding.
@@ -18,7 +21,8 @@ With `pdl` the kernels are launched with programmatic dependent launch (Hopper a
 kernel's programs start while the previous kernel's last wave runs, load their first weight
 tile (which depends on nothing computed), then wait (griddepcontrol.wait) for the previous
 kernel before reading its output or writing anything; attention likewise reads the step's
-position, the rotary tables and the first block of earlier keys and values first. CPU builds
+position, the rotary tables and the first two blocks of earlier keys and values first, and each
+block of its loop loads the next one before its softmax. CPU builds
 of torch come without Triton, so only specsplit.models.fused imports this module, when
 a fused step is made (TRITON_INTERPRET=1 runs these kernels on the CPU).
 """
@@ -64,7 +68,7 @@ def _input(x_ptr, nw_ptr, k0, K, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
 # Each GEMV loads its first weight tile before waiting for the previous kernel (weights depend
 # on nothing computed), then prefetches tile i+1 while it multiplies tile i.
 @triton.jit
-def _rows_dot(x_ptr, nw_ptr, w_ptr, pid, N, K, stride_wn, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+def _rows_dot(x_ptr, nw_ptr, w_ptr, pid, N, K: tl.constexpr, stride_wn, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows pid·BLOCK_N.. of W · (x·nw): (rows, row_ok, the dot products [BLOCK_N] in fp32,
     Σ x² — 0 without a norm)."""
@@ -75,7 +79,7 @@ def _rows_dot(x_ptr, nw_ptr, w_ptr, pid, N, K, stride_wn, HAS_NORM: tl.constexpr
     _wait(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled (K constant)
         x, x2 = _input(x_ptr, nw_ptr, k0, K, HAS_NORM, BLOCK_K)
         acc += w.to(tl.float32) * x[None, :]
         sq += x2
@@ -86,19 +90,19 @@ def _rows_dot(x_ptr, nw_ptr, w_ptr, pid, N, K, stride_wn, HAS_NORM: tl.constexpr
 # The bodies take their column tile `pid` (kernels.few runs them over several rows of x, the same
 # arithmetic for each row as here).
 @triton.jit
-def norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
+def norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K: tl.constexpr, K_SUM, stride_wn, eps, HAS_NORM: tl.constexpr,
                    USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows, row_ok, y, sq = _rows_dot(x_ptr, nw_ptr, w_ptr, pid, N, K, stride_wn, HAS_NORM, USE_PDL, BLOCK_N,
                                     BLOCK_K)
     if HAS_NORM:
-        y = y * tl.rsqrt(sq / K + eps)
+        y = y * tl.rsqrt(sq / K_SUM + eps)  # K at run time: a division, not a constant's reciprocal
     # rounded to the activations' dtype, as the unfused GEMM's output, even into a float32 `out`
     tl.store(y_ptr + rows, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
-def gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K: tl.constexpr, K_SUM, stride_wn, eps,
+                      USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """w [2N, K]: gate rows, then up rows (MergedColumnParallelLinear's layout)."""
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -110,14 +114,14 @@ def gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K, stride_wn, eps, US
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.static_range(0, K, BLOCK_K):
         x, x2 = _input(x_ptr, nw_ptr, k0, K, True, BLOCK_K)
         acc_g += wg.to(tl.float32) * x[None, :]
         acc_u += wu.to(tl.float32) * x[None, :]
         sq += x2
         wg = _tile(g_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
         wu = _tile(u_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
-    rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    rstd = tl.rsqrt(tl.sum(sq, axis=0) / K_SUM + eps)
     dt = y_ptr.dtype.element_ty
     g = (tl.sum(acc_g, axis=1) * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
     u = (tl.sum(acc_u, axis=1) * rstd).to(dt).to(tl.float32)
@@ -126,7 +130,7 @@ def gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K, stride_wn, eps, US
 
 
 @triton.jit
-def gemv_residual_tile(x_ptr, w_ptr, r_ptr, y_ptr, pid, N, K, stride_wn, USE_PDL: tl.constexpr,
+def gemv_residual_tile(x_ptr, w_ptr, r_ptr, y_ptr, pid, N, K: tl.constexpr, stride_wn, USE_PDL: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows, row_ok, y, _ = _rows_dot(x_ptr, x_ptr, w_ptr, pid, N, K, stride_wn, False, USE_PDL, BLOCK_N, BLOCK_K)
     dt = y_ptr.dtype.element_ty
@@ -135,21 +139,21 @@ def gemv_residual_tile(x_ptr, w_ptr, r_ptr, y_ptr, pid, N, K, stride_wn, USE_PDL
 
 
 @triton.jit
-def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, HAS_NORM: tl.constexpr,
+def _norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K: tl.constexpr, K_SUM, stride_wn, eps, HAS_NORM: tl.constexpr,
                USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, eps, HAS_NORM, USE_PDL, BLOCK_N,
-                   BLOCK_K)
+    norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, K_SUM, stride_wn, eps, HAS_NORM, USE_PDL,
+                   BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps, USE_PDL: tl.constexpr,
+def _gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K: tl.constexpr, K_SUM, stride_wn, eps, USE_PDL: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, eps, USE_PDL, BLOCK_N,
+    gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, tl.program_id(0), N, K, K_SUM, stride_wn, eps, USE_PDL, BLOCK_N,
                       BLOCK_K)
 
 
 @triton.jit
-def _gemv_residual(x_ptr, w_ptr, r_ptr, y_ptr, N, K, stride_wn, USE_PDL: tl.constexpr,
+def _gemv_residual(x_ptr, w_ptr, r_ptr, y_ptr, N, K: tl.constexpr, stride_wn, USE_PDL: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     gemv_residual_tile(x_ptr, w_ptr, r_ptr, y_ptr, tl.program_id(0), N, K, stride_wn, USE_PDL, BLOCK_N, BLOCK_K)
 
@@ -195,6 +199,11 @@ def _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr,
     ok = s < pos
     kb = tl.load(k_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_S, D]
     vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
+    # the next block too (masked past pos: no traffic), so its loads overlap the wait; each block
+    # of the loop then loads the one after it before its softmax
+    nxt = BLOCK_S + s
+    k_nxt = tl.load(k_base + nxt[:, None] * stride_pos + d[None, :], mask=(nxt < pos)[:, None], other=0.0)
+    v_nxt = tl.load(v_base + nxt[:, None] * stride_pos + d[None, :], mask=(nxt < pos)[:, None], other=0.0)
     _wait(USE_PDL)
     q = _rotate(qkv_ptr + h * D, d, half, D, cos, sin).to(tl.float32)
     k_new = _rotate(qkv_ptr + (HQ + kvh) * D, d, half, D, cos, sin)
@@ -209,10 +218,11 @@ def _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr,
     m, den, acc = _softmax_block(kb, vb, ok, q, m, den, acc, scale)
     for s0 in range(BLOCK_S, pos, BLOCK_S):  # (names of their own: s, ok, kb, vb are not loop-carried)
         keys = s0 + tl.arange(0, BLOCK_S)
-        valid = keys < pos
-        k_blk = tl.load(k_base + keys[:, None] * stride_pos + d[None, :], mask=valid[:, None], other=0.0)
-        v_blk = tl.load(v_base + keys[:, None] * stride_pos + d[None, :], mask=valid[:, None], other=0.0)
-        m, den, acc = _softmax_block(k_blk, v_blk, valid, q, m, den, acc, scale)
+        k_blk, v_blk = k_nxt, v_nxt
+        after = keys + BLOCK_S
+        k_nxt = tl.load(k_base + after[:, None] * stride_pos + d[None, :], mask=(after < pos)[:, None], other=0.0)
+        v_nxt = tl.load(v_base + after[:, None] * stride_pos + d[None, :], mask=(after < pos)[:, None], other=0.0)
+        m, den, acc = _softmax_block(k_blk, v_blk, keys < pos, q, m, den, acc, scale)
     tl.store(out_ptr + h * D + d, (acc / den).to(out_ptr.dtype.element_ty))
 
 
@@ -261,7 +271,7 @@ def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor |
     n, k = weight.shape
     y = torch.empty(n, device=x.device, dtype=out_dtype or x.dtype)
     nw = x if norm_weight is None else norm_weight
-    _run_gemv("norm_gemv", n, k, x, pdl, x, nw, weight, y, n, k, weight.stride(0), eps,
+    _run_gemv("norm_gemv", n, k, x, pdl, x, nw, weight, y, n, k, k, weight.stride(0), eps,
               HAS_NORM=norm_weight is not None)
     return y
 
@@ -271,7 +281,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     """x [K], weight [2I, K] (gate; up) -> silu(gate·n) * (up·n) [I], n = rms_norm(x)."""
     n2, k = weight.shape
     y = torch.empty(n2 // 2, device=x.device, dtype=x.dtype)
-    _run_gemv("gate_up_silu", n2 // 2, k, x, pdl, x, norm_weight, weight, y, n2 // 2, k, weight.stride(0), eps)
+    _run_gemv("gate_up_silu", n2 // 2, k, x, pdl, x, norm_weight, weight, y, n2 // 2, k, k, weight.stride(0), eps)
     return y
 
 

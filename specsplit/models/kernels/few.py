@@ -46,23 +46,23 @@ from specsplit.models.kernels.decode import (
 
 # Programs: (row, column tile), the row fastest: a tile's rows run side by side.
 @triton.jit
-def _few_norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, eps,
+def _few_norm_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K: tl.constexpr, K_SUM, stride_xm, stride_wn, stride_ym, eps,
                    HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     r = tl.program_id(0)
-    norm_gemv_tile(x_ptr + r * stride_xm, nw_ptr, w_ptr, y_ptr + r * stride_ym, tl.program_id(1), N, K, stride_wn,
-                   eps, HAS_NORM, USE_PDL, BLOCK_N, BLOCK_K)
+    norm_gemv_tile(x_ptr + r * stride_xm, nw_ptr, w_ptr, y_ptr + r * stride_ym, tl.program_id(1), N, K, K_SUM,
+                   stride_wn, eps, HAS_NORM, USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _few_gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, eps, USE_PDL: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _few_gate_up_silu(x_ptr, nw_ptr, w_ptr, y_ptr, N, K: tl.constexpr, K_SUM, stride_xm, stride_wn, eps,
+                      USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     r = tl.program_id(0)
-    gate_up_silu_tile(x_ptr + r * stride_xm, nw_ptr, w_ptr, y_ptr + r * N, tl.program_id(1), N, K, stride_wn, eps,
-                      USE_PDL, BLOCK_N, BLOCK_K)
+    gate_up_silu_tile(x_ptr + r * stride_xm, nw_ptr, w_ptr, y_ptr + r * N, tl.program_id(1), N, K, K_SUM, stride_wn,
+                      eps, USE_PDL, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _few_gemv_residual(x_ptr, w_ptr, res_ptr, y_ptr, N, K, stride_xm, stride_wn, USE_PDL: tl.constexpr,
+def _few_gemv_residual(x_ptr, w_ptr, res_ptr, y_ptr, N, K: tl.constexpr, stride_xm, stride_wn, USE_PDL: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     r = tl.program_id(0)
     gemv_residual_tile(x_ptr + r * stride_xm, w_ptr, res_ptr + r * N, y_ptr + r * N, tl.program_id(1), N, K,
@@ -122,6 +122,9 @@ def _row_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, sl
     cached = (s < start)[:, None]
     kb = tl.load(k_base + s[:, None] * stride_pos + d[None, :], mask=cached, other=0.0)  # [BLOCK_S, D]
     vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=cached, other=0.0)
+    nxt = BLOCK_S + s  # the next block's committed entries too, as the decode's attention does
+    k_nxt = tl.load(k_base + nxt[:, None] * stride_pos + d[None, :], mask=(nxt < start)[:, None], other=0.0)
+    v_nxt = tl.load(v_base + nxt[:, None] * stride_pos + d[None, :], mask=(nxt < start)[:, None], other=0.0)
     _wait(USE_PDL)
     qkv_row0 = qkv_ptr + b * T * stride_qkv
     me = qkv_ptr + row * stride_qkv
@@ -142,8 +145,10 @@ def _row_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, sl
     for s0 in range(BLOCK_S, hi, BLOCK_S):
         keys = s0 + tl.arange(0, BLOCK_S)
         valid = keys < hi
-        k_blk = tl.load(k_base + keys[:, None] * stride_pos + d[None, :], mask=(keys < start)[:, None], other=0.0)
-        v_blk = tl.load(v_base + keys[:, None] * stride_pos + d[None, :], mask=(keys < start)[:, None], other=0.0)
+        k_blk, v_blk = k_nxt, v_nxt
+        after = keys + BLOCK_S
+        k_nxt = tl.load(k_base + after[:, None] * stride_pos + d[None, :], mask=(after < start)[:, None], other=0.0)
+        v_nxt = tl.load(v_base + after[:, None] * stride_pos + d[None, :], mask=(after < start)[:, None], other=0.0)
         if s0 + BLOCK_S > start:
             k_blk, v_blk = _ancestors(k_blk, v_blk, keys, start, qkv_row0, stride_qkv, mask_row, pos_ptr + b * T,
                                       cos_ptr, sin_ptr, d, i, T, kvh, HQ, HKV, D, TP)
@@ -170,7 +175,7 @@ def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor |
     (m, k), n = x.shape, weight.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     nw = x if norm_weight is None else norm_weight
-    _run("norm_gemv", n, k, x, pdl, x, nw, weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0), eps,
+    _run("norm_gemv", n, k, x, pdl, x, nw, weight, y, n, k, k, x.stride(0), weight.stride(0), y.stride(0), eps,
          HAS_NORM=norm_weight is not None)
     return y
 
@@ -180,7 +185,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     """x [M, K], weight [2I, K] (gate; up) -> silu(n·gateᵀ) * (n·upᵀ) [M, I], n = rms_norm(x)."""
     (m, k), n = x.shape, weight.shape[0] // 2
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    _run("gate_up_silu", n, k, x, pdl, x, norm_weight, weight, y, n, k, x.stride(0), weight.stride(0), eps)
+    _run("gate_up_silu", n, k, x, pdl, x, norm_weight, weight, y, n, k, k, x.stride(0), weight.stride(0), eps)
     return y
 
 
