@@ -342,10 +342,9 @@ def check_lossless(engines: LocalEngines, topk: int, rate: float | None) -> None
     assert engines.target.stats()["active_sequences"] == 0
 
 
-@pytest.mark.quick
 @pytest.mark.gpu
 @needs_gpus(1)
-@pytest.mark.parametrize("topk", [1, 4])
+@pytest.mark.parametrize("topk", [1, pytest.param(4, marks=pytest.mark.quick)])
 def test_adaptive_steps_are_lossless_on_the_gpu(tiny_target: Path, tiny_head: Path, topk: int) -> None:
     """fp32 on the GPU, the fused target step (chains, trees and batches of them) and CUDA IPC."""
     engines = LocalEngines(TargetConfig(model=str(tiny_target), device="cuda", dtype="float32", max_context=256,

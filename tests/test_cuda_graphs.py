@@ -82,7 +82,6 @@ def test_model_graph_replay_is_bitwise_equal_to_eager(tiny_target: Path) -> None
     assert torch.equal(k_eager, k_graph)
 
 
-@pytest.mark.quick
 @needs_gpus(1)
 def test_engines_with_and_without_graphs_give_identical_tokens(tiny_target: Path, tiny_head: Path) -> None:
     results = {}

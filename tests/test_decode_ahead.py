@@ -159,11 +159,11 @@ def test_the_services_give_the_same_tokens_a_token_a_call_or_decoding_ahead(tiny
     assert sampled == ahead_sampled and len(sampled) == 24 and one == 1 and ahead_one >= 2
 
 
-@pytest.mark.quick
 @pytest.mark.gpu
 @needs_gpus(1)
-@pytest.mark.parametrize("fused", ["off", "pdl"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("fused", "dtype"), [  # the quick subset: what serving runs, and the padded path in fp32
+    pytest.param("off", "float32", marks=pytest.mark.quick), ("off", "bfloat16"), ("pdl", "float32"),
+    pytest.param("pdl", "bfloat16", marks=pytest.mark.quick)])
 def test_decoding_ahead_on_the_gpu_gives_the_tokens_of_one_token_calls(tiny_target: Path, fused: str,
                                                                         dtype: str) -> None:
     """On the fused and the padded path, three sequences side by side (one of them sampled)

@@ -257,7 +257,6 @@ def test_dormant_sequences_stay_lossless(tiny_engines: LocalEngines, monkeypatch
     check_lossless_through_wakes(tiny_engines, monkeypatch)
 
 
-@pytest.mark.quick
 @pytest.mark.gpu
 @needs_gpus(1)
 def test_dormant_sequences_stay_lossless_on_the_gpu(tiny_target: Path, tiny_head: Path,

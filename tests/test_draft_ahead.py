@@ -292,10 +292,9 @@ def test_auto_drafts_ahead_only_with_the_draft_on_a_gpu_of_its_own() -> None:
     assert device_identity("cpu") == "cpu"
 
 
-@pytest.mark.quick
 @pytest.mark.gpu
 @needs_gpus(1)
-@pytest.mark.parametrize("topk", [1, 4])
+@pytest.mark.parametrize("topk", [1, pytest.param(4, marks=pytest.mark.quick)])
 def test_drafting_ahead_on_the_gpu_is_lossless(tiny_target: Path, tiny_head: Path, topk: int) -> None:
     """On the GPU (fp32, the padded path and its graphs, the CUDA IPC ring): drafting ahead with
     replayed acceptance gives the target-only tokens, with hits, and leaves nothing held."""
