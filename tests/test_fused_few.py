@@ -76,17 +76,20 @@ def test_a_row_computes_the_same_bits_whatever_rows_are_beside_it(dtype: torch.d
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_row_computes_the_decodes_bits(dtype: torch.dtype) -> None:
-    """The decode's GEMVs, row by row, with its blocks: where they cover K and where they do not
-    (the down projection, the lm_head)."""
+    """The decode's GEMVs, row by row, with its blocks: where they cover K, where they take a few
+    steps over K (unrolled: the down projection, the lm_head) and where they loop over K (more
+    than kernels.decode.UNROLLED_STEPS steps)."""
     from specsplit.models.kernels import decode, few
 
     torch.manual_seed(2)
     cfg = SHAPES["smollm2-135m"]
     h, inter = cfg.hidden_size, cfg.intermediate_size
-    shapes = ((("norm_gemv", 24, 576), ("norm_gemv", 20, 300), ("gemv_residual", 16, 600), ("gate_up_silu", 12, 576))
-              if INTERPRETED else  # (K past the interpreter's blocks of 256)
+    shapes = ((("norm_gemv", 24, 576), ("norm_gemv", 20, 300), ("gemv_residual", 16, 600), ("gate_up_silu", 12, 576),
+               ("norm_gemv", 20, 1000), ("gate_up_silu", 12, 1000))
+              if INTERPRETED else  # (K past the interpreter's blocks of 256; 1000: 4 steps, a loop)
               (("norm_gemv", 960, h), ("norm_gemv", 2000, h), ("norm_gemv", cfg.vocab_size, h),
-               ("gemv_residual", h, h), ("gemv_residual", h, inter), ("gate_up_silu", inter, h)))
+               ("gemv_residual", h, h), ("gemv_residual", h, inter), ("gate_up_silu", inter, h),
+               ("gemv_residual", h, 4096), ("norm_gemv", 960, 4096)))  # (4096: the rule's 8 steps, a loop)
     for name, n, k in shapes:
         x, nw = _rand(6, k, dtype=dtype), _rand(k, dtype=dtype).abs() + 0.5
         w = _rand(2 * n if name == "gate_up_silu" else n, k, dtype=dtype, scale=0.05)

@@ -8,9 +8,10 @@ layer in five kernels instead of ~20, which is what keeps a batch-1 decode near 
                  the slot's keys [0, pos]: one program per query head
 
 Every GEMV streams whole weight rows (coalesced along K, evicted first: a weight is read once a
-step) into an fp32 accumulator. K is a compile-time constant (a model has a few), so the steps
-over K are unrolled: no loop-carried state and a small register footprint (20–96 registers a
-thread against 128–237 with a loop), a kernel compiled once per (K, blocks). The RMS norm is
+step) into an fp32 accumulator. K is a compile-time constant (a model has a few): up to 3 steps
+over K (SmolLM2's matrices) are unrolled, which needs no loop-carried state and fewer registers
+(20–96 a thread against 128–237 with a loop); more steps (the 8B shape's) loop, as unrolling
+them spills registers. A kernel is compiled once per (K, blocks). The RMS norm is
 folded in: rms_norm(x)·w = rstd · Σ W[n,k] x[k] nw[k], with rstd a scalar, so the sum of
 squares accumulates in the same pass. Intermediate
 results are rounded to the activations' dtype where the unfused model rounds them (GEMM
@@ -65,6 +66,19 @@ def _input(x_ptr, nw_ptr, k0, K, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
     return x, x * 0.0
 
 
+UNROLLED_STEPS = tl.constexpr(3)  # K steps unrolled up to this many (a loop past it: no register spills)
+
+
+@triton.jit
+def _dot_step(x_ptr, nw_ptr, w_rows, row_ok, w, acc, sq, k0, K: tl.constexpr, HAS_NORM: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """One K step: the products of tile `w` at columns k0.. into acc, x² into sq, and the next tile."""
+    x, x2 = _input(x_ptr, nw_ptr, k0, K, HAS_NORM, BLOCK_K)
+    acc += w.to(tl.float32) * x[None, :]
+    sq += x2
+    return acc, sq, _tile(w_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
+
+
 # Each GEMV loads its first weight tile before waiting for the previous kernel (weights depend
 # on nothing computed), then prefetches tile i+1 while it multiplies tile i.
 @triton.jit
@@ -79,11 +93,12 @@ def _rows_dot(x_ptr, nw_ptr, w_ptr, pid, N, K: tl.constexpr, stride_wn, HAS_NORM
     _wait(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled (K constant)
-        x, x2 = _input(x_ptr, nw_ptr, k0, K, HAS_NORM, BLOCK_K)
-        acc += w.to(tl.float32) * x[None, :]
-        sq += x2
-        w = _tile(w_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
+    if K <= UNROLLED_STEPS * BLOCK_K:  # (decided when compiled: K is a constant)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            acc, sq, w = _dot_step(x_ptr, nw_ptr, w_rows, row_ok, w, acc, sq, k0, K, HAS_NORM, BLOCK_K)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            acc, sq, w = _dot_step(x_ptr, nw_ptr, w_rows, row_ok, w, acc, sq, k0, K, HAS_NORM, BLOCK_K)
     return rows, row_ok, tl.sum(acc, axis=1), tl.sum(sq, axis=0)
 
 
@@ -101,6 +116,17 @@ def norm_gemv_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K: tl.constexpr, K_SUM, 
 
 
 @triton.jit
+def _gate_up_step(x_ptr, nw_ptr, g_rows, u_rows, row_ok, wg, wu, acc_g, acc_u, sq, k0, K: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    x, x2 = _input(x_ptr, nw_ptr, k0, K, True, BLOCK_K)
+    acc_g += wg.to(tl.float32) * x[None, :]
+    acc_u += wu.to(tl.float32) * x[None, :]
+    sq += x2
+    return acc_g, acc_u, sq, _tile(g_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K), _tile(u_rows, row_ok, k0 + BLOCK_K, K,
+                                                                                     BLOCK_K)
+
+
+@triton.jit
 def gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K: tl.constexpr, K_SUM, stride_wn, eps,
                       USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """w [2N, K]: gate rows, then up rows (MergedColumnParallelLinear's layout)."""
@@ -114,13 +140,14 @@ def gate_up_silu_tile(x_ptr, nw_ptr, w_ptr, y_ptr, pid, N, K: tl.constexpr, K_SU
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        x, x2 = _input(x_ptr, nw_ptr, k0, K, True, BLOCK_K)
-        acc_g += wg.to(tl.float32) * x[None, :]
-        acc_u += wu.to(tl.float32) * x[None, :]
-        sq += x2
-        wg = _tile(g_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
-        wu = _tile(u_rows, row_ok, k0 + BLOCK_K, K, BLOCK_K)
+    if K <= UNROLLED_STEPS * BLOCK_K:
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            acc_g, acc_u, sq, wg, wu = _gate_up_step(x_ptr, nw_ptr, g_rows, u_rows, row_ok, wg, wu, acc_g, acc_u, sq,
+                                                     k0, K, BLOCK_K)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            acc_g, acc_u, sq, wg, wu = _gate_up_step(x_ptr, nw_ptr, g_rows, u_rows, row_ok, wg, wu, acc_g, acc_u, sq,
+                                                     k0, K, BLOCK_K)
     rstd = tl.rsqrt(tl.sum(sq, axis=0) / K_SUM + eps)
     dt = y_ptr.dtype.element_ty
     g = (tl.sum(acc_g, axis=1) * rstd).to(dt).to(tl.float32)  # the GEMM's rounded outputs
