@@ -33,8 +33,8 @@ def _float_ops(kernel: object, signature: dict[str, str], constants: dict[str, o
 @needs_compiler
 def test_the_few_row_gemvs_compile_to_the_decodes_float_instructions() -> None:
     """Each few-row GEMV, compiled for sm_90, runs the decode's float instructions in the decode's
-    order (where the decode's tile covers K and where it steps over K, unrolled: K is a constant):
-    only addressing differs."""
+    order (where the decode's tile covers K, where it takes a few unrolled steps over K, and where
+    it loops over K: 1536 in steps of 256): only addressing differs."""
     from specsplit.models.kernels import decode, few
 
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "stride_wn": "i32"}
