@@ -8,6 +8,7 @@ One JSON line per matrix and bucket: the fastest plan, and what the pinned table
   python -m bench.tune_mm                          # SmolLM2-135M's matrices, 16 rows
   python -m bench.tune_mm --rows 16,32,64 --write  # and pin the fastest for this GPU model
   python -m bench.tune_mm --block-k 512,1024 --write  # the whole-K steps against the pinned plans
+  python -m bench.tune_mm --ksplit 4,8,16 --write    # K split inside a program against the pinned plans
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def main() -> None:
     p.add_argument("--rows", default="16", help="comma list of row counts (each its bucket: 16, 32, 64)")
     p.add_argument("--block-k", default="", help="comma list: time only the candidates of these K steps (with the "
                    "pinned plan and the rule); default: every candidate")
+    p.add_argument("--ksplit", default="", help="comma list: time only the candidates that split K inside a program "
+                   "this many ways (with the pinned plan and the rule)")
     a = p.parse_args()
     dtype, gpu, pdl = gpu_and_pdl(a)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -87,7 +90,9 @@ def main() -> None:
                 pinned, rule = blocks.mm_lookup(kernel, n, k, bm, gpu, sms), blocks.mm_rule(n, k, sms)
                 times: dict[Plan, float] = {}
                 steps = {int(x) for x in a.block_k.split(",") if x}
-                candidates = [q for q in blocks.mm_candidates(k) if not steps or q.block_k in steps]
+                ways = {int(x) for x in a.ksplit.split(",") if x}
+                candidates = [q for q in blocks.mm_candidates(k)
+                              if (not steps or q.block_k in steps) and (not ways or q.ksplit in ways)]
                 for plan in dict.fromkeys([*candidates, pinned, rule]):
                     try:
                         times[plan] = time_launch(make(plan), a.launches, a.replays)

@@ -23,9 +23,10 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("plans", "shape"), [  # the quick subset: the pinned plans of the deep K
     pytest.param(p, s, marks=pytest.mark.quick if (p, s) == ("pinned", "deep-k") else ())
-    for p in ("pinned", "split", "whole") for s in SHAPES])
+    for p in ("pinned", "split", "whole", "ksplit", "ksplit-split") for s in SHAPES])
 def test_projections_match_torch_and_rows_keep_their_bits(dtype: torch.dtype, shape: str, plans: str) -> None:
-    """The pinned plans (kernels.blocks), the rule's split-K plans, and one program a tile over all of K."""
+    """The pinned plans (kernels.blocks), the rule's split-K plans, one program a tile over all of K,
+    and K split inside a program (steps of 8 tiles of 64 columns; with K also split across programs)."""
     from specsplit.models.kernels import blocks
     from specsplit.models.kernels import projections as proj
 
@@ -44,6 +45,9 @@ def test_projections_match_torch_and_rows_keep_their_bits(dtype: torch.dtype, sh
         ws.plan = lambda kernel, n, k, rows, dtype: blocks.mm_rule(n, k, ws.sms)  # type: ignore[method-assign]
     elif plans == "whole":
         ws.plan = lambda kernel, n, k, rows, dtype: blocks.Plan.of(k, 16, 64, k)  # type: ignore[method-assign]
+    elif plans.startswith("ksplit"):
+        chunk = 512 if plans == "ksplit-split" else k
+        ws.plan = lambda kernel, n, k, rows, dtype: blocks.Plan.of(k, 16, 64, chunk, 4, 8)  # type: ignore[method-assign]
     tol = 1e-3 if dtype == torch.float32 else 3e-2
     first: dict[str, torch.Tensor] = {}
     for m in ROWS:

@@ -40,26 +40,35 @@ INTERPRETER: Blocks = (4, 256, 4)  # TRITON_INTERPRET=1 (the CPU)
 @dataclass(frozen=True)
 class Plan:
     """How one multi-row projection [N, K] runs: column tiles of block_n, K in `splits` chunks of
-    `chunk` columns (a multiple of block_k), each a program."""
+    `chunk` columns (a multiple of block_k · ksplit), each a program. A program's K step is
+    ksplit tiles of block_k columns multiplied side by side (one batched product, the program's
+    warps each on its own tiles) and added up across them: K split inside the program."""
     block_n: int
     block_k: int
     splits: int
     chunk: int
     warps: int = 4
+    ksplit: int = 1
 
     @property
     def split(self) -> bool:
         return self.splits > 1
 
+    @property
+    def step(self) -> int:
+        """Columns of K a program multiplies at a time."""
+        return self.block_k * self.ksplit
+
     @classmethod
-    def of(cls, k: int, block_n: int, block_k: int, chunk: int, warps: int = 4) -> Plan:
-        """The plan of K split into chunks of `chunk` columns (rounded up to a multiple of block_k)."""
-        chunk = -(-min(chunk, k) // block_k) * block_k
-        return cls(block_n, block_k, -(-k // chunk), chunk, warps)
+    def of(cls, k: int, block_n: int, block_k: int, chunk: int, warps: int = 4, ksplit: int = 1) -> Plan:
+        """The plan of K split into chunks of `chunk` columns (rounded up to a multiple of the K step)."""
+        step = block_k * ksplit
+        chunk = -(-min(chunk, k) // step) * step
+        return cls(block_n, block_k, -(-k // chunk), chunk, warps, ksplit)
 
     def pinned(self) -> list[int]:
-        """The table's entry: [block_n, block_k, chunk, warps]."""
-        return [self.block_n, self.block_k, self.chunk, self.warps]
+        """The table's entry: [block_n, block_k, chunk, warps], and ksplit where it is not 1."""
+        return [self.block_n, self.block_k, self.chunk, self.warps, *([self.ksplit] if self.ksplit > 1 else [])]
 
 
 WHOLE_K = 1024  # the widest K step: a program's whole weight slice of a narrow projection
@@ -74,6 +83,18 @@ def mm_candidates(k: int) -> list[Plan]:
              for bn in (16, 32, 64) for bk in (64, 128, 256) for steps in (1, 2, 4, 0)]
     wide = [bk for bk in (512, WHOLE_K) if bk < 2 * k]
     plans += [Plan.of(k, bn, bk, bk, warps) for bn in (16, 32) for bk in wide for warps in (4, 8)]
+    return list(dict.fromkeys(plans + ksplit_candidates(k)))
+
+
+def ksplit_candidates(k: int) -> list[Plan]:
+    """Plans that split K inside a program (Plan.ksplit): tiles of 16 or 32 columns, K steps of 512,
+    1024 or 2048 columns (up to K's next power of two) as 4 to 16 tiles, at least one a warp,
+    chunks of one step or all of K."""
+    top = max(512, 1 << (k - 1).bit_length())
+    plans = [Plan.of(k, bn, step // ks, chunk, warps, ks)
+             for bn in (16, 32) for step in (512, 1024, 2048) if step <= top
+             for ks in (4, 8, 16) if step // ks >= 32 for warps in (4, 8) if ks >= warps
+             for chunk in (step, k)]
     return list(dict.fromkeys(plans))
 
 

@@ -102,18 +102,52 @@ def _x_tile(x_ptr, m, m_ok, cols, k_end, stride_xm):
 
 
 @triton.jit
+def _k_cols(k0, KS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The columns of a K step of KS tiles from k0: [KS, 1, BLOCK_K]."""
+    return k0 + tl.arange(0, KS)[:, None, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, None, :]
+
+
+@triton.jit
+def _w_step(w_rows, n_ok, k0, k_end, KS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weights of one K step from k0: [BLOCK_N, BLOCK_K], or [KS, BLOCK_N, BLOCK_K] split inside
+    the program (KS > 1)."""
+    if KS == 1:
+        return _w_tile(w_rows, n_ok, k0 + tl.arange(0, BLOCK_K), k_end)
+    cols = _k_cols(k0, KS, BLOCK_K)
+    return tl.load(w_rows[None, :, :] + cols, mask=n_ok[None, :, None] & (cols < k_end), other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _x_step(x_ptr, m, m_ok, k0, k_end, stride_xm, KS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The rows' operands of one K step from k0: [BLOCK_M, BLOCK_K], or [KS, BLOCK_M, BLOCK_K]."""
+    if KS == 1:
+        return _x_tile(x_ptr, m, m_ok, k0 + tl.arange(0, BLOCK_K), k_end, stride_xm)
+    cols = _k_cols(k0, KS, BLOCK_K)
+    return tl.load(x_ptr + m[None, :, None] * stride_xm + cols, mask=m_ok[None, :, None] & (cols < k_end),
+                   other=0.0)
+
+
+@triton.jit
+def _step_dot(x, w, acc, DOT: tl.constexpr, KS: tl.constexpr):
+    """acc + x · wᵀ of one K step; split inside the program, each tile's product [KS, BLOCK_M, BLOCK_N]
+    (the warps each on their own tiles) summed over the tiles."""
+    if KS == 1:
+        return tl.dot(x, tl.trans(w), acc, input_precision=DOT)
+    return acc + tl.sum(tl.dot(x, tl.permute(w, (0, 2, 1)), input_precision=DOT), axis=0)
+
+
+@triton.jit
 def _chunk_dot(x_ptr, w, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, DOT: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """X[:, k0:k_end] · W[:, k0:k_end]ᵀ [BLOCK_M, BLOCK_N] fp32, w the first weight tile (loaded
-    before the kernel's wait: it depends on nothing computed); the compiler pipelines the loads
-    of the rest (num_stages tiles in flight)."""
-    cols = k0 + tl.arange(0, BLOCK_K)
-    acc = tl.dot(_x_tile(x_ptr, m, m_ok, cols, k_end, stride_xm), tl.trans(w),
-                 tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), input_precision=DOT)
-    for i in range(BLOCK_K, CHUNK, BLOCK_K):
-        cols = k0 + i + tl.arange(0, BLOCK_K)
-        acc = tl.dot(_x_tile(x_ptr, m, m_ok, cols, k_end, stride_xm), tl.trans(_w_tile(w_rows, n_ok, cols, k_end)),
-                     acc, input_precision=DOT)
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr):
+    """X[:, k0:k_end] · W[:, k0:k_end]ᵀ [BLOCK_M, BLOCK_N] fp32, w the first K step's weights (loaded
+    before the kernel's wait: they depend on nothing computed); the compiler pipelines the loads
+    of the rest (num_stages steps in flight)."""
+    acc = _step_dot(_x_step(x_ptr, m, m_ok, k0, k_end, stride_xm, KS, BLOCK_K), w,
+                    tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT, KS)
+    for i in range(BLOCK_K * KS, CHUNK, BLOCK_K * KS):
+        acc = _step_dot(_x_step(x_ptr, m, m_ok, k0 + i, k_end, stride_xm, KS, BLOCK_K),
+                        _w_step(w_rows, n_ok, k0 + i, k_end, KS, BLOCK_K), acc, DOT, KS)
     return acc
 
 
@@ -171,7 +205,8 @@ def _prenorm(tok_ptr, e_ptr, h_ptr, nw_ptr, xn_ptr, q_ptr, M, N, stride_e, GATHE
 @triton.jit
 def _norm_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
              CHUNK, SPLITS: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES_P2: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr,
+             TILES_P2: tl.constexpr):
     """Y = rstd · (X·nw) · Wᵀ, with X·nw and the partial Σ x² as _put_normed leaves them."""
     tile, s = tl.program_id(0), tl.program_id(1)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -181,11 +216,12 @@ def _norm_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_
     k0 = s * CHUNK
     k_end = tl.minimum(K, k0 + CHUNK)
     w_rows = w_ptr + n[:, None] * stride_wn
-    w = _w_tile(w_rows, n_ok, k0 + tl.arange(0, BLOCK_K), k_end)
+    w = _w_step(w_rows, n_ok, k0, k_end, KS, BLOCK_K)
     _wait(USE_PDL)
     if not SPLIT:  # every program finishes its tile: the norm's loads go out with the operands'
         rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)
-    acc = _chunk_dot(x_ptr, w, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _chunk_dot(x_ptr, w, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, DOT, BLOCK_M, BLOCK_N, BLOCK_K,
+                     KS)
     last = True
     if SPLIT:
         at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -205,7 +241,8 @@ def _norm_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_
 @triton.jit
 def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, eps,
                      CHUNK, SPLITS: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES_P2: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr,
+                     TILES_P2: tl.constexpr):
     """w [2N, K]: gate rows, then up rows; a program's gate and up tiles stream in the same pass."""
     tile, s = tl.program_id(0), tl.program_id(1)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -216,21 +253,19 @@ def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K,
     k_end = tl.minimum(K, k0 + CHUNK)
     g_rows = w_ptr + n[:, None] * stride_wn
     u_rows = w_ptr + (n + N)[:, None] * stride_wn
-    cols = k0 + tl.arange(0, BLOCK_K)
-    wg = _w_tile(g_rows, n_ok, cols, k_end)  # before the wait, as _chunk_dot
-    wu = _w_tile(u_rows, n_ok, cols, k_end)
+    wg = _w_step(g_rows, n_ok, k0, k_end, KS, BLOCK_K)  # before the wait, as _chunk_dot
+    wu = _w_step(u_rows, n_ok, k0, k_end, KS, BLOCK_K)
     _wait(USE_PDL)
     if not SPLIT:
         rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)
-    x = _x_tile(x_ptr, m, m_ok, cols, k_end, stride_xm)
+    x = _x_step(x_ptr, m, m_ok, k0, k_end, stride_xm, KS, BLOCK_K)
     zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_g = tl.dot(x, tl.trans(wg), zero, input_precision=DOT)
-    acc_u = tl.dot(x, tl.trans(wu), zero, input_precision=DOT)
-    for i in range(BLOCK_K, CHUNK, BLOCK_K):
-        cols = k0 + i + tl.arange(0, BLOCK_K)
-        x = _x_tile(x_ptr, m, m_ok, cols, k_end, stride_xm)
-        acc_g = tl.dot(x, tl.trans(_w_tile(g_rows, n_ok, cols, k_end)), acc_g, input_precision=DOT)
-        acc_u = tl.dot(x, tl.trans(_w_tile(u_rows, n_ok, cols, k_end)), acc_u, input_precision=DOT)
+    acc_g = _step_dot(x, wg, zero, DOT, KS)
+    acc_u = _step_dot(x, wu, zero, DOT, KS)
+    for i in range(BLOCK_K * KS, CHUNK, BLOCK_K * KS):
+        x = _x_step(x_ptr, m, m_ok, k0 + i, k_end, stride_xm, KS, BLOCK_K)
+        acc_g = _step_dot(x, _w_step(g_rows, n_ok, k0 + i, k_end, KS, BLOCK_K), acc_g, DOT, KS)
+        acc_u = _step_dot(x, _w_step(u_rows, n_ok, k0 + i, k_end, KS, BLOCK_K), acc_u, DOT, KS)
     last = True
     if SPLIT:
         at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -255,7 +290,8 @@ def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K,
 @triton.jit
 def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, nw_ptr, xn_ptr, q_ptr, M, N, K, stride_xm, stride_wn,
                  CHUNK, SPLITS: tl.constexpr, SPLIT: tl.constexpr, NEXT_NORM: tl.constexpr, USE_PDL: tl.constexpr,
-                 DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 KS: tl.constexpr):
     """H' = H + X · Wᵀ; with NEXT_NORM also H'·nw and its partial Σ h'² for the next projection."""
     tile, s = tl.program_id(0), tl.program_id(1)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -265,13 +301,14 @@ def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, nw_ptr, xn_ptr, q_ptr
     k0 = s * CHUNK
     k_end = tl.minimum(K, k0 + CHUNK)
     w_rows = w_ptr + n[:, None] * stride_wn
-    w = _w_tile(w_rows, n_ok, k0 + tl.arange(0, BLOCK_K), k_end)
+    w = _w_step(w_rows, n_ok, k0, k_end, KS, BLOCK_K)
     _wait(USE_PDL)
     at = m[:, None] * N + n[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     if not SPLIT:  # the residual's load goes out with the operands'
         res = tl.load(r_ptr + at, mask=ok, other=0.0)
-    acc = _chunk_dot(x_ptr, w, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _chunk_dot(x_ptr, w, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, DOT, BLOCK_M, BLOCK_N, BLOCK_K,
+                     KS)
     last = True
     if SPLIT:
         at_p = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -293,7 +330,7 @@ def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, nw_ptr, xn_ptr, q_ptr
 def _run(kernel: Any, p: Plan, n: int, x: torch.Tensor, pdl: bool, *args: Any, **constants: Any) -> None:
     grid = (triton.cdiv(n, p.block_n), p.splits)
     kernel[grid](*args, p.chunk, p.splits, SPLIT=p.split, USE_PDL=pdl, DOT=precision(x.dtype),
-                 BLOCK_M=block_m(x.shape[0]), BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps,
+                 BLOCK_M=block_m(x.shape[0]), BLOCK_N=p.block_n, BLOCK_K=p.block_k, KS=p.ksplit, num_warps=p.warps,
                  num_stages=3, **constants, **_launch(pdl))
 
 
