@@ -112,20 +112,24 @@ def _w_step(w_rows, n_ok, k0, k_end, KS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weights of one K step from k0: [BLOCK_N, BLOCK_K], or [KS, BLOCK_N, BLOCK_K] split inside
     the program (KS > 1)."""
     if KS == 1:
-        return _w_tile(w_rows, n_ok, k0 + tl.arange(0, BLOCK_K), k_end)
-    cols = _k_cols(k0, KS, BLOCK_K)
-    return tl.load(w_rows[None, :, :] + cols, mask=n_ok[None, :, None] & (cols < k_end), other=0.0,
-                   eviction_policy="evict_first")
+        w = _w_tile(w_rows, n_ok, k0 + tl.arange(0, BLOCK_K), k_end)
+    else:
+        cols = _k_cols(k0, KS, BLOCK_K)
+        w = tl.load(w_rows[None, :, :] + cols, mask=n_ok[None, :, None] & (cols < k_end), other=0.0,
+                    eviction_policy="evict_first")
+    return w
 
 
 @triton.jit
 def _x_step(x_ptr, m, m_ok, k0, k_end, stride_xm, KS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The rows' operands of one K step from k0: [BLOCK_M, BLOCK_K], or [KS, BLOCK_M, BLOCK_K]."""
     if KS == 1:
-        return _x_tile(x_ptr, m, m_ok, k0 + tl.arange(0, BLOCK_K), k_end, stride_xm)
-    cols = _k_cols(k0, KS, BLOCK_K)
-    return tl.load(x_ptr + m[None, :, None] * stride_xm + cols, mask=m_ok[None, :, None] & (cols < k_end),
-                   other=0.0)
+        x = _x_tile(x_ptr, m, m_ok, k0 + tl.arange(0, BLOCK_K), k_end, stride_xm)
+    else:
+        cols = _k_cols(k0, KS, BLOCK_K)
+        x = tl.load(x_ptr + m[None, :, None] * stride_xm + cols, mask=m_ok[None, :, None] & (cols < k_end),
+                    other=0.0)
+    return x
 
 
 @triton.jit
@@ -133,8 +137,10 @@ def _step_dot(x, w, acc, DOT: tl.constexpr, KS: tl.constexpr):
     """acc + x · wᵀ of one K step; split inside the program, each tile's product [KS, BLOCK_M, BLOCK_N]
     (the warps each on their own tiles) summed over the tiles."""
     if KS == 1:
-        return tl.dot(x, tl.trans(w), acc, input_precision=DOT)
-    return acc + tl.sum(tl.dot(x, tl.permute(w, (0, 2, 1)), input_precision=DOT), axis=0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT)
+    else:
+        acc = acc + tl.sum(tl.dot(x, tl.permute(w, (0, 2, 1)), input_precision=DOT), axis=0)
+    return acc
 
 
 @triton.jit
