@@ -75,10 +75,26 @@ def test_multi_row_plans_are_candidates_pinned_per_rows_bucket() -> None:
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (49152, 576), (6144, 4096), (4096, 14336)])
 def test_a_plan_covers_k_in_whole_steps(n: int, k: int) -> None:
     for plan in [*blocks.mm_candidates(k), blocks.mm_rule(n, k, 132)]:
-        assert plan.chunk % plan.block_k == 0 and plan.splits * plan.chunk >= k > (plan.splits - 1) * plan.chunk
+        assert plan.chunk % plan.step == 0 and plan.splits * plan.chunk >= k > (plan.splits - 1) * plan.chunk
         assert plan.split == (plan.splits > 1)
+        assert plan.step == plan.block_k * plan.ksplit
     assert blocks.mm_rule(960, 576, 132).splits * 30 >= 132  # narrow projections split K to fill the GPU
     assert blocks.Plan.of(576, 16, 256, 576) == blocks.Plan(16, 256, 1, 768)  # one chunk: all of K
+
+
+def test_plans_that_split_k_inside_a_program() -> None:
+    """K steps of ksplit tiles: chunks round up to whole steps, and the table entry carries ksplit
+    only where it is not 1 (the entries pinned before it read as before)."""
+    plan = blocks.Plan.of(576, 16, 64, 576, 4, 16)
+    assert plan == blocks.Plan(16, 64, 1, 1024, 4, 16) and plan.step == 1024
+    assert blocks.Plan.of(576, 16, 128, 512, 4, 4) == blocks.Plan(16, 128, 2, 512, 4, 4)  # and K over 2 programs
+    assert plan.pinned() == [16, 64, 1024, 4, 16] and blocks.Plan.of(576, *plan.pinned()) == plan
+    assert blocks.Plan.of(576, 32, 64, 64).pinned() == [32, 64, 64, 4]
+    for k in (576, 1536, 4096):
+        ways = blocks.ksplit_candidates(k)
+        assert ways and set(ways) <= set(blocks.mm_candidates(k))
+        for p in ways:  # each warp has tiles of its own; tiles and steps are powers of two
+            assert p.ksplit >= p.warps and p.ksplit & (p.ksplit - 1) == 0 and p.step & (p.step - 1) == 0
 
 
 def decode_prompts(out: str) -> None:
