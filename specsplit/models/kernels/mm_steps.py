@@ -63,7 +63,7 @@ def _step_dot(x, w, acc, DOT: tl.constexpr, KS: tl.constexpr):
 
 
 @triton.jit
-def _chunk_dot(x_ptr, w, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, DOT: tl.constexpr,
+def _chunk_dot(x_ptr, w, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK: tl.constexpr, stride_xm, DOT: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr):
     """X[:, k0:k_end] · W[:, k0:k_end]ᵀ [BLOCK_M, BLOCK_N] fp32, w the first K step's weights (loaded
     before the kernel's wait: they depend on nothing computed); the compiler pipelines the loads

@@ -122,7 +122,7 @@ def _prenorm(tok_ptr, e_ptr, h_ptr, nw_ptr, xn_ptr, q_ptr, M, N, stride_e, GATHE
 
 @triton.jit
 def _norm_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
-             CHUNK, SPLITS: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
+             CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr,
              TILES_P2: tl.constexpr):
     """Y = rstd · (X·nw) · Wᵀ, with X·nw and the partial Σ x² as _put_normed leaves them."""
@@ -158,9 +158,9 @@ def _norm_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_
 
 @triton.jit
 def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, eps,
-                     CHUNK, SPLITS: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr,
-                     TILES_P2: tl.constexpr):
+                     CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+                     DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     KS: tl.constexpr, TILES_P2: tl.constexpr):
     """w [2N, K]: gate rows, then up rows; a program's gate and up tiles stream in the same pass."""
     tile, s = tl.program_id(0), tl.program_id(1)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -207,9 +207,9 @@ def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K,
 
 @triton.jit
 def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, nw_ptr, xn_ptr, q_ptr, M, N, K, stride_xm, stride_wn,
-                 CHUNK, SPLITS: tl.constexpr, SPLIT: tl.constexpr, NEXT_NORM: tl.constexpr, USE_PDL: tl.constexpr,
-                 DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 KS: tl.constexpr):
+                 CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLIT: tl.constexpr, NEXT_NORM: tl.constexpr,
+                 USE_PDL: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, KS: tl.constexpr):
     """H' = H + X · Wᵀ; with NEXT_NORM also H'·nw and its partial Σ h'² for the next projection."""
     tile, s = tl.program_id(0), tl.program_id(1)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
