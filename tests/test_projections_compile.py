@@ -22,7 +22,8 @@ RESIDUAL = {"x_ptr": "*bf16", "w_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf1
 
 
 def _compiled(kernel: Any, signature: dict[str, str], constants: dict[str, object], warps: int) -> Any:
-    """As a launch compiles it: pointers and integers but the rows' count divisible by 16."""
+    """As a launch compiles it: pointers, strides and sizes divisible by 16 (not the rows' count nor the
+    norm's tile count)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -56,9 +57,9 @@ def test_the_projections_compile_for_hopper(block_n: int, block_k: int, ksplit: 
 @needs_compiler
 @pytest.mark.parametrize(("block_n", "block_k", "ksplit"), [(16, 64, 16), (16, 128, 8), (16, 256, 4)])
 def test_a_chunk_of_one_step_takes_no_pipeline_buffers(block_n: int, block_k: int, ksplit: int) -> None:
-    """A program's whole chunk in one K step (the H100's 16-row plans): its shared memory holds one
-    step's operands, not the num_stages buffers of a loop that never runs (which took 130 KB a
-    program, a multiprocessor's worth, and so kept the next kernel's programs off it)."""
+    """A program's whole chunk in one K step (the pinned plans that split K inside a program): its
+    shared memory holds one step's operands, not the num_stages buffers of a loop that never runs
+    (130 KB a program for the H100's o plan when the chunk was not a constant)."""
     step = block_k * ksplit
     common = {"SPLITS": 1, "SPLIT": False, "USE_PDL": True, "DOT": "tf32", "BLOCK_M": 16, "BLOCK_N": block_n,
               "BLOCK_K": block_k, "KS": ksplit}
