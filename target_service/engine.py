@@ -8,6 +8,7 @@ owns the hidden-state ring and answers the gateway.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -180,7 +181,7 @@ class TargetEngine:
         if len(op.draft_parents) != len(op.draft_ids):
             raise OpError(Code.INVALID_ARGUMENT, f"{len(op.draft_parents)} parents for {len(op.draft_ids)} "
                                                  "draft tokens")
-        if any(not -1 <= p < i for i, p in enumerate(op.draft_parents)):
+        if _row_parents(tuple(op.draft_parents)) is None:
             raise OpError(Code.INVALID_ARGUMENT, "each draft token's parent must come before it (or be -1)")
 
     def _check_ids(self, ids: list[int]) -> None:
@@ -241,7 +242,7 @@ class TargetEngine:
             return Work(i, op, seq, Row(seq.slot, 0, op.prompt_ids))
         seq = self.seqs[op.seq_id]
         if type(op) is Verify:  # the last emitted token, then the drafts (a tree under it: parents shifted)
-            parents = [-1, *(p + 1 for p in op.draft_parents)] if op.draft_parents else None
+            parents = _row_parents(tuple(op.draft_parents)) if op.draft_parents else None
             return Work(i, op, seq, Row(seq.slot, seq.length, [seq.last_token, *op.draft_ids], parents,
                                         seq.sampling.greedy, ring_row, op.forced))  # greedy: accepted in the step
         if isinstance(op, Resume):  # its committed tokens again, in a slot of its own
@@ -336,6 +337,16 @@ class TargetEngine:
         self.runner.release(seq.slot)
         seq.slot = -1  # no KV entries: a Resume prefills its tokens again
         return Outcome(TargetResult(op.seq_id))
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_parents(draft_parents: tuple[int, ...]) -> tuple[int, ...] | None:
+    """A tree of drafts' parents (each before it, or -1) as its verify row's: the last emitted
+    token first, as the root, and each draft's parent shifted past it; None for an invalid tree.
+    Cached: a draft's trees often repeat their shape."""
+    if any(not -1 <= p < i for i, p in enumerate(draft_parents)):
+        return None
+    return (-1, *(p + 1 for p in draft_parents))
 
 
 def fused_runs(model: LlamaModel) -> bool:

@@ -12,6 +12,7 @@ Three layouts:
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,7 +126,7 @@ def tree_ancestry(parents: tuple[int, ...], t: int) -> tuple[np.ndarray, list[in
     return (np.array(ancestors, dtype=np.uint64)[:, None] >> np.arange(t, dtype=np.uint64)) & 1, depth
 
 
-def tree_layout(start: int, parents: list[int]) -> tuple[list[int], list[int], list[int]]:
+def tree_layout(start: int, parents: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
     """A tree (see tree_ancestry) at entries start..: each token's rotary position (start +
     depth) and the (token, entry) pairs of the tree that each token sees: its ancestors and
     itself. Plain lists: a whole tree's mask is then one indexed write."""
@@ -134,7 +135,7 @@ def tree_layout(start: int, parents: list[int]) -> tuple[list[int], list[int], l
     return [start + d for d in depth], rows.tolist(), (cols + start).tolist()
 
 
-def tree_segment(slot: int, start: int, parents: list[int], device: torch.device | str = "cpu") -> Segment:
+def tree_segment(slot: int, start: int, parents: Sequence[int], device: torch.device | str = "cpu") -> Segment:
     """A tree (see tree_layout) as a ragged segment: each token sees the committed entries, its
     ancestors and itself. Built on the host, moved to `device` once (not in every layer)."""
     n = len(parents)

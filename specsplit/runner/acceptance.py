@@ -19,6 +19,8 @@ first rows, and hands the host one small integer tensor per step (see `readback`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from specsplit.models.layers import KVCache
@@ -26,7 +28,7 @@ from specsplit.models.layers import KVCache
 ALWAYS = -2  # expect: accepted whatever the target's argmax (forced acceptance)
 
 
-def row_fields(tokens: list[int], parents: list[int] | None, accept: bool, t: int, forced: int = -1
+def row_fields(tokens: list[int], parents: Sequence[int] | None, accept: bool, t: int, forced: int = -1
                ) -> tuple[list[int], list[int]]:
     """A row of len(tokens) <= t nodes (parents: node indices, -1 for the root; None: a chain)
     -> parent, expect [t] (see the module's docstring); padding continues the chain. forced
@@ -42,13 +44,18 @@ def row_fields(tokens: list[int], parents: list[int] | None, accept: bool, t: in
         for _ in range(min(forced, height[0])):
             node = max((j for j in range(node + 1, n) if parent[j] == node), key=lambda j: (height[j], -j))
             expect[node] = ALWAYS
-    elif accept:
-        seen: set[tuple[int, int]] = set()
-        for j in range(1, n):
-            key = (parent[j], tokens[j])
-            if key not in seen:
-                seen.add(key)
-                expect[j] = tokens[j]
+    elif accept and parents:
+        if len(set(zip(parent[1:n], tokens[1:], strict=True))) == n - 1:  # no twins (a draft's top-k siblings differ)
+            expect[1:n] = tokens[1:]
+        else:
+            seen: set[tuple[int, int]] = set()
+            for j in range(1, n):
+                key = (parent[j], tokens[j])
+                if key not in seen:
+                    seen.add(key)
+                    expect[j] = tokens[j]
+    elif accept:  # a chain: each node has a parent of its own, so no sibling repeats its token
+        expect[1:n] = tokens[1:]
     return parent, expect
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,7 @@ class Row:
     slot: int
     start: int  # committed entries of the slot, all visible to the row
     tokens: list[int]
-    parents: list[int] | None = None  # a tree: each token's parent in `tokens` (-1: after the committed entries)
+    parents: Sequence[int] | None = None  # a tree: each token's parent in `tokens` (-1: after the committed entries)
     accept: bool = False  # verify: accept the drafts after tokens[0] greedily on the device
     ring_row: int = -1  # verify: where its features go in the runner's ring (-1: not written by the step)
     forced: int = -1  # with accept: accept this many down the deepest path (a benchmark mode)
@@ -71,16 +72,16 @@ def pack_rows(rows: list[Row], b: int, t: int, tree: bool, verify: bool, ring: b
     a row with a ring_row, then repeats of the first such write (same row, same value)."""
     fields: list[list[int]] = [[], [], [], []]  # tokens, positions, entries, slots
     accept: list[list[int]] = [[], []]  # parent, expect
-    masks = np.empty((b, t, t) if tree else (0,), dtype=np.int64)
-    for i, row in enumerate(rows):
+    masks: list[np.ndarray] = []  # [T, T] each
+    for row in rows:
         n, entries = len(row.tokens), list(range(row.start, row.start + t))
         positions = entries
-        if tree:
-            masks[i] = _causal(t)
-            if row.parents:
-                mask, depth = tree_ancestry(tuple(row.parents), t)
-                masks[i, :n] = mask
-                positions = [row.start + d for d in depth] + entries[n:]
+        if tree and row.parents:
+            mask, offsets = _tree_row(tuple(row.parents), t)
+            masks.append(mask)
+            positions = [row.start + d for d in offsets]
+        elif tree:
+            masks.append(_causal(t))
         fields[0] += [*row.tokens, *[0] * (t - n)]
         fields[1] += positions
         fields[2] += entries
@@ -99,16 +100,27 @@ def pack_rows(rows: list[Row], b: int, t: int, tree: bool, verify: bool, ring: b
                 src += range(i * t, i * t + len(row.tokens))
         fill = b * t - len(dst)
         writes = [*dst, *[dst[0]] * fill, *src, *[src[0]] * fill]
-    ints = np.array([x for field in (*fields, *accept) for x in field] + writes, dtype=np.int64)
+    ints = np.array(fields[0] + fields[1] + fields[2] + fields[3] + accept[0] + accept[1] + writes, dtype=np.int64)
     if tree:  # the masks sit between the slots and the acceptance's fields
         cut = 3 * b * t + b
-        ints = np.concatenate([ints[:cut], masks.ravel(), ints[cut:]])
+        ints = np.concatenate([ints[:cut], *(mask.ravel() for mask in masks), ints[cut:]])
     return ints, StepLayout(b, t, tree, verify, ring)
 
 
 @functools.cache
 def _causal(t: int) -> np.ndarray:
     return np.tril(np.ones((t, t), dtype=np.int64))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tree_row(parents: tuple[int, ...], t: int) -> tuple[np.ndarray, list[int]]:
+    """A tree row's mask [T, T] (its nodes' ancestry, then the padding's causal rows) and each
+    token's rotary offset from the row's start (a node's depth, then the padding's index).
+    Cached: a draft's trees often repeat their shape."""
+    mask, depth = tree_ancestry(parents, t)
+    full = _causal(t).copy()
+    full[: len(parents)] = mask
+    return full, [*depth, *range(len(parents), t)]
 
 
 def padded_rows(rows: list[torch.Tensor], b: int, t: int) -> torch.Tensor:
