@@ -59,7 +59,7 @@ def test_the_projections_compile_for_hopper(block_n: int, block_k: int, ksplit: 
 def test_a_chunk_of_one_step_takes_no_pipeline_buffers(block_n: int, block_k: int, ksplit: int) -> None:
     """A program's whole chunk in one K step (the pinned plans that split K inside a program): its
     shared memory holds one step's operands, not the num_stages buffers of a loop that never runs
-    (130 KB a program for the H100's o plan when the chunk was not a constant)."""
+    (a loop's buffers: 130 KB a program for the H100's o plan)."""
     step = block_k * ksplit
     common = {"SPLITS": 1, "SPLIT": False, "USE_PDL": True, "DOT": "tf32", "BLOCK_M": 16, "BLOCK_N": block_n,
               "BLOCK_K": block_k, "KS": ksplit}

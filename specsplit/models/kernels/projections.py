@@ -18,8 +18,8 @@ s = 0..S-1 (whoever arrives last: the result does not depend on timing), applies
 and resets the counter. K may also be split inside a program (Plan.ksplit = KS): a K step is KS
 tiles [BLOCK_K] multiplied as one batched product [KS, BLOCK_M, BLOCK_N] (each warp on its own
 tiles, not one warp's accumulator chain over all of K) and summed over KS. SmolLM2's 16-row
-projections take 2.7-4.7 µs a launch this way on the H100 and 2.2-3.8 on the H200, against 3.3-5.2
-and 2.6-4.2 with the plans they replaced (bench.tune_mm). A program's chunk of K is a compile-time
+projections take 2.7-4.7 µs a launch this way on the H100 and 2.2-3.8 on the H200 (bench.tune_mm).
+A program's chunk of K is a compile-time
 constant: a chunk of one K step compiles without a loop (nor the loop's pipeline buffers).
 The plan (tile, K step, chunk, warps, KS) is pinned per GPU model, matrix
 and rows bucket (kernels.blocks, `mm_plans.json`), never chosen by timing: a given GPU model
