@@ -27,10 +27,10 @@ from bench.replay import LABEL, Replayer
 from bench.spec_vs_baseline import git_commit
 from draft_service.config import FUSED_HEAD, DraftConfig
 from draft_service.runtime import DraftRuntime
-from gateway.forced import ForcedAcceptance
 from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
 from specsplit.cli.client import GatewayClient, Generation, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
+from specsplit.forced import ForcedAcceptance
 from specsplit.models.parallel import TensorParallel
 from specsplit.observability.trace_report import load_jsonl
 from target_service.config import FUSED_DECODE, TargetConfig
@@ -66,7 +66,8 @@ def in_process(a: argparse.Namespace, prompts: list[list[int]], steps_list: list
                                         max_draft_tokens=max(16, tree_size(a))).validate(), TensorParallel())
     draft = DraftRuntime(DraftConfig(head=a.head, target=a.model, dtype=a.dtype, device=a.draft_device,
                                      max_context=a.max_context, max_sequences=2, compile=draft_compiles(a),
-                                     fused_head=a.draft_fused_head, max_topk=max(8, tree_topk(a))).validate())
+                                     fused_head=a.draft_fused_head, max_topk=max(8, tree_topk(a)),
+                                     benchmark_tree_profile=getattr(a, "forced_acceptance", "")).validate())
     assert target.writer is not None
     draft.attach(target.writer.descriptor)
     draft.warm_graphs()  # as the services do once attached
@@ -181,9 +182,11 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
     engine_flags = (["--inline-steps"] if a.inline_steps else []) + (["--compile"] if a.compile else [])
     trees = ["--max-num-draft-tokens", str(max(16, tree_size(a)))]
     target_only: list[str] = []
-    if forced(a) is not None:  # the gateway draws, the target commits
+    tree_profile: list[str] = []
+    if forced(a) is not None:  # the gateway draws, the target commits, the draft's trees follow the profile
         trees += ["--benchmark-forced-acceptance", a.forced_acceptance]
         target_only = ["--benchmark-forced-acceptance"]
+        tree_profile = ["--benchmark-tree-profile", a.forced_acceptance]
     gateway_extra, service_extra = variant_args(variant, a.spin_us)
     cfg = StackConfig.of(model=a.model, head=a.head, dtype=a.dtype, device=a.device, draft_device=a.draft_device,
                          hidden_backend=a.backend, max_context=a.max_context, max_sequences=2, log_dir=log_dir,
@@ -193,7 +196,7 @@ def services(a: argparse.Namespace, prompts: list[list[int]], refs: list[list[in
                                             "--few-rows", str(a.few_rows)],
                          extra_draft_args=[*engine_flags, *(["--compile"] if a.draft_compile else []),
                                            "--fused-head", a.draft_fused_head,
-                                           *service_extra, "--max-topk", str(max(8, tree_topk(a)))],
+                                           *service_extra, *tree_profile, "--max-topk", str(max(8, tree_topk(a)))],
                          extra_gateway_args=[*replay, *trees, *gateway_extra],
                          gateway_module="bench.replay_gateway" if replay else "gateway",
                          step_sockets=not a.grpc_steps,

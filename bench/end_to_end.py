@@ -8,7 +8,8 @@ generating exactly --max-new-tokens (ignore_eos), decode tokens/s of
 One JSON line per (mode, num_steps), then a summary line with the ratios over the in-process
 target-only baseline, the commit and the machine. With --forced-acceptance (a shape with a random
 head: nothing would be accepted) each verify accepts a number of drafts drawn from a per-depth
-profile (gateway.forced) and every line says so in "acceptance".
+profile, the draft ranks its trees' candidates by the same profile (specsplit.forced), and every
+line says so in "acceptance".
 
   python -m bench.end_to_end --device cuda:0 --draft-device cuda:0          # one H200
   python -m bench.end_to_end --device cpu --draft-device cpu --dtype float32 --prompts 1 --max-new-tokens 32 \\
@@ -36,6 +37,7 @@ from bench.prompts import CHAT_PROMPTS
 from bench.spec_vs_baseline import git_commit
 from specsplit.checkpoints.eagle_head import trained_head_dir
 from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
+from specsplit.forced import ForcedAcceptance
 from specsplit.tokenizer import TextCodec
 
 
@@ -80,6 +82,11 @@ def hf_generate(a: argparse.Namespace, prompts: list[list[int]], refs: list[list
     return rows
 
 
+def label(forced: ForcedAcceptance, topk: int) -> str:
+    """What a forced run's lines say of its acceptance (and of its trees' shape)."""
+    return forced.label + (", trees ranked by it" if topk > 1 else "")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -103,7 +110,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--forced-acceptance", default="", help="benchmark mode for heads without trained weights: each "
                    "verify accepts a number of drafts drawn from this per-depth profile ('shipped' or rates, "
-                   "gateway.forced); every line says so")
+                   "specsplit.forced), and the draft ranks its trees' candidates by it; every line says so")
     p.add_argument("--target-only-decode", type=int, default=16, help="in-process target-only decoding: up to "
                    "this many tokens a call (decoding ahead; 1: a token a call); the services' as their gateway's "
                    "--decode-ahead-ms says")
@@ -142,7 +149,7 @@ def main() -> None:
     common = {"bench": "end_to_end", "model": a.model, "head": Path(a.head).name, "dtype": a.dtype,
               "topk": a.topk, "num_draft_tokens": a.num_draft_tokens if a.topk > 1 else None,
               "max_new_tokens": a.max_new_tokens, "prompts": len(prompts),
-              **({"acceptance": forced.label} if forced is not None else {})}
+              **({"acceptance": label(forced, a.topk)} if forced is not None else {})}
     summary: dict[str, Any] = {}
     for steps in [0, *steps_list]:
         for mode, row in (("in_process", local[steps]), *((m, r[steps]) for m, r in remote.items())):
@@ -161,7 +168,7 @@ def main() -> None:
     best = max((k for k in summary if k.startswith("services_spec") or k == "services_adaptive"),
                key=summary.__getitem__, default=None)
     print(json.dumps({"bench": "end_to_end", "summary": "decode tokens/s over in-process target-only (graphs)",
-                      **({"acceptance": forced.label} if forced is not None else {}),
+                      **({"acceptance": label(forced, a.topk)} if forced is not None else {}),
                       "in_process_target_only_tokens_per_s": base, "ratios": summary, "best_services": best,
                       "target_device": a.device, "draft_device": a.draft_device, "inline_steps": a.inline_steps,
                       "step_transport": "grpc stream" if a.grpc_steps else "unix socket",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from bench.replay import Replayer
 from draft_service.runtime import DraftRuntime
-from gateway.forced import ForcedAcceptance
+from specsplit.forced import ForcedAcceptance
 from specsplit.ops import ExtendPropose, Prefill, Release, Verify
 from target_service.runtime import TargetRuntime
 

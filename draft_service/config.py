@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specsplit.flags import flag
+from specsplit.forced import ForcedAcceptance
 
 SPIN_HELP = ("after each reply, poll the step socket this many µs for the next request before a blocking read (a core "
              "kept busy while serving, no wake-up from idle; 0: block at once; -1, the default: 20000 on CUDA, 0 on "
@@ -53,6 +54,11 @@ class DraftConfig:
     step_socket: str = flag("", "--step-socket", "also serve Step on this Unix socket, for a gateway on the same host "
                             "(default: gRPC only)", env="SPECSPLIT_DRAFT_STEP_SOCKET")
     step_socket_spin_us: float = flag(-1.0, "--step-socket-spin-us", SPIN_HELP)
+    benchmark_tree_profile: str = flag("", "--benchmark-tree-profile", "benchmark only, beside forced acceptance (a "
+                                       "head without trained weights): rank each tree's candidates by this "
+                                       "acceptance profile, 'shipped' or comma-separated rates of depths 1, 2, ..., "
+                                       "instead of the head's probabilities, so that its trees are as deep as a "
+                                       "trained head's (specsplit.forced)")
 
     def validate(self) -> DraftConfig:
         # torch comes with these: imported here, so that building a parser from this class stays light
@@ -76,6 +82,7 @@ class DraftConfig:
             raise ValueError("fused_head on needs a CUDA device")
         if self.fused_head == "on" and self.compile:
             raise ValueError("fused_head on and compile exclude each other: the compiled graphs run the padded path")
+        ForcedAcceptance.parse(self.benchmark_tree_profile)
         check_step_socket(self.step_socket)
         check_spin_us(self.step_socket_spin_us)
         return self

@@ -25,6 +25,7 @@ import torch
 
 from draft_service.ahead import check_ahead, draft_ahead, keep_last
 from draft_service.tree import fused_top_k, grow_trees, unpack_trees
+from specsplit.forced import ForcedAcceptance
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.models.fused_head import fused_head, level_kernel
 from specsplit.ops import (
@@ -96,15 +97,14 @@ class Proposal:
 class DraftEngine:
     def __init__(self, head: Eagle3Head, max_sequences: int, max_context: int, max_steps: int,
                  cuda_graphs: bool = True, compile: bool = False, max_topk: int = 8, fused: str = "auto",
-                 ahead_slots: int = 0) -> None:
+                 ahead_slots: int = 0, tree_profile: ForcedAcceptance | None = None) -> None:
         self.head, self.max_steps, self.max_context, self.max_topk = head, max_steps, max_context, max_topk
         self.max_sequences, self.ahead_slots = max_sequences, ahead_slots
         # extends of up to max_steps + 1 tokens (a cycle's) or PUT_OFF_TOKENS (those put off, gateway.phases) run
         # padded, from graphs on CUDA; room for them, chains and trees past the context
         longest = max(max_steps + 1, PUT_OFF_TOKENS)
         room = extend_bucket(longest) + max_steps + 1 + max_steps * max_topk
-        # compile: on CUDA with graphs each cycle's graph compiled whole (its shapes are static), elsewhere
-        # the padded forward
+        # compile: on CUDA with graphs each cycle's graph compiled whole (static shapes), else the padded forward
         cuda = next(head.parameters()).device.type == "cuda"
         whole = compile and cuda_graphs and cuda
         fused_step = fused_head(head, fused) if cuda and not compile else None  # compiled: the padded path
@@ -124,6 +124,9 @@ class DraftEngine:
         # starts (draft_service.ahead) [slots + 1, H]
         p = head.fc.weight
         self.last_hidden = torch.zeros(slots + 1, head.cfg.hidden_size, dtype=p.dtype, device=p.device)
+        # --benchmark-tree-profile (specsplit.forced): trees ranked by a profile, [max_steps, topk] per topk
+        self.ranks = {k: torch.tensor(tree_profile.rank_log_probs(max_steps, k), device=p.device)
+                      for k in range(2, max_topk + 1)} if tree_profile is not None else {}
 
     @property
     def step_path(self) -> str:
@@ -354,8 +357,9 @@ class DraftEngine:
             assert prenorm is not None
             return logits, prenorm
 
-        return (torch.cat(grow_trees(forward, self.head.to_target_ids, logits, hidden, lengths, slots, topk, steps,
-                                     ctx, self.top_k, self.level), dim=1),)  # one copy to the host
+        grown = grow_trees(forward, self.head.to_target_ids, logits, hidden, lengths, slots, topk, steps, ctx,
+                           self.top_k, self.level, self.ranks.get(topk))
+        return (torch.cat(grown, dim=1),)  # one copy to the host
 
     def _sampled_chains(self, work: list[Work], logits: torch.Tensor, hidden: torch.Tensor, ends: list[int],
                         out: list[Proposal]) -> None:

@@ -14,6 +14,7 @@ from draft_service.warmup import warm_up
 from specsplit.checkpoints.eagle_head import load_head, resolve_head_dir
 from specsplit.checkpoints.shapes import random_embedding, random_weights_spec
 from specsplit.checkpoints.target_checkpoint import load_safetensors_dir, load_target_config, resolve_target_dir
+from specsplit.forced import ForcedAcceptance
 from specsplit.models.eagle3 import Eagle3Head
 from specsplit.ops import DraftOp, DraftResult, StepTiming
 from specsplit.transport.handoff import open_reader
@@ -50,7 +51,11 @@ class DraftRuntime:
         self.cfg = cfg
         self.head = head or build_head(cfg)
         self.engine = DraftEngine(self.head, cfg.max_sequences, cfg.max_context, cfg.max_steps, cfg.cuda_graphs,
-                                  cfg.compile, cfg.max_topk, cfg.fused_head, cfg.ahead_slots)
+                                  cfg.compile, cfg.max_topk, cfg.fused_head, cfg.ahead_slots,
+                                  ForcedAcceptance.parse(cfg.benchmark_tree_profile))
+        if self.engine.ranks:
+            log.warning("benchmark mode: trees ranked by the profile %s, not by the head (specsplit.forced)",
+                        cfg.benchmark_tree_profile)
         self.descriptor: Descriptor | None = None
         self.opens = 0  # hidden-store mappings opened: once per target, never per cycle
         self.warm_topk = cfg.warm_topk or list(WARM_TOPK)

@@ -32,8 +32,8 @@ log = logging.getLogger("specsplit.draft")
 
 def grow_trees(forward: Forward, to_target_ids: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor,
                hidden: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, topk: int, steps: int, ctx: int,
-               fused_top_k: TopK | None = None, fused_level: Callable[..., tuple[torch.Tensor, ...]] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               fused_top_k: TopK | None = None, fused_level: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+               ranks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grow B trees of `steps` levels at once. logits [B, Vd] and hidden [B, H] of each
     sequence after its extend; lengths [B] committed draft entries; slots [B].
     `forward(tokens, hidden, positions, slots, ctx, entries, visible)` is the head on a padded
@@ -41,9 +41,13 @@ def grow_trees(forward: Forward, to_target_ids: Callable[[torch.Tensor], torch.T
     ids [B, N], parents [B, N] (candidate index, -1 under the sequence) and the candidates
     best first [B, N] (stable: ties keep index order, so parents come before children).
     `fused_top_k` and `fused_level` (kernels.tree.tree_level with the head's d2t bound) do a
-    level's top-k and bookkeeping in one kernel each on CUDA."""
+    level's top-k and bookkeeping in one kernel each on CUDA. `ranks` [>= steps, >= K] (a
+    benchmark's, specsplit.forced): the candidates scored by these log-probabilities of each
+    depth and rank instead of the head's (the same tokens, kept by other scores)."""
     b, k, h = logits.shape[0], topk, hidden.shape[-1]
     lp, ids = top_log_probs(logits, k, fused_top_k)  # [B, K]
+    if ranks is not None:
+        lp = ranks[0, :k].expand(b, k)
     front_scores = lp.double().clamp(max=0.0)  # cumulative log-probabilities, in float64
     front_tokens = to_target_ids(ids)  # [B, K]
     tokens, scores = [front_tokens], [front_scores]
@@ -61,6 +65,8 @@ def grow_trees(forward: Forward, to_target_ids: Callable[[torch.Tensor], torch.T
             visible = seen | (keys == entries[..., None])  # [B, K, ctx]
         out, prenorm = forward(front_tokens, inputs, positions, slots, ctx, entries, visible)  # [B,K,Vd], [B,K,H]
         lp, ids = top_log_probs(out, k, fused_top_k)  # [B, K, K]
+        if ranks is not None:
+            lp = ranks[depth, :k].expand(b, k, k).contiguous()
         if fused_level is not None:
             cand, cand_tokens, under, front_scores, front_tokens, frontier, inputs, visible, entries, positions = \
                 fused_level(lp, ids, front_scores, frontier, lengths, prenorm, visible, k + (depth - 1) * k * k, depth)

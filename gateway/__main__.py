@@ -12,7 +12,6 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc
 
 from gateway.clients import DraftClient, GrpcDraft, GrpcTarget
 from gateway.config import GatewayConfig
-from gateway.forced import ForcedAcceptance
 from gateway.liveness import ServiceWatch, Watches
 from gateway.loop_thread import LoopThread
 from gateway.observe import GatewayMetrics
@@ -24,6 +23,7 @@ from gateway.server import GatewayServicer
 from gateway.sglang_scheduler import SglangSchedulerServicer, WorkerModel
 from specsplit.checkpoints.target_checkpoint import resolve_target_dir
 from specsplit.flags import config_parser, from_args
+from specsplit.forced import ForcedAcceptance
 from specsplit.observability.telemetry import Telemetry, setup_telemetry
 from specsplit.tokenizer import TextCodec
 from specsplit.transport.serving import (

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.forced import ForcedAcceptance
 from specsplit.checkpoints import EMBEDDED_DEFAULT, EMBEDDED_NAME
 from specsplit.flags import flag
+from specsplit.forced import ForcedAcceptance
 from specsplit.placement import DRAFT_AHEAD
 
 STEP_TIMEOUT_HELP = "seconds: a target step slower than this ends the streams with UNAVAILABLE"
@@ -76,7 +76,7 @@ class GatewayConfig:
     forced_acceptance: str = flag("", "--benchmark-forced-acceptance", "benchmark only: each verify accepts a number "
                                   "of drafts drawn from this per-depth profile ('shipped': the shipped head's, or "
                                   "comma-separated rates of depths 1, 2, ...), the target started with the flag of the "
-                                  "same name; the output is not the model's (gateway.forced)")
+                                  "same name; the output is not the model's (specsplit.forced)")
     decode_ahead_ms: float = flag(8.0, "--decode-ahead-ms", "a cycle that drafts nothing (speculation off, or not "
                                   "paying), with no waiting request a free slot could take, decodes as many tokens "
                                   "in one target call as its measured cost a token fits in this many ms (a power of "

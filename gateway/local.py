@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from draft_service.config import DraftConfig
 from draft_service.runtime import DraftRuntime
 from gateway.clients import DraftClient, LocalDraft, LocalTarget
-from gateway.forced import ForcedAcceptance
 from gateway.scheduler import Failed, Finished, GenerationRequest, Limits, Scheduler, SeqStats
+from specsplit.forced import ForcedAcceptance
 from specsplit.models.parallel import TensorParallel
 from target_service.config import TargetConfig
 from target_service.runtime import TargetRuntime
@@ -28,7 +28,7 @@ class LocalEngines:
     def __init__(self, target_cfg: TargetConfig, draft_cfg: DraftConfig | None) -> None:
         self.target = TargetRuntime(target_cfg.validate(), TensorParallel())
         self.draft = None
-        self.forced: ForcedAcceptance | None = None  # a benchmark mode: the target must allow it (gateway.forced)
+        self.forced: ForcedAcceptance | None = None  # a benchmark mode: the target must allow it (specsplit.forced)
         self.draft_ahead = False  # (gateway.ahead)
         if draft_cfg is not None:
             self.draft = DraftRuntime(draft_cfg.validate())

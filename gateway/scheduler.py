@@ -33,7 +33,6 @@ from opentelemetry import trace
 
 from gateway.adaptive import StepChooser
 from gateway.clients import DraftClient, TargetClient
-from gateway.forced import ForcedAcceptance
 from gateway.observe import NOOP_METRICS, CycleSpans, GatewayMetrics, record_finish
 from gateway.outbox import Outbox
 from gateway.phases import DraftDeadline, draft_phase, target_phase
@@ -50,6 +49,7 @@ from gateway.sequence import (
     first_sequence_id,
 )
 from gateway.waiting import WaitingQueue
+from specsplit.forced import ForcedAcceptance
 from specsplit.observability.spans import SpanLog
 
 log = logging.getLogger("specsplit.gateway")
@@ -83,7 +83,7 @@ class Scheduler:
         self.spans = CycleSpans(spans)
         self.chooser = StepChooser(max_steps)  # adaptive requests' shape per cycle, from measured costs
         self.cycle_ms: dict[str, float] = {}  # this cycle's draft and verify-only call times
-        self.forced: ForcedAcceptance | None = None  # a benchmark mode (gateway.forced)
+        self.forced: ForcedAcceptance | None = None  # a benchmark mode (specsplit.forced)
         self.cycles, self.cycle_decoded = 0, 1  # and the tokens each verify of this cycle decodes (phases.decode_ahead)
         self.totals = LoopTotals()
         self.in_cycle = False

@@ -7,7 +7,7 @@ node j:
 - expect[j]: the token the target's argmax after parent[j] must be for j to be accepted;
   -1 (never) for padding, for rows not accepted on the device (sampled), and for a node
   repeating an earlier sibling's token (walking down, the first such sibling is taken);
-  ALWAYS for the nodes that forced acceptance (a benchmark mode, gateway.forced) takes
+  ALWAYS for the nodes that forced acceptance (a benchmark mode, specsplit.forced) takes
   whatever the target's argmax: `forced` deep (or to a leaf) down the path that goes deepest,
   the first such child at each node;
 and the step's mask says each node's ancestors. A node is accepted when it and each of its

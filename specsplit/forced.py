@@ -4,10 +4,20 @@ With --benchmark-forced-acceptance the gateway draws how many drafts each verify
 a per-depth acceptance profile and the target (started with the flag of the same name) accepts
 that many whatever its logits say. The target still verifies every draft and commits the
 accepted rows: the cycle costs what a real one costs. The output is not the model's; every
-benchmark line that uses the mode says "forced acceptance"."""
+benchmark line that uses the mode says "forced acceptance".
+
+A random head's scores are flat, so its trees are wide and shallow (of topk 4 and 16 tokens,
+the 4 nodes of depth 1 and 11 of depth 2), and forced acceptance, which goes down the deepest
+path, cannot go as deep as the profile: a trained head's trees follow its likely chain. With
+--benchmark-tree-profile the draft ranks its tree's candidates by the profile instead of the
+head's probabilities (`rank_log_probs`): at each depth the best child scores the profile's
+rate there and its siblings share the rest, so the tree keeps a chain as deep as its steps
+with siblings along it, as a trained head's does. The draft still runs every level and every
+node; only which candidates it keeps changes."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -15,6 +25,7 @@ from dataclasses import dataclass
 # trees of topk 4 and 16 tokens, 5 steps, HumanEval and held-out chat prompts, bf16 on an H200
 # (bench/results/acceptance_h200_d02cb94_tree_k4n16_steps5-3.jsonl); deeper depths repeat the last.
 SHIPPED_PROFILE = (0.833, 0.784, 0.734, 0.714, 0.721)
+RANK_FLOOR = 1e-4  # a rank's probability at least (rates of 0 or 1 leave no -inf scores)
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,19 @@ class ForcedAcceptance:
         while accepted < steps and rng.random() < self.rate(accepted + 1):
             accepted += 1
         return accepted
+
+    def rank_log_probs(self, depths: int, topk: int) -> list[list[float]]:
+        """[depths][topk] the log-probabilities the draft ranks a tree's candidates by (its
+        --benchmark-tree-profile): at depth d the best child the rate of d, the others 1 - that
+        rate in halves (1/2, 1/4, ... of it, the last two equal), each at least RANK_FLOOR."""
+        out = []
+        for d in range(1, depths + 1):
+            rest = 1.0 - self.rate(d)
+            shares = [0.5 ** (i + 1) for i in range(topk - 1)]
+            if shares:
+                shares[-1] *= 2  # (halves that sum to one)
+            out.append([math.log(max(p, RANK_FLOOR)) for p in [self.rate(d), *(rest * s for s in shares)]])
+        return out
 
     @property
     def label(self) -> str:
