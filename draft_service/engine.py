@@ -124,9 +124,8 @@ class DraftEngine:
         # starts (draft_service.ahead) [slots + 1, H]
         p = head.fc.weight
         self.last_hidden = torch.zeros(slots + 1, head.cfg.hidden_size, dtype=p.dtype, device=p.device)
-        # --benchmark-tree-profile (specsplit.forced): trees ranked by a profile, [max_steps, topk] per topk
-        self.ranks = {k: torch.tensor(tree_profile.rank_log_probs(max_steps, k), device=p.device)
-                      for k in range(2, max_topk + 1)} if tree_profile is not None else {}
+        self.ranks = {k: torch.tensor(tree_profile.rank_log_probs(max_steps, k), device=p.device)  # a benchmark's
+                      for k in range(2, max_topk + 1)} if tree_profile is not None else {}  # [max_steps, topk]
 
     @property
     def step_path(self) -> str:
@@ -212,8 +211,7 @@ class DraftEngine:
             if not op.sampling.greedy:
                 raise OpError(Code.INVALID_ARGUMENT, "a tree (topk > 1) is drafted for greedy sequences only")
             if op.num_draft_tokens < 2:  # above every candidate: all are kept
-                raise OpError(Code.INVALID_ARGUMENT, f"num_draft_tokens {op.num_draft_tokens} is outside 2.. "
-                                                     "for a tree")
+                raise OpError(Code.INVALID_ARGUMENT, f"num_draft_tokens {op.num_draft_tokens} is outside 2.. (a tree)")
         seq = self.seqs.get(op.seq_id)
         length = 0 if seq is None else seq.length
         if op.position not in (0, length):
