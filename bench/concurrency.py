@@ -13,9 +13,11 @@ One JSON line per (mode, N):
   invariance: 1.0 in fp32; in bf16, rows padded into other batches may round near-ties apart),
   and the CUDA graphs the services captured during the run and during its warm-up run (each
   held up every stream: the services' Stats).
-Each (mode, N) runs once with --warmup-tokens tokens a stream first (warm-up: the CUDA graphs of
+Each (mode, N) first runs once with --warmup-tokens tokens a stream (warm-up: the CUDA graphs of
 that batch size's shapes are captured on first use; 8 by default, as many as the run for a
-steady state). --decode-ahead-ms A,B,...: the whole run once per value of the gateway's flag (a
+steady state), then --rounds times, the modes interleaved round by round: tokens/s is the median
+of its rounds (each round's in "rounds_tokens_per_s"), the latencies' percentiles are over every
+stream of every round. --decode-ahead-ms A,B,...: the whole run once per value of the gateway's flag (a
 stack each, one after the other), each row also against the first value's same (mode, N).
 
   python -m bench.concurrency --streams 1,2,4,8 --max-new-tokens 32                      (CPU)
@@ -124,6 +126,41 @@ def run(addr: str, n: int, max_new: int, settings: dict[str, Any], first: int = 
     return streams, (max(ends) if ends else time.perf_counter()) - t0
 
 
+def median(values: list[float]) -> float:
+    v = sorted(values)
+    return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2
+
+
+def curve_row(a: argparse.Namespace, common: dict[str, Any], ahead: str, mode: str, n: int,
+              rounds: list[tuple[list[Stream], float, int]], solo: list[tuple[int, ...]],
+              tokens_per_s: dict[tuple[str, str, int], float], warm_up_captures: int, past_budget: int,
+              settings: dict[str, Any], first_n: int, first_ahead: str) -> dict[str, Any]:
+    """One (mode, N)'s line: tokens/s the median of its rounds, the latencies' percentiles over
+    every stream of every round."""
+    tps = tokens_per_s[ahead, mode, n]
+    done = [s for streams, _, _ in rounds for s in streams]
+    ok = [s for s in done if not s.error]
+    row = {**common, "decode_ahead_ms": ahead or "default", "mode": mode, "streams": n,
+           "aggregate_tokens_per_s": round(tps, 2),
+           "rounds_tokens_per_s": [round(sum(s.tokens for s in r if not s.error) / wall, 2) for r, wall, _ in rounds],
+           "ttft_ms_p50": round(percentile([s.ttft_s for s in ok], 50) * 1e3, 2),
+           "ttft_ms_p99": round(percentile([s.ttft_s for s in ok], 99) * 1e3, 2),
+           "tpot_ms_p50": round(percentile([s.tpot_s for s in ok], 50) * 1e3, 3),
+           "tpot_ms_p99": round(percentile([s.tpot_s for s in ok], 99) * 1e3, 3),
+           "over_one_stream": round(tps / tokens_per_s[ahead, mode, first_n], 3),
+           "mean_accepted_length": round(sum(s.accepted for s in ok) / max(1, len(ok)), 3),
+           "same_tokens_as_solo": round(sum(s.ids == solo[i % len(solo)] for streams, _, _ in rounds
+                                            for i, s in enumerate(streams) if not s.error) / max(1, len(ok)), 3),
+           "wall_s": round(sum(wall for _, wall, _ in rounds), 3), "errors": [s.error for s in done if s.error][:3],
+           "graphs_captured": sum(c for _, _, c in rounds), "graphs_captured_in_warm_up": warm_up_captures,
+           "steps_past_graph_budget": past_budget, **settings}
+    if mode != "off" and (ahead, "off", n) in tokens_per_s:
+        row["over_speculation_off"] = round(tps / tokens_per_s[ahead, "off", n], 3)
+    if ahead != first_ahead:
+        row["over_first_decode_ahead"] = round(tps / tokens_per_s[first_ahead, mode, n], 3)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -137,6 +174,8 @@ def main() -> None:
     p.add_argument("--streams", default="1,2,4,8,16,32,64")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens a stream of each (mode, N)'s warm-up run")
+    p.add_argument("--rounds", type=int, default=3, help="measured runs of each (mode, N), the modes interleaved; "
+                   "tokens/s is their median")
     p.add_argument("--modes", default="off,trees,adaptive", help="off, chains, trees, adaptive (steps chosen "
                    "per cycle by the gateway)")
     p.add_argument("--chain-steps", type=int, default=3)
@@ -155,7 +194,7 @@ def main() -> None:
     t_start = time.time()
     common = {"bench": "concurrency", "model": a.model, "head": a.head, "device": a.device or "cpu",
               "draft_device": a.draft_device or a.device or "cpu", "dtype": a.dtype, "fused_decode": a.fused_decode,
-              "max_new_tokens": a.max_new_tokens, "warmup_tokens": a.warmup_tokens,
+              "max_new_tokens": a.max_new_tokens, "warmup_tokens": a.warmup_tokens, "rounds": a.rounds,
               "commit": git_commit(), "machine": platform.machine()}
     tokens_per_s: dict[tuple[str, str, int], float] = {}
     for ahead in aheads:
@@ -165,37 +204,28 @@ def main() -> None:
                              extra_gateway_args=["--decode-ahead-ms", ahead] if ahead else [])
         with ServiceStack(cfg) as stack:
             addr = stack.addr("gateway")
-            for mode in modes:
-                settings = mode_settings(mode, a) | ({"temperature": a.temperature} if a.temperature else {})
-                solo = [run(addr, 1, a.max_new_tokens, settings, i)[0][0].ids
-                        for i in range(min(max(streams), len(CHAT_PROMPTS)))]  # each prompt alone (warm too)
-                for n in streams:
-                    before_warm_up = captured_while_serving(stack)
-                    run(addr, n, a.warmup_tokens, settings)
+            settings = {mode: mode_settings(mode, a) | ({"temperature": a.temperature} if a.temperature else {})
+                        for mode in modes}
+            solo = {mode: [run(addr, 1, a.max_new_tokens, settings[mode], i)[0][0].ids  # each prompt alone (warm too)
+                           for i in range(min(max(streams), len(CHAT_PROMPTS)))] for mode in modes}
+            for n in streams:
+                warm_up: dict[str, int] = {}
+                for mode in modes:
                     before = captured_while_serving(stack)
-                    done, wall = run(addr, n, a.max_new_tokens, settings)
-                    captured = captured_while_serving(stack) - before
-                    ok = [s for s in done if not s.error]
-                    tps = sum(s.tokens for s in ok) / wall
-                    tokens_per_s[ahead, mode, n] = tps
-                    row = {**common, "decode_ahead_ms": ahead or "default", "mode": mode, "streams": n,
-                           "aggregate_tokens_per_s": round(tps, 2),
-                           "ttft_ms_p50": round(percentile([s.ttft_s for s in ok], 50) * 1e3, 2),
-                           "ttft_ms_p99": round(percentile([s.ttft_s for s in ok], 99) * 1e3, 2),
-                           "tpot_ms_p50": round(percentile([s.tpot_s for s in ok], 50) * 1e3, 3),
-                           "tpot_ms_p99": round(percentile([s.tpot_s for s in ok], 99) * 1e3, 3),
-                           "over_one_stream": round(tps / tokens_per_s[ahead, mode, streams[0]], 3),
-                           "mean_accepted_length": round(sum(s.accepted for s in ok) / max(1, len(ok)), 3),
-                           "same_tokens_as_solo": round(sum(s.ids == solo[i % len(solo)] for i, s in enumerate(done)
-                                                            if not s.error) / max(1, len(ok)), 3),
-                           "wall_s": round(wall, 3), "errors": [s.error for s in done if s.error][:3],
-                           "graphs_captured": captured, "graphs_captured_in_warm_up": before - before_warm_up,
-                           "steps_past_graph_budget": past_graph_budget(stack),
-                           **settings}
-                    if mode != "off" and (ahead, "off", n) in tokens_per_s:
-                        row["over_speculation_off"] = round(tps / tokens_per_s[ahead, "off", n], 3)
-                    if ahead != aheads[0]:
-                        row["over_first_decode_ahead"] = round(tps / tokens_per_s[aheads[0], mode, n], 3)
+                    run(addr, n, a.warmup_tokens, settings[mode])
+                    warm_up[mode] = captured_while_serving(stack) - before
+                rounds: dict[str, list[tuple[list[Stream], float, int]]] = {mode: [] for mode in modes}
+                for _ in range(a.rounds):  # the modes interleaved, round by round: drift hits them alike
+                    for mode in modes:
+                        before = captured_while_serving(stack)
+                        done, wall = run(addr, n, a.max_new_tokens, settings[mode])
+                        rounds[mode].append((done, wall, captured_while_serving(stack) - before))
+                for mode in modes:
+                    rates = [sum(s.tokens for s in done if not s.error) / wall for done, wall, _ in rounds[mode]]
+                    tokens_per_s[ahead, mode, n] = median(rates)
+                for mode in modes:
+                    row = curve_row(a, common, ahead, mode, n, rounds[mode], solo[mode], tokens_per_s, warm_up[mode],
+                                    past_graph_budget(stack), settings[mode], streams[0], aheads[0])
                     print(json.dumps(row), flush=True)
     print(json.dumps({**common, "summary": {f"{m}@{n}" + (f"/ahead {h}" if h else ""): round(v, 2)
                                             for (h, m, n), v in tokens_per_s.items()},
