@@ -1,9 +1,8 @@
 """The draft engine: extend (accepted tokens + their target features), then propose a chain of
-k tokens or a tree k levels deep.
-
-Draft position p pairs the token at p+1 with the target's features of position p, so after
-every extend the draft holds exactly as many positions as the target's cache. Proposal steps
-past that write speculative KV entries that the next extend overwrites.
+k tokens or a tree k levels deep. Draft position p pairs the token at p+1 with the target's
+features of position p, so after every extend the draft holds exactly as many positions as the
+target's cache. Proposal steps past that write speculative KV entries that the next extend
+overwrites.
 
 A cycle, for every sequence of the batch at once:
 1. extend: one model step over each sequence's new tokens (`ModelRunner.run`);
@@ -173,8 +172,7 @@ class DraftEngine:
                                                ahead=p.ahead)
         ended = time.time_ns()
         for r in results:
-            assert r is not None
-            r.started_ns, r.ended_ns = started, ended
+            r.started_ns, r.ended_ns = started, ended  # type: ignore[union-attr]
         return results  # type: ignore[return-value]
 
     def _open(self, op: ExtendPropose) -> DraftSequence:

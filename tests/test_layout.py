@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCTION = ("specsplit", "target_service", "draft_service", "gateway")
 # lowest first: a unit imports only units of lower layers
 LAYERS = [
-    {"specsplit.v1", "specsplit.ops", "specsplit.heads", "specsplit.flags", "specsplit.ports"},
+    {"specsplit.v1", "specsplit.ops", "specsplit.heads", "specsplit.flags", "specsplit.ports", "specsplit.forced"},
     {"specsplit.models", "specsplit.sampling", "specsplit.transport", "specsplit.observability", "specsplit.placement"},
     {"specsplit.checkpoints", "specsplit.runner"},
     {"specsplit.tokenizer"},
