@@ -17,12 +17,18 @@ Each (mode, N) first runs once with --warmup-tokens tokens a stream (warm-up: th
 that batch size's shapes are captured on first use; 8 by default, as many as the run for a
 steady state), then --rounds times, the modes interleaved round by round: tokens/s is the median
 of its rounds (each round's in "rounds_tokens_per_s"), the latencies' percentiles are over every
-stream of every round. --decode-ahead-ms A,B,...: the whole run once per value of the gateway's flag (a
-stack each, one after the other), each row also against the first value's same (mode, N).
+stream of every round. A model without a tokenizer (a shape, `shape:smollm2-135m`: random weights)
+gets prompts of 64 fixed token ids; with --forced-acceptance its random head's drafts are accepted
+as a profile says (specsplit.forced: the gateway draws, the target commits, the draft ranks its
+trees by it) and every line says so in "acceptance". --decode-ahead-ms A,B,...: the whole run once
+per value of the gateway's flag (a stack each, one after the other), each row also against the
+first value's same (mode, N).
 
   python -m bench.concurrency --streams 1,2,4,8 --max-new-tokens 32                      (CPU)
   python -m bench.concurrency --device cuda:0 --dtype bfloat16 --head default --fused-decode pdl \\
       --hidden-backend cuda_ipc --streams 1,2,4,8,16,32,64 --max-new-tokens 128
+  python -m bench.concurrency --model shape:smollm2-135m --forced-acceptance shipped --device cuda:0 \\
+      --dtype bfloat16 --fused-decode pdl --hidden-backend cuda_ipc          (no checkpoint to stage)
 """
 
 from __future__ import annotations
@@ -40,8 +46,11 @@ import grpc
 
 from bench.prompts import CHAT_PROMPTS
 from bench.spec_vs_baseline import git_commit
+from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
 from specsplit.cli.client import GatewayClient, make_request
 from specsplit.cli.launcher import ServiceStack, StackConfig
+from specsplit.forced import ForcedAcceptance
+from specsplit.tokenizer import TextCodec
 
 
 @dataclass
@@ -86,16 +95,31 @@ def past_graph_budget(stack: ServiceStack) -> int:
     return target.steps_past_graph_budget + (draft.steps_past_graph_budget if draft else 0)
 
 
-def run(addr: str, n: int, max_new: int, settings: dict[str, Any], first: int = 0) -> tuple[list[Stream], float]:
-    """N streams at once, stream i on chat prompt first + i (round robin) -> each stream's figures,
+Prompt = str | list[int]
+
+
+def prompts_for(model: str) -> list[Prompt]:
+    """The chat prompts, or for a model without a tokenizer (a shape with random weights) as
+    many prompts of 64 fixed token ids."""
+    if TextCodec.from_checkpoint(resolve_target_dir(model)) is not None:
+        return list(CHAT_PROMPTS)
+    vocab = load_target_config(resolve_target_dir(model)).vocab_size
+    return [[1 + (i * 7919 + j * 104729) % (vocab - 1) for j in range(64)] for i in range(len(CHAT_PROMPTS))]
+
+
+def run(addr: str, n: int, max_new: int, settings: dict[str, Any], prompts: list[Prompt], first: int = 0
+        ) -> tuple[list[Stream], float]:
+    """N streams at once, stream i on prompt first + i (round robin) -> each stream's figures,
     and the wall seconds from the first call to the last token."""
     streams = [Stream() for _ in range(n)]
     start = threading.Barrier(n + 1)
 
     def one(i: int) -> None:
         client = GatewayClient(addr)
-        seed = {"seed": (first + i) % len(CHAT_PROMPTS)} if settings.get("temperature") else {}
-        req = make_request(CHAT_PROMPTS[(first + i) % len(CHAT_PROMPTS)], max_new_tokens=max_new, ignore_eos=True,
+        seed = {"seed": (first + i) % len(prompts)} if settings.get("temperature") else {}
+        prompt = prompts[(first + i) % len(prompts)]
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+        req = make_request(text, token_ids=ids, max_new_tokens=max_new, ignore_eos=True,
                            **seed, **settings)
         grpc.channel_ready_future(client.channel).result(timeout=60)  # connected before the clock starts
         start.wait()
@@ -187,7 +211,12 @@ def main() -> None:
                    "(each stream seeded by its prompt's index; 0: greedy)")
     p.add_argument("--decode-ahead-ms", default="", help="comma list of the gateway's --decode-ahead-ms, a stack "
                    "each (default: the gateway's own)")
+    p.add_argument("--forced-acceptance", default="", help="benchmark mode for heads without trained weights (a "
+                   "shape's random head): each verify accepts a number of drafts drawn from this per-depth profile "
+                   "('shipped' or rates) and the draft ranks its trees by it (specsplit.forced); every line says so")
     a = p.parse_args()
+    forced = ForcedAcceptance.parse(a.forced_acceptance)
+    prompts = prompts_for(a.model)
     streams = [int(x) for x in a.streams.split(",")]
     modes = a.modes.split(",")
     aheads = a.decode_ahead_ms.split(",") if a.decode_ahead_ms else [""]
@@ -195,30 +224,37 @@ def main() -> None:
     common = {"bench": "concurrency", "model": a.model, "head": a.head, "device": a.device or "cpu",
               "draft_device": a.draft_device or a.device or "cpu", "dtype": a.dtype, "fused_decode": a.fused_decode,
               "max_new_tokens": a.max_new_tokens, "warmup_tokens": a.warmup_tokens, "rounds": a.rounds,
-              "commit": git_commit(), "machine": platform.machine()}
+              "commit": git_commit(), "machine": platform.machine(),
+              **({"acceptance": forced.label + ", trees ranked by it"} if forced is not None else {})}
+    benchmark = ({"gateway": ["--benchmark-forced-acceptance", a.forced_acceptance],
+                  "target": ["--benchmark-forced-acceptance"],
+                  "draft": ["--benchmark-tree-profile", a.forced_acceptance]} if forced is not None else {})
     tokens_per_s: dict[tuple[str, str, int], float] = {}
     for ahead in aheads:
         cfg = StackConfig.of(model=a.model, head=a.head, device=a.device, draft_device=a.draft_device, dtype=a.dtype,
                              fused_decode=a.fused_decode, hidden_backend=a.hidden_backend, max_context=a.max_context,
                              max_sequences=max(streams), threads=a.threads,
-                             extra_gateway_args=["--decode-ahead-ms", ahead] if ahead else [])
+                             extra_gateway_args=[*(["--decode-ahead-ms", ahead] if ahead else []),
+                                                 *benchmark.get("gateway", [])],
+                             extra_target_args=benchmark.get("target", []),
+                             extra_draft_args=benchmark.get("draft", []))
         with ServiceStack(cfg) as stack:
             addr = stack.addr("gateway")
             settings = {mode: mode_settings(mode, a) | ({"temperature": a.temperature} if a.temperature else {})
                         for mode in modes}
-            solo = {mode: [run(addr, 1, a.max_new_tokens, settings[mode], i)[0][0].ids  # each prompt alone (warm too)
-                           for i in range(min(max(streams), len(CHAT_PROMPTS)))] for mode in modes}
+            solo = {mode: [run(addr, 1, a.max_new_tokens, settings[mode], prompts, i)[0][0].ids  # each alone (warm too)
+                           for i in range(min(max(streams), len(prompts)))] for mode in modes}
             for n in streams:
                 warm_up: dict[str, int] = {}
                 for mode in modes:
                     before = captured_while_serving(stack)
-                    run(addr, n, a.warmup_tokens, settings[mode])
+                    run(addr, n, a.warmup_tokens, settings[mode], prompts)
                     warm_up[mode] = captured_while_serving(stack) - before
                 rounds: dict[str, list[tuple[list[Stream], float, int]]] = {mode: [] for mode in modes}
                 for _ in range(a.rounds):  # the modes interleaved, round by round: drift hits them alike
                     for mode in modes:
                         before = captured_while_serving(stack)
-                        done, wall = run(addr, n, a.max_new_tokens, settings[mode])
+                        done, wall = run(addr, n, a.max_new_tokens, settings[mode], prompts)
                         rounds[mode].append((done, wall, captured_while_serving(stack) - before))
                 for mode in modes:
                     rates = [sum(s.tokens for s in done if not s.error) / wall for done, wall, _ in rounds[mode]]
