@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from typing import Any
 
 import grpc
 
-from bench.prompts import CHAT_PROMPTS
+from bench.prompts import CHAT_PROMPTS, token_prompts
 from bench.spec_vs_baseline import git_commit
 from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
 from specsplit.cli.client import GatewayClient, make_request
@@ -104,7 +105,7 @@ def prompts_for(model: str) -> list[Prompt]:
     if TextCodec.from_checkpoint(resolve_target_dir(model)) is not None:
         return list(CHAT_PROMPTS)
     vocab = load_target_config(resolve_target_dir(model)).vocab_size
-    return [[1 + (i * 7919 + j * 104729) % (vocab - 1) for j in range(64)] for i in range(len(CHAT_PROMPTS))]
+    return token_prompts(vocab, len(CHAT_PROMPTS))
 
 
 def run(addr: str, n: int, max_new: int, settings: dict[str, Any], prompts: list[Prompt], first: int = 0
@@ -150,12 +151,7 @@ def run(addr: str, n: int, max_new: int, settings: dict[str, Any], prompts: list
     return streams, (max(ends) if ends else time.perf_counter()) - t0
 
 
-def median(values: list[float]) -> float:
-    v = sorted(values)
-    return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2
-
-
-def curve_row(a: argparse.Namespace, common: dict[str, Any], ahead: str, mode: str, n: int,
+def curve_row(common: dict[str, Any], ahead: str, mode: str, n: int,
               rounds: list[tuple[list[Stream], float, int]], solo: list[tuple[int, ...]],
               tokens_per_s: dict[tuple[str, str, int], float], warm_up_captures: int, past_budget: int,
               settings: dict[str, Any], first_n: int, first_ahead: str) -> dict[str, Any]:
@@ -225,7 +221,8 @@ def main() -> None:
               "draft_device": a.draft_device or a.device or "cpu", "dtype": a.dtype, "fused_decode": a.fused_decode,
               "max_new_tokens": a.max_new_tokens, "warmup_tokens": a.warmup_tokens, "rounds": a.rounds,
               "commit": git_commit(), "machine": platform.machine(),
-              **({"acceptance": forced.label + ", trees ranked by it"} if forced is not None else {})}
+              **({"acceptance": forced.label_for(trees=any(m in ("trees", "adaptive") for m in modes))}
+                 if forced is not None else {})}
     benchmark = ({"gateway": ["--benchmark-forced-acceptance", a.forced_acceptance],
                   "target": ["--benchmark-forced-acceptance"],
                   "draft": ["--benchmark-tree-profile", a.forced_acceptance]} if forced is not None else {})
@@ -258,9 +255,9 @@ def main() -> None:
                         rounds[mode].append((done, wall, captured_while_serving(stack) - before))
                 for mode in modes:
                     rates = [sum(s.tokens for s in done if not s.error) / wall for done, wall, _ in rounds[mode]]
-                    tokens_per_s[ahead, mode, n] = median(rates)
+                    tokens_per_s[ahead, mode, n] = statistics.median(rates)
                 for mode in modes:
-                    row = curve_row(a, common, ahead, mode, n, rounds[mode], solo[mode], tokens_per_s, warm_up[mode],
+                    row = curve_row(common, ahead, mode, n, rounds[mode], solo[mode], tokens_per_s, warm_up[mode],
                                     past_graph_budget(stack), settings[mode], streams[0], aheads[0])
                     print(json.dumps(row), flush=True)
     print(json.dumps({**common, "summary": {f"{m}@{n}" + (f"/ahead {h}" if h else ""): round(v, 2)

@@ -33,11 +33,10 @@ from typing import Any
 import torch
 
 from bench import cycle_overhead
-from bench.prompts import CHAT_PROMPTS
+from bench.prompts import CHAT_PROMPTS, token_prompts
 from bench.spec_vs_baseline import git_commit
 from specsplit.checkpoints.eagle_head import trained_head_dir
 from specsplit.checkpoints.target_checkpoint import load_target_config, resolve_target_dir
-from specsplit.forced import ForcedAcceptance
 from specsplit.tokenizer import TextCodec
 
 
@@ -80,11 +79,6 @@ def hf_generate(a: argparse.Namespace, prompts: list[list[int]], refs: list[list
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows
-
-
-def label(forced: ForcedAcceptance, topk: int) -> str:
-    """What a forced run's lines say of its acceptance (and of its trees' shape)."""
-    return forced.label + (", trees ranked by it" if topk > 1 else "")
 
 
 def main() -> None:
@@ -135,7 +129,7 @@ def main() -> None:
         prompts = [codec.encode(codec.render_chat(t)) for t in CHAT_PROMPTS[: a.prompts]]
     elif forced is not None:  # a shape without a tokenizer: prompts of 64 fixed token ids
         vocab = load_target_config(resolve_target_dir(a.model)).vocab_size
-        prompts = [[1 + (i * 7919 + j * 104729) % (vocab - 1) for j in range(64)] for i in range(a.prompts)]
+        prompts = token_prompts(vocab, a.prompts)
         a.hf_prompts = 0
     else:
         raise SystemExit(f"{a.model}: no tokenizer")
@@ -149,7 +143,7 @@ def main() -> None:
     common = {"bench": "end_to_end", "model": a.model, "head": Path(a.head).name, "dtype": a.dtype,
               "topk": a.topk, "num_draft_tokens": a.num_draft_tokens if a.topk > 1 else None,
               "max_new_tokens": a.max_new_tokens, "prompts": len(prompts),
-              **({"acceptance": label(forced, a.topk)} if forced is not None else {})}
+              **({"acceptance": forced.label_for(trees=a.topk > 1)} if forced is not None else {})}
     summary: dict[str, Any] = {}
     for steps in [0, *steps_list]:
         for mode, row in (("in_process", local[steps]), *((m, r[steps]) for m, r in remote.items())):
@@ -168,7 +162,7 @@ def main() -> None:
     best = max((k for k in summary if k.startswith("services_spec") or k == "services_adaptive"),
                key=summary.__getitem__, default=None)
     print(json.dumps({"bench": "end_to_end", "summary": "decode tokens/s over in-process target-only (graphs)",
-                      **({"acceptance": label(forced, a.topk)} if forced is not None else {}),
+                      **({"acceptance": forced.label_for(trees=a.topk > 1)} if forced is not None else {}),
                       "in_process_target_only_tokens_per_s": base, "ratios": summary, "best_services": best,
                       "target_device": a.device, "draft_device": a.draft_device, "inline_steps": a.inline_steps,
                       "step_transport": "grpc stream" if a.grpc_steps else "unix socket",

@@ -20,3 +20,9 @@ MIXED_PROMPTS = [
     "Repeat the sentence 'The quick brown fox jumps over the lazy dog.' ten times, one per line.",
     "Count from 1 to 60, separated by commas.",
 ]
+
+
+def token_prompts(vocab: int, n: int, length: int = 64) -> list[list[int]]:
+    """n fixed prompts of `length` token ids for a model without a tokenizer (a shape with random
+    weights)."""
+    return [[1 + (i * 7919 + j * 104729) % (vocab - 1) for j in range(length)] for i in range(n)]

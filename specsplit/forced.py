@@ -73,3 +73,8 @@ class ForcedAcceptance:
     @property
     def label(self) -> str:
         return "forced acceptance " + ",".join(f"{r:g}" for r in self.rates)
+
+    def label_for(self, trees: bool) -> str:
+        """A benchmark line's label: the profile, and that trees were ranked by it (the draft's
+        --benchmark-tree-profile) where the run drafts trees."""
+        return self.label + (", trees ranked by it" if trees else "")

@@ -42,6 +42,8 @@ def test_rank_scores_give_the_best_child_the_rate_and_its_siblings_the_rest() ->
                      pytest.approx([0.6, 0.2, 0.1, 0.1])]  # deeper depths repeat the last rate
     assert ForcedAcceptance((1.0,)).rank_log_probs(1, 2)[0] == pytest.approx([0.0, math.log(RANK_FLOOR)])
     assert ForcedAcceptance((0.5,)).rank_log_probs(2, 1) == [[math.log(0.5)]] * 2
+    assert ForcedAcceptance((0.5,)).label_for(trees=True) == "forced acceptance 0.5, trees ranked by it"
+    assert ForcedAcceptance((0.5,)).label_for(trees=False) == "forced acceptance 0.5"
 
 
 def test_trees_ranked_by_the_shipped_profile_keep_a_chain_as_deep_as_their_steps() -> None:
