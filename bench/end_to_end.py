@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from bench import cycle_overhead
+from bench.gpu_handoff import mps_daemon
 from bench.prompts import CHAT_PROMPTS, token_prompts
 from bench.spec_vs_baseline import git_commit
 from specsplit.checkpoints.eagle_head import trained_head_dir
@@ -171,7 +172,7 @@ def main() -> None:
                       "variants": a.variants,
                       "spin_us": a.spin_us, "services_tp_size": a.tp_size,
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                      "commit": git_commit(), "machine": platform.machine(),
+                      "mps": mps_daemon(), "commit": git_commit(), "machine": platform.machine(),
                       "wall_s": round(time.time() - t0, 1)}), flush=True)
 
 

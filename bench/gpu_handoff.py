@@ -14,8 +14,8 @@ each side's host busy --host-us before each launch (packing its inputs). How the
 
 Messages go over a socket pair, each side polling for them (the services' spinning sockets).
 Reported per mode: µs a cycle, the two kernels' µs alone, and the GPU's idle µs a cycle (the
-difference). Run it again with an MPS control daemon up (CUDA_MPS_PIPE_DIRECTORY set; the
-line's "mps" says so) to see what switching between the two processes' contexts costs.
+difference). Run it again with an MPS control daemon up (the line's "mps" says whether one
+listens) to see what switching between the two processes' contexts costs.
 
   python -m bench.gpu_handoff --a-us 750 --b-us 240 --host-us 110 --cycles 2000
 """
@@ -34,6 +34,13 @@ from typing import Any
 import torch
 
 MODES = ("sync", "event", "one")
+
+
+def mps_daemon() -> bool:
+    """Whether an MPS control daemon listens in this process's pipe directory
+    (CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps): CUDA processes started from here then run
+    as its clients."""
+    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))
 
 
 def _busy(us: float) -> None:
@@ -197,7 +204,7 @@ def main() -> None:
             "bench": "gpu_handoff", "mode": mode, "a_us": a.a_us, "b_us": a.b_us, "host_us": a.host_us,
             "ahead": a.ahead if mode == "event" else None, "cycles": a.cycles,
             "us_per_cycle": round(us, 1), "kernels_us": round(gpu_us, 1), "gpu_idle_us": round(us - gpu_us, 1),
-            "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")), "device": torch.cuda.get_device_name(device),
+            "mps": mps_daemon(), "device": torch.cuda.get_device_name(device),
             "commit": git_commit(), "machine": platform.machine(),
         }
         print(json.dumps(row), flush=True)

@@ -38,3 +38,12 @@ def test_every_handoff_runs_its_cycles() -> None:
     assert set(rows) == {"sync", "event", "one"}
     for r in rows.values():  # no cycle can take less than its two kernels
         assert r["us_per_cycle"] >= 0.95 * r["kernels_us"] > 0
+
+
+def test_an_mps_daemon_is_seen_by_its_control_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.gpu_handoff import mps_daemon
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_daemon()
+    (tmp_path / "control").touch()
+    assert mps_daemon()
