@@ -82,7 +82,7 @@ class Side:
     def __init__(self, conn: Connection, cycles: int, host_us: float, ahead: int, device: torch.device) -> None:
         self.conn, self.cycles, self.host_us, self.ahead, self.device = conn, cycles, host_us, ahead, device
         self.stream = torch.cuda.current_stream(device)
-        self.done = [torch.cuda.Event() for _ in range(max(ahead, 1))]  # this side's finished turns, a ring
+        self.done = [torch.cuda.Event() for _ in range(ahead)]  # this side's finished turns, a ring
 
     def sync_turn(self) -> None:
         _busy(self.host_us)
@@ -132,18 +132,18 @@ def run_mode(mode: str, a: argparse.Namespace, per_us: float, device: torch.devi
     """µs a cycle of `mode`, over a.cycles cycles after a.warmup."""
     a_cycles, b_cycles = int(a.a_us * per_us), int(a.b_us * per_us)
     n = a.warmup + a.cycles
+    t0 = 0.0
     if mode == "one":
-        stamps = []
         for i in range(n):
             if i == a.warmup:
                 torch.cuda.synchronize(device)
-                stamps.append(time.perf_counter())
+                t0 = time.perf_counter()
             _busy(a.host_us)
             torch.cuda._sleep(a_cycles)
             _busy(a.host_us)
             torch.cuda._sleep(b_cycles)
         torch.cuda.synchronize(device)
-        return (time.perf_counter() - stamps[0]) * 1e6 / a.cycles
+        return (time.perf_counter() - t0) * 1e6 / a.cycles
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     child = ctx.Process(target=_side_b, args=(there, mode, b_cycles, a.host_us, a.ahead, n), daemon=True)
@@ -153,7 +153,6 @@ def run_mode(mode: str, a: argparse.Namespace, per_us: float, device: torch.devi
         if mode == "event":
             side.open_events()
         assert _recv(here) == b"ready"
-        t0 = 0.0
         for i in range(n):
             if i == a.warmup:
                 torch.cuda.synchronize(device)
