@@ -86,11 +86,16 @@ def compact(cache: KVCache, slots: torch.Tensor, starts: torch.Tensor, path: tor
 
 def verify_rows(logits: torch.Tensor, features: torch.Tensor | None, fields: torch.Tensor,
                 ancestors: torch.Tensor | None, cache: KVCache, slots: torch.Tensor, starts: torch.Tensor,
-                tree: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                tree: bool, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One step's acceptance: logits [B, T, V]; features [B, T, X] or None; fields [B, 2, T]
     (parent, expect) -> readback [B, 1 + 2T] and the features along each row's path. With
-    `tree`, the KV entries move too."""
+    `tree`, the KV entries move too. `fused` (CUDA, Triton): after the argmax, one kernel
+    (kernels.accept) instead of the torch operations below, with the same results."""
     best = logits.argmax(-1)  # [B, T]
+    if fused and best.shape[1] > 1:
+        from specsplit.models.kernels.accept import accept_rows  # Triton: on the GPU machine only
+
+        return accept_rows(best, fields, ancestors, cache.k, cache.v, slots, starts, features, tree)
     if best.shape[1] == 1:  # one token a row: nothing drafted
         path = torch.zeros_like(best)
         count = torch.ones_like(best[:, 0])
