@@ -1,5 +1,5 @@
 """Triton kernel of a verify's greedy acceptance (specsplit.runner.acceptance): after the step's
-argmax, one kernel instead of the ~25 small torch kernels of accept + compact + the features'
+argmax, one kernel instead of the ~30 small torch kernels of accept + compact + the features'
 gather + readback. Program (g, b) handles row b: it computes the row's acceptance (T ≤ 64
 nodes: a few hundred integer operations, done again by every program of the row instead of
 handed over), and then
