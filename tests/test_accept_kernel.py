@@ -39,7 +39,9 @@ def _step(seed: int, b: int, t: int, tree: bool) -> dict[str, torch.Tensor | Non
     return {"best": torch.randint(0, 5, (b, t)).to(DEV),  # few tokens: many matches
             "fields": torch.tensor(fields).transpose(0, 1).contiguous().transpose(0, 1).to(DEV),  # [2, B, T] viewed
             "mask": torch.stack(masks).to(DEV), "features": torch.randn(b, t, 40, device=DEV),
-            "slots": torch.randperm(b + 1, device=DEV)[:b], "starts": torch.randint(0, 96, (b,), device=DEV)}
+            # slots and starts strided as the runner's views of its packed integers give them
+            "slots": torch.randperm(2 * b + 2, device=DEV).view(b + 1, 2)[:b, 1],
+            "starts": torch.randint(0, 96, (b, t), device=DEV)[:, 0]}
 
 
 @needs_kernels
@@ -50,7 +52,7 @@ def test_the_kernel_accepts_what_the_torch_operations_do(tree: bool, b: int, t: 
 
     for seed in range(20):
         s = _step(seed, b, t, tree)
-        ours, theirs = (KVCache(3, b + 1, 160, 2, 8, torch.float32, DEV) for _ in range(2))
+        ours, theirs = (KVCache(3, 2 * b + 2, 160, 2, 8, torch.float32, DEV) for _ in range(2))
         theirs.k.normal_()
         theirs.v.normal_()
         ours.k.copy_(theirs.k)
@@ -72,7 +74,7 @@ def test_chains_without_a_mask_accept_as_with_the_causal_one() -> None:
     from specsplit.models.kernels.accept import accept_rows
 
     s = _step(7, 3, 6, False)
-    cache = KVCache(2, 4, 160, 2, 8, torch.float32, DEV)
+    cache = KVCache(2, 8, 160, 2, 8, torch.float32, DEV)
     with_mask, _ = accept_rows(s["best"], s["fields"], s["mask"], cache.k, cache.v, s["slots"], s["starts"], None,
                                False)
     without, _ = accept_rows(s["best"], s["fields"], None, cache.k, cache.v, s["slots"], s["starts"], None, False)

@@ -49,10 +49,10 @@ def _rank(best_ptr, fields_ptr, anc_ptr, b, T, stride_fb, stride_ff, stride_ab, 
 
 @triton.jit
 def _accept_rows(best_ptr, fields_ptr, anc_ptr, starts_ptr, slots_ptr, k_ptr, v_ptr, feat_ptr, out_feat_ptr,
-                 readback_ptr, T, X, stride_fb, stride_ff, stride_ab, stride_ai, stride_kl, stride_ks, stride_kp,
-                 stride_fr, stride_ft, stride_or, stride_ot, CHAIN: tl.constexpr, TREE: tl.constexpr,
-                 FEATURES: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_X: tl.constexpr,
-                 BLOCK_W: tl.constexpr):
+                 readback_ptr, T, X, stride_fb, stride_ff, stride_ab, stride_ai, stride_st, stride_sl, stride_kl,
+                 stride_ks, stride_kp, stride_fr, stride_ft, stride_or, stride_ot, CHAIN: tl.constexpr,
+                 TREE: tl.constexpr, FEATURES: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_X: tl.constexpr, BLOCK_W: tl.constexpr):
     g, b = tl.program_id(0), tl.program_id(1)
     j, place, ok, count, best = _rank(best_ptr, fields_ptr, anc_ptr, b, T, stride_fb, stride_ff, stride_ab,
                                       stride_ai, CHAIN, BLOCK_T)
@@ -70,8 +70,8 @@ def _accept_rows(best_ptr, fields_ptr, anc_ptr, starts_ptr, slots_ptr, k_ptr, v_
     elif TREE:
         layer = (g - 1) // 2
         kv = k_ptr if g % 2 == 1 else v_ptr
-        base = kv + layer * stride_kl + tl.load(slots_ptr + b) * stride_ks
-        start = tl.load(starts_ptr + b)
+        base = kv + layer * stride_kl + tl.load(slots_ptr + b * stride_sl) * stride_ks
+        start = tl.load(starts_ptr + b * stride_st)
         w = tl.arange(0, BLOCK_W)
         at = ok[:, None] & (w < W)[None, :]
         entries = tl.load(base + (start + j)[:, None] * stride_kp + w[None, :], mask=at)  # [BLOCK_T, W]
@@ -84,7 +84,7 @@ def accept_rows(best: torch.Tensor, fields: torch.Tensor, ancestors: torch.Tenso
                 tree: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """best [B, T] (the step's argmax); fields [B, 2, T] (parent, expect); ancestors [B, T, T]
     (ancestors and self; None: chains); k_cache, v_cache [layers, slots, entries, kv_heads,
-    head_dim]; slots, starts [B]; features [B, T, X] or None -> readback [B, 1 + 2T] and the
+    head_dim]; slots, starts [B] (strided views allowed); features [B, T, X] or None -> readback [B, 1 + 2T] and the
     features along each row's path, as acceptance.verify_rows gives them. With `tree` the
     path's KV entries move to start, start+1, ..."""
     b, t = best.shape
@@ -101,13 +101,15 @@ def accept_rows(best: torch.Tensor, fields: torch.Tensor, ancestors: torch.Tenso
     if features is not None and features.stride(-1) != 1:
         raise ValueError("accept_rows needs the features' last dimension contiguous")
     anc = ancestors if ancestors is not None else fields
+    if fields.stride(-1) != 1 or anc.stride(-1) != 1:
+        raise ValueError("accept_rows needs the fields' and the ancestors' last dimension contiguous")
     groups = 1 + (2 * k_cache.shape[0] if tree else 0)
+    feat_strides = (feat.stride(0), feat.stride(1)) if features is not None else (0, 0)
+    out_strides = (out.stride(0), out.stride(1)) if out is not None else (0, 0)
     _accept_rows[(groups, b)](
         best, fields, anc, starts, slots, k_cache, v_cache, feat, out if out is not None else readback, readback,
         t, x, fields.stride(0), fields.stride(1), anc.stride(0), anc.stride(1) if ancestors is not None else 0,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), feat.stride(0) if features is not None else 0,
-        feat.stride(1) if features is not None else 0, out.stride(0) if out is not None else 0,
-        out.stride(1) if out is not None else 0, CHAIN=ancestors is None, TREE=tree,
-        FEATURES=features is not None, W=w, BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_X=128,
-        BLOCK_W=triton.next_power_of_2(w), num_warps=4)
+        starts.stride(0), slots.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *feat_strides,
+        *out_strides, CHAIN=ancestors is None, TREE=tree, FEATURES=features is not None, W=w,
+        BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_X=128, BLOCK_W=triton.next_power_of_2(w), num_warps=4)
     return readback, out
