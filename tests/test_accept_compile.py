@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from specsplit.runner.acceptance import ALWAYS
 from tests.test_few_compile import needs_compiler
 
 
@@ -23,8 +24,8 @@ def test_the_kernel_compiles_for_hopper(tree: bool) -> None:
     signature.update(dict.fromkeys(["best_ptr", "fields_ptr", "anc_ptr", "starts_ptr", "slots_ptr", "readback_ptr"],
                                    "*i64"))
     signature.update(dict.fromkeys(["k_ptr", "v_ptr", "feat_ptr", "out_feat_ptr"], "*bf16"))
-    constants = {"CHAIN": not tree, "TREE": tree, "FEATURES": True, "W": 192, "BLOCK_T": 16, "BLOCK_X": 128,
-                 "BLOCK_W": 256}
+    constants = {"CHAIN": not tree, "ALWAYS": ALWAYS, "TREE": tree, "FEATURES": True, "W": 192, "BLOCK_T": 16,
+                 "BLOCK_X": 128, "BLOCK_W": 256}
     signature.update(dict.fromkeys(constants, "constexpr"))
     compiled = triton.compile(ASTSource(kernel._accept_rows, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4})

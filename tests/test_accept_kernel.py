@@ -13,7 +13,7 @@ import torch
 
 from specsplit.models.batch import tree_ancestry
 from specsplit.models.layers import KVCache
-from specsplit.runner.acceptance import accept, compact, readback, row_fields
+from specsplit.runner.acceptance import ALWAYS, accept, compact, readback, row_fields
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = DEV == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
@@ -63,7 +63,7 @@ def test_the_kernel_accepts_what_the_torch_operations_do(tree: bool, b: int, t: 
             compact(theirs, s["slots"], s["starts"], path)
         features = s["features"].gather(1, path[..., None].expand(-1, -1, 40))
         got, got_features = accept_rows(best, fields, mask, ours.k, ours.v, s["slots"], s["starts"], s["features"],
-                                        tree)
+                                        tree, ALWAYS)
         assert torch.equal(got, readback(count, path, best.gather(1, path)))
         assert got_features is not None and torch.equal(got_features, features)
         assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)
@@ -76,7 +76,8 @@ def test_chains_without_a_mask_accept_as_with_the_causal_one() -> None:
     s = _step(7, 3, 6, False)
     cache = KVCache(2, 8, 160, 2, 8, torch.float32, DEV)
     with_mask, _ = accept_rows(s["best"], s["fields"], s["mask"], cache.k, cache.v, s["slots"], s["starts"], None,
-                               False)
-    without, _ = accept_rows(s["best"], s["fields"], None, cache.k, cache.v, s["slots"], s["starts"], None, False)
+                               False, ALWAYS)
+    without, _ = accept_rows(s["best"], s["fields"], None, cache.k, cache.v, s["slots"], s["starts"], None, False,
+                             ALWAYS)
     assert torch.equal(with_mask, without)
 

@@ -95,7 +95,7 @@ def verify_rows(logits: torch.Tensor, features: torch.Tensor | None, fields: tor
     if fused and best.shape[1] > 1:
         from specsplit.models.kernels.accept import accept_rows  # Triton: on the GPU machine only
 
-        return accept_rows(best, fields, ancestors, cache.k, cache.v, slots, starts, features, tree)
+        return accept_rows(best, fields, ancestors, cache.k, cache.v, slots, starts, features, tree, ALWAYS)
     if best.shape[1] == 1:  # one token a row: nothing drafted
         path = torch.zeros_like(best)
         count = torch.ones_like(best[:, 0])

@@ -17,14 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from specsplit.runner.acceptance import ALWAYS as _ALWAYS
-
-ALWAYS = tl.constexpr(_ALWAYS)  # expect: accepted whatever the argmax (forced acceptance)
-
 
 @triton.jit
 def _rank(best_ptr, fields_ptr, anc_ptr, b, T, stride_fb, stride_ff, stride_ab, stride_ai, CHAIN: tl.constexpr,
-          BLOCK_T: tl.constexpr):
+          ALWAYS: tl.constexpr, BLOCK_T: tl.constexpr):
     """(node index j [BLOCK_T], its place in the path [BLOCK_T], j < T, accepted nodes, best [BLOCK_T])."""
     j = tl.arange(0, BLOCK_T)
     ok = j < T
@@ -51,11 +47,11 @@ def _rank(best_ptr, fields_ptr, anc_ptr, b, T, stride_fb, stride_ff, stride_ab, 
 def _accept_rows(best_ptr, fields_ptr, anc_ptr, starts_ptr, slots_ptr, k_ptr, v_ptr, feat_ptr, out_feat_ptr,
                  readback_ptr, T, X, stride_fb, stride_ff, stride_ab, stride_ai, stride_st, stride_sl, stride_kl,
                  stride_ks, stride_kp, stride_fr, stride_ft, stride_or, stride_ot, CHAIN: tl.constexpr,
-                 TREE: tl.constexpr, FEATURES: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_X: tl.constexpr, BLOCK_W: tl.constexpr):
+                 ALWAYS: tl.constexpr, TREE: tl.constexpr, FEATURES: tl.constexpr, W: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_W: tl.constexpr):
     g, b = tl.program_id(0), tl.program_id(1)
     j, place, ok, count, best = _rank(best_ptr, fields_ptr, anc_ptr, b, T, stride_fb, stride_ff, stride_ab,
-                                      stride_ai, CHAIN, BLOCK_T)
+                                      stride_ai, CHAIN, ALWAYS, BLOCK_T)
     if g == 0:
         row = readback_ptr + b * (1 + 2 * T)
         tl.store(row, count.to(readback_ptr.dtype.element_ty))
@@ -81,12 +77,13 @@ def _accept_rows(best_ptr, fields_ptr, anc_ptr, starts_ptr, slots_ptr, k_ptr, v_
 
 def accept_rows(best: torch.Tensor, fields: torch.Tensor, ancestors: torch.Tensor | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, features: torch.Tensor | None,
-                tree: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                tree: bool, always: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """best [B, T] (the step's argmax); fields [B, 2, T] (parent, expect); ancestors [B, T, T]
     (ancestors and self; None: chains); k_cache, v_cache [layers, slots, entries, kv_heads,
     head_dim]; slots, starts [B] (strided views allowed); features [B, T, X] or None -> readback [B, 1 + 2T] and the
     features along each row's path, as acceptance.verify_rows gives them. With `tree` the
-    path's KV entries move to start, start+1, ..."""
+    path's KV entries move to start, start+1, ...; a node whose expect is `always` is accepted
+    whatever the argmax (forced acceptance: acceptance.ALWAYS)."""
     b, t = best.shape
     if t > 64:
         raise ValueError(f"accept_rows: at most 64 nodes a row, got {t}")
@@ -110,6 +107,6 @@ def accept_rows(best: torch.Tensor, fields: torch.Tensor, ancestors: torch.Tenso
         best, fields, anc, starts, slots, k_cache, v_cache, feat, out if out is not None else readback, readback,
         t, x, fields.stride(0), fields.stride(1), anc.stride(0), anc.stride(1) if ancestors is not None else 0,
         starts.stride(0), slots.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *feat_strides,
-        *out_strides, CHAIN=ancestors is None, TREE=tree, FEATURES=features is not None, W=w,
+        *out_strides, CHAIN=ancestors is None, ALWAYS=always, TREE=tree, FEATURES=features is not None, W=w,
         BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_X=128, BLOCK_W=triton.next_power_of_2(w), num_warps=4)
     return readback, out
