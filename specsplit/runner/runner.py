@@ -331,7 +331,7 @@ class ModelRunner:
                 return logits, extra
             ints, extra = verify_rows(logits.view(b, t, -1), None if extra is None else extra.view(b, t, -1),
                                       f["fields"], f["mask"], self.cache, f["slots"], f["entries"][:, 0], tree,
-                                      fused=True)
+                                      fused=logits.is_cuda)  # the acceptance kernel: Triton on CUDA
             self._write_ring(f, extra)
             return logits, None if extra is None else extra.view(b * t, -1), ints
 
