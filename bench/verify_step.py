@@ -13,12 +13,14 @@ branching --branch ways, as the draft proposes them) and each of the --modes:
              over every row; without the suffix, as FusedLlama decides),
   fused-tc, fused-pdl-tc  steps of several rows on the tensor-core projections (kernels.projections),
 µs per step (mean of --iters replays after 10 warm-up ones, every sequence's committed context
---start tokens long), its ratio to the first mode's at the same (B, T), and its ratio to the
-same mode's first (B, T) step. Random bf16 weights of --shape (default SmolLM2-135M's).
+--start tokens long, for each of a comma list), its ratio to the first mode's at the same (B, T),
+and its ratio to the same mode's first (B, T) step at that context. Random bf16 weights of
+--shape (default SmolLM2-135M's).
 
   python -m bench.verify_step --rows 1,4,6,16,32 --modes graphs,fused,fused-pdl
   python -m bench.verify_step --batch 1,2,4,8,16,32,64 --rows 1 --modes graphs,fused-pdl   # batched decodes
   python -m bench.verify_step --shape llama-3.1-8b --rows 1,16 --modes graphs,fused --tp-size 2  # each rank a shard
+  python -m bench.verify_step --rows 1,16 --modes fused-pdl --start 128,256,512,1024  # by context
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,4,6,16,32", help="tokens a sequence")
     p.add_argument("--batch", default="1", help="sequences a step")
     p.add_argument("--modes", default="graphs,fused,fused-pdl")
-    p.add_argument("--start", type=int, default=256, help="committed tokens before the step")
+    p.add_argument("--start", default="256", help="committed tokens before the step (a comma list: each in turn)")
     p.add_argument("--branch", type=int, default=4, help="children per tree node")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--profile", action="store_true", help="also print each step's kernels by GPU time (stderr)")
@@ -112,15 +114,15 @@ def main() -> None:
 
 def run(a: argparse.Namespace, tp: TensorParallel) -> None:
     model, _ = random_model(SHAPES[a.shape], tp=tp)
-    ctx = a.start + 128
+    starts = [int(x) for x in a.start.split(",")]
     modes = a.modes.split(",")
     if a.attention_blocks:
         modes = [m if m == "graphs" else f"{m}@{b}" for m in modes for b in a.attention_blocks.split(",")]
         modes = list(dict.fromkeys(modes))
     from specsplit.models.kernels import verify as verify_kernels  # Triton: on the GPU machine only
 
-    single: dict[str, float] = {}
-    for b, t in ((int(b), int(t)) for b in a.batch.split(",") for t in a.rows.split(",")):
+    single: dict[tuple[str, int], float] = {}
+    for start, b, t in ((s, int(b), int(t)) for s in starts for b in a.batch.split(",") for t in a.rows.split(",")):
         first = 0.0
         for mode in modes:
             if mode != "graphs" and b * t > verify_kernels.MAX_ROWS:
@@ -128,15 +130,16 @@ def run(a: argparse.Namespace, tp: TensorParallel) -> None:
             if "@" in mode:
                 block, warps, splits = mode.split("@")[1].split("x")
                 verify_kernels.ATTENTION_BLOCK = (int(block), int(warps), int(splits))
-            us = time_step(model, mode.split("@")[0], b, t, a.start, a.branch, ctx, a.iters, a.profile)
+            us = time_step(model, mode.split("@")[0], b, t, start, a.branch, start + 128, a.iters, a.profile)
             first = first or us
-            single.setdefault(mode, us)
+            single.setdefault((mode, start), us)
             if tp.rank:
                 continue
             print(json.dumps({"bench": "verify_step", "shape": a.shape, "tp_size": tp.world_size, "batch": b,
                               "rows": t, "mode": mode,
                               "us_per_step": round(us, 1), f"x_{modes[0]}": round(first / us, 2),
-                              "vs_first_rows": round(us / single[mode], 2), "start": a.start, "branch": a.branch,
+                              "vs_first_rows": round(us / single[(mode, start)], 2), "start": start,
+                              "branch": a.branch,
                               "gpu": torch.cuda.get_device_name(), "commit": git_commit(),
                               "machine": platform.machine()}), flush=True)
 
