@@ -84,10 +84,18 @@ def mode_settings(mode: str, a: argparse.Namespace) -> dict[str, Any]:
     raise ValueError(f"unknown mode {mode!r} (off, chains, trees, adaptive)")
 
 
-def captured_while_serving(stack: ServiceStack) -> int:
-    """CUDA graphs the target and the draft have captured after their warm-ups (their Stats)."""
+def captured_while_serving(stack: ServiceStack) -> tuple[int, int]:
+    """CUDA graphs the target and the draft have captured after their warm-ups, and the
+    milliseconds those captures held their steps up (their Stats)."""
     target, draft = stack.stats()
-    return target.graphs_captured_while_serving + (draft.graphs_captured_while_serving if draft else 0)
+    count = target.graphs_captured_while_serving + (draft.graphs_captured_while_serving if draft else 0)
+    ms = target.graph_capture_ms_while_serving + (draft.graph_capture_ms_while_serving if draft else 0)
+    return count, ms
+
+
+def since(before: tuple[int, int], after: tuple[int, int]) -> tuple[int, int]:
+    """The captures (count, ms) between two readings of captured_while_serving."""
+    return after[0] - before[0], after[1] - before[1]
 
 
 def past_graph_budget(stack: ServiceStack) -> int:
@@ -152,8 +160,8 @@ def run(addr: str, n: int, max_new: int, settings: dict[str, Any], prompts: list
 
 
 def curve_row(common: dict[str, Any], ahead: str, mode: str, n: int,
-              rounds: list[tuple[list[Stream], float, int]], solo: list[tuple[int, ...]],
-              tokens_per_s: dict[tuple[str, str, int], float], warm_up_captures: int, past_budget: int,
+              rounds: list[tuple[list[Stream], float, tuple[int, int]]], solo: list[tuple[int, ...]],
+              tokens_per_s: dict[tuple[str, str, int], float], warm_up_captures: tuple[int, int], past_budget: int,
               settings: dict[str, Any], first_n: int, first_ahead: str) -> dict[str, Any]:
     """One (mode, N)'s line: tokens/s the median of its rounds, the latencies' percentiles over
     every stream of every round."""
@@ -172,7 +180,8 @@ def curve_row(common: dict[str, Any], ahead: str, mode: str, n: int,
            "same_tokens_as_solo": round(sum(s.ids == solo[i % len(solo)] for streams, _, _ in rounds
                                             for i, s in enumerate(streams) if not s.error) / max(1, len(ok)), 3),
            "wall_s": round(sum(wall for _, wall, _ in rounds), 3), "errors": [s.error for s in done if s.error][:3],
-           "graphs_captured": sum(c for _, _, c in rounds), "graphs_captured_in_warm_up": warm_up_captures,
+           "graphs_captured": sum(c for _, _, (c, _) in rounds), "graphs_captured_in_warm_up": warm_up_captures[0],
+           "graph_capture_ms": sum(ms for _, _, (_, ms) in rounds), "graph_capture_ms_in_warm_up": warm_up_captures[1],
            "steps_past_graph_budget": past_budget, **settings}
     if mode != "off" and (ahead, "off", n) in tokens_per_s:
         row["over_speculation_off"] = round(tps / tokens_per_s[ahead, "off", n], 3)
@@ -242,17 +251,17 @@ def main() -> None:
             solo = {mode: [run(addr, 1, a.max_new_tokens, settings[mode], prompts, i)[0][0].ids  # each alone (warm too)
                            for i in range(min(max(streams), len(prompts)))] for mode in modes}
             for n in streams:
-                warm_up: dict[str, int] = {}
+                warm_up: dict[str, tuple[int, int]] = {}
                 for mode in modes:
                     before = captured_while_serving(stack)
                     run(addr, n, a.warmup_tokens, settings[mode], prompts)
-                    warm_up[mode] = captured_while_serving(stack) - before
-                rounds: dict[str, list[tuple[list[Stream], float, int]]] = {mode: [] for mode in modes}
+                    warm_up[mode] = since(before, captured_while_serving(stack))
+                rounds: dict[str, list[tuple[list[Stream], float, tuple[int, int]]]] = {mode: [] for mode in modes}
                 for _ in range(a.rounds):  # the modes interleaved, round by round: drift hits them alike
                     for mode in modes:
                         before = captured_while_serving(stack)
                         done, wall = run(addr, n, a.max_new_tokens, settings[mode], prompts)
-                        rounds[mode].append((done, wall, captured_while_serving(stack) - before))
+                        rounds[mode].append((done, wall, since(before, captured_while_serving(stack))))
                 for mode in modes:
                     rates = [sum(s.tokens for s in done if not s.error) / wall for done, wall, _ in rounds[mode]]
                     tokens_per_s[ahead, mode, n] = statistics.median(rates)

@@ -106,7 +106,8 @@ class DraftRuntime:
         seqs = len(self.engine.seqs)
         return {"active_sequences": seqs, "free_kv_slots": self.engine.max_sequences - seqs,
                 "graphs_captured_while_serving": self.engine.runner.graphs.late_captures,
-                "steps_past_graph_budget": self.engine.runner.graphs.over_budget}
+                "steps_past_graph_budget": self.engine.runner.graphs.over_budget,
+                "graph_capture_ms_while_serving": round(self.engine.runner.graphs.late_capture_ms)}
 
 
 def reads_ring(key: tuple[object, ...]) -> bool:

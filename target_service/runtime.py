@@ -147,7 +147,8 @@ class TargetRuntime:
                 "ring_rows_in_use": self.writer.allocator.used,
                 "ring_live_allocations": self.writer.allocator.live_allocations,
                 "graphs_captured_while_serving": self.engine.runner.graphs.late_captures,
-                "steps_past_graph_budget": self.engine.runner.graphs.over_budget}
+                "steps_past_graph_budget": self.engine.runner.graphs.over_budget,
+                "graph_capture_ms_while_serving": round(self.engine.runner.graphs.late_capture_ms)}
 
     def close(self) -> None:
         with self._on_device():

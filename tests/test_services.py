@@ -143,6 +143,7 @@ def test_still_serving_after_bad_requests_and_nothing_leaks(stack: ServiceStack,
     assert t.free_kv_slots == 4 and d.free_kv_slots == 4
     assert t.graphs_captured_while_serving == d.graphs_captured_while_serving == 0  # (no graphs on the CPU)
     assert t.steps_past_graph_budget == d.steps_past_graph_budget == 0
+    assert t.graph_capture_ms_while_serving == d.graph_capture_ms_while_serving == 0
 
 
 def test_client_cancel_releases_the_sequence(stack: ServiceStack, client: GatewayClient) -> None:

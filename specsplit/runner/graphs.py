@@ -114,6 +114,7 @@ class GraphCache:
         # set once the engine's warm-up is done: a capture after it held up a step, and is logged
         self.serving = False
         self.late_captures = 0  # captures while serving
+        self.late_capture_ms = 0.0  # what they held up the steps for (a first use's compile included)
         self.over_budget = 0  # steps run eagerly for want of room for their graph
 
     def run(self, key: tuple[object, ...], fn: StaticFn, **inputs: HostInput) -> Outputs:
@@ -169,6 +170,7 @@ class GraphCache:
         ms = (time.perf_counter() - t0) * 1e3
         if self.serving:
             self.late_captures += 1
+            self.late_capture_ms += ms
             log.info("captured the graph of %s at its first use while serving: %.1f ms", key, ms)
         else:
             log.debug("captured the graph of %s: %.1f ms", key, ms)

@@ -198,13 +198,15 @@ class DraftStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("active_sequences", "free_kv_slots", "graphs_captured_while_serving", "steps_past_graph_budget")
+    __slots__ = ("active_sequences", "free_kv_slots", "graphs_captured_while_serving", "steps_past_graph_budget", "graph_capture_ms_while_serving")
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
     GRAPHS_CAPTURED_WHILE_SERVING_FIELD_NUMBER: _ClassVar[int]
     STEPS_PAST_GRAPH_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_CAPTURE_MS_WHILE_SERVING_FIELD_NUMBER: _ClassVar[int]
     active_sequences: int
     free_kv_slots: int
     graphs_captured_while_serving: int
     steps_past_graph_budget: int
-    def __init__(self, active_sequences: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., graphs_captured_while_serving: _Optional[int] = ..., steps_past_graph_budget: _Optional[int] = ...) -> None: ...
+    graph_capture_ms_while_serving: int
+    def __init__(self, active_sequences: _Optional[int] = ..., free_kv_slots: _Optional[int] = ..., graphs_captured_while_serving: _Optional[int] = ..., steps_past_graph_budget: _Optional[int] = ..., graph_capture_ms_while_serving: _Optional[int] = ...) -> None: ...
