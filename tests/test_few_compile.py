@@ -58,15 +58,17 @@ def test_the_few_row_gemvs_compile_to_the_decodes_float_instructions() -> None:
 
 @needs_compiler
 @pytest.mark.parametrize("pdl", [False, True])
-def test_row_attention_compiles_for_hopper(pdl: bool) -> None:
+@pytest.mark.parametrize("splits", [1, 8])
+def test_row_attention_compiles_for_hopper(pdl: bool, splits: int) -> None:
     """The rows' attention (its branches on the rows each row sees) compiles for sm_90, with and
-    without programmatic dependent launch, and keeps the decode attention's softmax."""
+    without programmatic dependent launch, in one range of keys or in ranges, and keeps the
+    decode attention's softmax."""
     from specsplit.models.kernels import decode, few
 
     ptrs = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
-            "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "stride_slot": "i32", "stride_pos": "i32",
-            "scale": "fp32"}
-    consts = {"HQ": 9, "HKV": 3, "D": 64, "USE_PDL": pdl, "BLOCK_S": 128}
+            "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "c_ptr": "*i32",
+            "stride_slot": "i32", "stride_pos": "i32", "scale": "fp32"}
+    consts = {"HQ": 9, "HKV": 3, "D": 64, "USE_PDL": pdl, "BLOCK_S": 128, "SPLITS": splits}
     rows = _float_ops(few._row_attention, {**ptrs, "stride_qkv": "i32", "entry_ptr": "*i64", "mask_ptr": "*u8",
                                            "T": "i32", **dict.fromkeys([*consts, "TP"], "constexpr")},
                       {**consts, "TP": 4}, 8)

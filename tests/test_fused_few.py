@@ -130,20 +130,23 @@ def _path(parents: list[int], i: int) -> list[int]:
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("start", [40, 126])
+@pytest.mark.parametrize("start,split", [(40, False), (126, False), (126, True), (510, True), (1020, True)])
 @pytest.mark.parametrize("parents", [[-1, 0, 1, 2], [-1, 0, 0, 1, 2, 1]], ids=["chain4", "tree6"])
-def test_each_row_attends_as_the_decode_at_its_position(dtype: torch.dtype, start: int, parents: list[int]) -> None:
+def test_each_row_attends_as_the_decode_at_its_position(dtype: torch.dtype, start: int, split: bool,
+                                                        parents: list[int]) -> None:
     """Row i of a step (a chain, a tree) against one-token decodes down its path on a copy of the
     cache: the same output bits, the same KV entry (at the decode's position); from 126
-    committed entries the path crosses a block of keys."""
+    committed entries the path crosses a block of keys; with counters (`split`) both split their
+    keys in ranges: from 510 (4 blocks, then 5) in two, near 1,024 in four (8 blocks)."""
     from specsplit.models.kernels import decode, few
 
     torch.manual_seed(3)
     hq, hkv, d, t = 9, 3, 64, len(parents)
     qkv = _rand(t, (hq + 2 * hkv) * d, dtype=dtype)
-    angles = torch.arange(512, device=DEV)[:, None] * torch.linspace(0.01, 1.0, d, device=DEV)[None, :]
+    angles = torch.arange(2048, device=DEV)[:, None] * torch.linspace(0.01, 1.0, d, device=DEV)[None, :]
     cos, sin = angles.cos(), angles.sin()
-    k_cache, v_cache = _rand(2, 256, hkv, d, dtype=dtype), _rand(2, 256, hkv, d, dtype=dtype)
+    k_cache, v_cache = _rand(2, 1040, hkv, d, dtype=dtype), _rand(2, 1040, hkv, d, dtype=dtype)
+    counters = torch.zeros(t * hq, dtype=torch.int32, device=DEV) if split else None
     depth = _depths(parents)
     positions = torch.tensor([start + x for x in depth], device=DEV)
     entries = torch.arange(start, start + t, device=DEV).view(1, t)
@@ -152,13 +155,18 @@ def test_each_row_attends_as_the_decode_at_its_position(dtype: torch.dtype, star
         mask[0, i, _path(parents, i)] = True
     slots = torch.ones(1, dtype=torch.long, device=DEV)
     k_few, v_few = k_cache.clone(), v_cache.clone()
-    out = few.row_attention(qkv, cos, sin, positions, entries, slots, mask, k_few, v_few, hq, hkv)
+    out = few.row_attention(qkv, cos, sin, positions, entries, slots, mask, k_few, v_few, hq, hkv, counters=counters)
     for i in range(t):
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         for j in _path(parents, i):
             pos = torch.tensor([start + depth[j]], device=DEV)
-            want = decode.rope_attention(qkv[j], cos, sin, pos, slots, k_ref, v_ref, hq, hkv)
+            want = decode.rope_attention(qkv[j], cos, sin, pos, slots, k_ref, v_ref, hq, hkv, counters=counters)
         assert torch.equal(out[i], want)
+        if split:  # the ranges combined: the one-program walk's result up to rounding; the counters back at zero
+            whole = decode.rope_attention(qkv[j], cos, sin, pos, slots, k_ref.clone(), v_ref.clone(), hq, hkv)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert torch.allclose(want.float(), whole.float(), atol=tol, rtol=tol)
+            assert not counters.any()
         assert torch.equal(k_few[1, start + i], k_ref[1, start + depth[i]])
         assert torch.equal(v_few[1, start + i], v_ref[1, start + depth[i]])
     assert torch.equal(k_few[:, :start], k_cache[:, :start])

@@ -18,8 +18,10 @@ the norms are split around the GEMMs: each residual add also writes the next nor
 input, kernels.projections.Normed). At batch 1
 attention is latency-bound: its kernel reads everything that does not depend on the previous
 kernel (position, slot, rotary tables, the first block of committed keys and values) before
-waiting for it. A step of B×T tokens streams the same weights once for all its rows; its
-attention runs one program per (query head, sequence), each sequence over its own slot.
+waiting for it, and splits a long context's keys over several programs a head (the workspace's
+counters hand their partial softmaxes over; kernels.few splits a row's keys the same way).
+A step of B×T tokens streams the same weights once for all its rows; its
+attention runs a few programs per (query head, sequence), each sequence over its own slot.
 
 Under tensor parallelism each rank runs these kernels on its shard (its query and KV heads, its
 columns of q|k|v and gate|up, its rows of o and down, its slice of the vocabulary) with one
@@ -149,7 +151,7 @@ class FusedLlama:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = k.norm_gemv(h, attn.qkv_proj.weight, layer.input_layernorm.weight, eps, pdl)  # [(Hq+2Hkv)*D]
             o = k.rope_attention(qkv, cos, sin, positions, slots, cache.k[i], cache.v[i], attn.shard.q_count,
-                                 attn.shard.kv_count, pdl)  # [Hq*D]
+                                 attn.shard.kv_count, pdl, self.ws.counters)  # [Hq*D]
             h = m.tp.all_reduce(k.gemv_residual(o, attn.o_proj.weight, h if zero is None else zero, pdl))  # [H]
             a = k.gate_up_silu(h, mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight, eps, pdl)  # [I]
             h = m.tp.all_reduce(k.gemv_residual(a, mlp.down_proj.weight, h if zero is None else zero, pdl))
@@ -173,7 +175,7 @@ class FusedLlama:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = f.norm_gemv(h, attn.qkv_proj.weight, layer.input_layernorm.weight, eps, pdl)  # [B*T, (Hq+2Hkv)*D]
             o = f.row_attention(qkv, cos, sin, positions, entries, slots, mask, cache.k[i], cache.v[i],
-                                attn.shard.q_count, attn.shard.kv_count, pdl)  # [B*T, Hq*D]
+                                attn.shard.q_count, attn.shard.kv_count, pdl, self.ws.counters)  # [B*T, Hq*D]
             h = m.tp.all_reduce(f.gemv_residual(o, attn.o_proj.weight, h if zero is None else zero, pdl))
             a = f.gate_up_silu(h, mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight, eps, pdl)
             h = m.tp.all_reduce(f.gemv_residual(a, mlp.down_proj.weight, h if zero is None else zero, pdl))

@@ -5,7 +5,9 @@ layer in five kernels instead of ~20, which is what keeps a batch-1 decode near 
   gate_up_silu   a = silu(G·n) * (U·n), n = rms_norm(x)   the MLP's first half
   gemv_residual  h' = h + W · a               the o and down projections with the residual add
   rope_attention rotary on q and k, the new k and v written to the KV cache, attention over
-                 the slot's keys [0, pos]: one program per query head
+                 the slot's keys [0, pos]: a program per (query head, range of keys); a short
+                 context is one range, a long one up to KEY_RANGES (key_range), the last
+                 program of a head to finish combining their partial softmaxes in range order
 
 Every GEMV streams whole weight rows (coalesced along K, evicted first: a weight is read once a
 step) into an fp32 accumulator. K is a compile-time constant (a model has a few): up to 3 steps
@@ -205,61 +207,114 @@ def _softmax_block(kb, vb, ok, q, m, den, acc, scale):
     return m_new, den * alpha + tl.sum(p, axis=0), acc
 
 
+KEY_RANGES = 8  # most ranges of keys a query head's attention is split in (with counters: see rope_attention)
+MIN_RANGE_BLOCKS = tl.constexpr(2)  # blocks of keys a range holds at least (fewer blocks: one range)
+
+
 @triton.jit
-def _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, stride_slot, stride_pos, h,
-            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale, USE_PDL: tl.constexpr,
-            BLOCK_S: tl.constexpr):
+def key_range(pos, r, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """(ranges, first key, end) of range r of `pos` committed keys: blocks of BLOCK_S keys in up to
+    SPLITS ranges of at least MIN_RANGE_BLOCKS blocks, in order. They depend on pos only: a decode
+    and a row of kernels.few at one position split their keys the same way."""
+    blocks = (pos + BLOCK_S - 1) // BLOCK_S
+    n = tl.minimum(tl.maximum(blocks // MIN_RANGE_BLOCKS, 1), SPLITS)
+    return n, (r * blocks // n) * BLOCK_S, tl.minimum(((r + 1) * blocks // n) * BLOCK_S, pos)
+
+
+@triton.jit
+def hand_over(m, den, acc, part_ptr, c_ptr, group, r, n, d, D: tl.constexpr, SPLITS: tl.constexpr):
+    """Range r's partial softmax (m, den, acc [D]) of `group`'s n ranges; the last to arrive combines
+    all n in range order (whoever it is) and returns (True, the output [D]); the others (False, acc)."""
+    W: tl.constexpr = D + 2
+    mine = part_ptr + (group * SPLITS + r) * W
+    tl.store(mine + d, acc, cache_modifier=".cg")
+    tl.store(mine + D, m, cache_modifier=".cg")
+    tl.store(mine + D + 1, den, cache_modifier=".cg")
+    tl.debug_barrier()
+    last = tl.atomic_add(c_ptr + group, 1, sem="acq_rel", scope="gpu") == n - 1
+    out = acc
+    if last:
+        theirs = part_ptr + group * SPLITS * W
+        top = tl.load(theirs + D, cache_modifier=".cg")
+        for j in range(1, n):
+            top = tl.maximum(top, tl.load(theirs + j * W + D, cache_modifier=".cg"))
+        total = tl.zeros([D], dtype=tl.float32)
+        norm = top * 0.0
+        for j in range(0, n):
+            w = tl.exp(tl.load(theirs + j * W + D, cache_modifier=".cg") - top)
+            total += tl.load(theirs + j * W + d, cache_modifier=".cg") * w
+            norm += tl.load(theirs + j * W + D + 1, cache_modifier=".cg") * w
+        out = total / norm
+        tl.store(c_ptr + group, 0)
+    return last, out
+
+
+@triton.jit
+def _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, part_ptr, c_ptr, stride_slot,
+            stride_pos, h, r, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale, USE_PDL: tl.constexpr,
+            BLOCK_S: tl.constexpr, SPLITS: tl.constexpr):
     kvh = h // (HQ // HKV)
     d = tl.arange(0, D)
     half: tl.constexpr = D // 2
-    # Everything but q, k, v of this token was written before this step's graph ran (the position
-    # and slot inputs, the rotary tables, the slot's earlier KV entries): read it, first block of
-    # keys and values included, before waiting for the previous kernel.
+    # Everything but q, k, v of this token was written before this step's graph ran (position, slot,
+    # rotary tables, earlier KV entries): read it, the range's first block included, before the wait.
     pos = tl.load(pos_ptr)
-    slot = tl.load(slot_ptr)
-    dt = qkv_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)  # the tables in the model's dtype
-    sin = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
-    k_base = k_ptr + slot * stride_slot + kvh * D
-    v_base = v_ptr + slot * stride_slot + kvh * D
-    s = tl.arange(0, BLOCK_S)
-    ok = s < pos
-    kb = tl.load(k_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_S, D]
-    vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
-    # the next block too (masked past pos: no traffic), so its loads overlap the wait; each block
-    # of the loop then loads the one after it before its softmax
-    nxt = BLOCK_S + s
-    k_nxt = tl.load(k_base + nxt[:, None] * stride_pos + d[None, :], mask=(nxt < pos)[:, None], other=0.0)
-    v_nxt = tl.load(v_base + nxt[:, None] * stride_pos + d[None, :], mask=(nxt < pos)[:, None], other=0.0)
-    _wait(USE_PDL)
-    q = _rotate(qkv_ptr + h * D, d, half, D, cos, sin).to(tl.float32)
-    k_new = _rotate(qkv_ptr + (HQ + kvh) * D, d, half, D, cos, sin)
-    v_new = tl.load(qkv_ptr + (HQ + HKV + kvh) * D + d)
-    if h % (HQ // HKV) == 0:  # one query head of the group stores the new entry
-        tl.store(k_base + pos * stride_pos + d, k_new.to(k_ptr.dtype.element_ty))
-        tl.store(v_base + pos * stride_pos + d, v_new.to(v_ptr.dtype.element_ty))
-    # the new key from registers, then keys [0, pos) block by block: online softmax
-    m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
-    den = m * 0.0 + 1.0
-    acc = v_new.to(tl.float32)
-    m, den, acc = _softmax_block(kb, vb, ok, q, m, den, acc, scale)
-    for s0 in range(BLOCK_S, pos, BLOCK_S):  # (names of their own: s, ok, kb, vb are not loop-carried)
-        keys = s0 + tl.arange(0, BLOCK_S)
-        k_blk, v_blk = k_nxt, v_nxt
-        after = keys + BLOCK_S
-        k_nxt = tl.load(k_base + after[:, None] * stride_pos + d[None, :], mask=(after < pos)[:, None], other=0.0)
-        v_nxt = tl.load(v_base + after[:, None] * stride_pos + d[None, :], mask=(after < pos)[:, None], other=0.0)
-        m, den, acc = _softmax_block(k_blk, v_blk, keys < pos, q, m, den, acc, scale)
-    tl.store(out_ptr + h * D + d, (acc / den).to(out_ptr.dtype.element_ty))
+    n, lo, hi = key_range(pos, r, SPLITS, BLOCK_S)  # this program's keys [lo, hi) of [0, pos)
+    if r < n:
+        slot = tl.load(slot_ptr)
+        dt = qkv_ptr.dtype.element_ty
+        cos = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)  # the tables in the model's dtype
+        sin = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
+        k_base = k_ptr + slot * stride_slot + kvh * D
+        v_base = v_ptr + slot * stride_slot + kvh * D
+        s = lo + tl.arange(0, BLOCK_S)
+        ok = s < hi
+        kb = tl.load(k_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_S, D]
+        vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
+        # the next block too (masked past hi: no traffic), so its loads overlap the wait; each block of
+        # the loop then loads the one after it before its softmax
+        nxt = BLOCK_S + s
+        k_nxt = tl.load(k_base + nxt[:, None] * stride_pos + d[None, :], mask=(nxt < hi)[:, None], other=0.0)
+        v_nxt = tl.load(v_base + nxt[:, None] * stride_pos + d[None, :], mask=(nxt < hi)[:, None], other=0.0)
+        _wait(USE_PDL)
+        q = _rotate(qkv_ptr + h * D, d, half, D, cos, sin).to(tl.float32)
+        if r == 0:  # the first range: the new key from registers, then its blocks
+            k_new = _rotate(qkv_ptr + (HQ + kvh) * D, d, half, D, cos, sin)
+            v_new = tl.load(qkv_ptr + (HQ + HKV + kvh) * D + d)
+            if h % (HQ // HKV) == 0:  # one query head of the group stores the new entry
+                tl.store(k_base + pos * stride_pos + d, k_new.to(k_ptr.dtype.element_ty))
+                tl.store(v_base + pos * stride_pos + d, v_new.to(v_ptr.dtype.element_ty))
+            m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
+            den = m * 0.0 + 1.0
+            acc = v_new.to(tl.float32)
+        else:
+            den = tl.sum(q, axis=0) * 0.0
+            m = den - float("inf")
+            acc = q * 0.0
+        m, den, acc = _softmax_block(kb, vb, ok, q, m, den, acc, scale)
+        for s0 in range(lo + BLOCK_S, hi, BLOCK_S):  # (names of their own: s, ok, kb, vb are not loop-carried)
+            keys = s0 + tl.arange(0, BLOCK_S)
+            k_blk, v_blk = k_nxt, v_nxt
+            after = keys + BLOCK_S
+            more = (after < hi)[:, None]
+            k_nxt = tl.load(k_base + after[:, None] * stride_pos + d[None, :], mask=more, other=0.0)
+            v_nxt = tl.load(v_base + after[:, None] * stride_pos + d[None, :], mask=more, other=0.0)
+            m, den, acc = _softmax_block(k_blk, v_blk, keys < hi, q, m, den, acc, scale)
+        if n == 1:
+            last, o = r == 0, acc / den
+        else:
+            last, o = hand_over(m, den, acc, part_ptr, c_ptr, h, r, n, d, D, SPLITS)
+        if last:
+            tl.store(out_ptr + h * D + d, o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _rope_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, stride_slot, stride_pos,
-                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale, USE_PDL: tl.constexpr,
-                    BLOCK_S: tl.constexpr):
-    """One program per query head."""
-    _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, stride_slot, stride_pos,
-            tl.program_id(0), HQ, HKV, D, scale, USE_PDL, BLOCK_S)
+def _rope_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, part_ptr, c_ptr,
+                    stride_slot, stride_pos, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale,
+                    USE_PDL: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr):
+    """One program per (query head, range of keys)."""
+    _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, part_ptr, c_ptr, stride_slot,
+            stride_pos, tl.program_id(0), tl.program_id(1), HQ, HKV, D, scale, USE_PDL, BLOCK_S, SPLITS)
 
 
 ATTENTION_BLOCK = (128, 8)  # keys per iteration, warps (the fastest on the H200: bench.fused_variants)
@@ -322,16 +377,24 @@ def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
 
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
                    slot: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                   num_kv_heads: int, pdl: bool = False) -> torch.Tensor:
+                   num_kv_heads: int, pdl: bool = False, counters: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [(Hq + 2 Hkv) * D] of one token at `position` (a one-element device tensor) of KV slot
     `slot`; k_cache, v_cache [slots, max_len, Hkv, D] of this layer. Rotates q and k, stores the
-    new entry, attends over entries [0, position] -> [Hq * D]."""
+    new entry, attends over entries [0, position] -> [Hq * D]. With `counters` (≥ Hq int32 zeros,
+    left at zero) a head's committed keys are split in up to KEY_RANGES ranges (key_range), each
+    a program, the last to finish combining them; without, one program walks them all."""
     d = k_cache.shape[-1]
     if k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or cos.shape[-1] != d:
         raise ValueError("rope_attention needs a contiguous [slots, max_len, kv_heads, head_dim] cache")
+    splits = KEY_RANGES if counters is not None else 1
+    if counters is not None and counters.numel() < num_heads:
+        raise ValueError(f"rope_attention needs {num_heads} counters, got {counters.numel()}")
     out = torch.empty(num_heads * d, device=qkv.device, dtype=qkv.dtype)
+    parts = torch.empty(num_heads * splits * (d + 2) if splits > 1 else 1, device=qkv.device, dtype=torch.float32)
     block, warps = ATTENTION_BLOCK
-    _rope_attention[(num_heads,)](qkv, cos, sin, position, slot, k_cache, v_cache, out, k_cache.stride(0),
-                                  k_cache.stride(1), HQ=num_heads, HKV=num_kv_heads, D=d, scale=d ** -0.5,
-                                  USE_PDL=pdl, BLOCK_S=block, num_warps=warps, **_launch(pdl))
+    _rope_attention[(num_heads, splits)](qkv, cos, sin, position, slot, k_cache, v_cache, out, parts,
+                                         counters if counters is not None else parts, k_cache.stride(0),
+                                         k_cache.stride(1), HQ=num_heads, HKV=num_kv_heads, D=d, scale=d ** -0.5,
+                                         USE_PDL=pdl, BLOCK_S=block, SPLITS=splits, num_warps=warps,
+                                         **_launch(pdl))
     return out

@@ -18,7 +18,8 @@ committed entries [0, start) from the cache, then the step's rows the row's mask
 ancestors, in order: a chain's earlier rows, a tree node's path) at entries start, start + 1, ...,
 taken from the step's q|k|v (rotated as the decode rotates them) rather than the cache, which
 other programs of the step are still writing. Blocks of keys, the new key first, the online
-softmax: the decode's (kernels.decode._attend). So a chain verified on this path, or a batch of
+softmax: the decode's (kernels.decode._attend), over the same ranges of keys as the decode at
+that position (decode.key_range) with the counters. So a chain verified on this path, or a batch of
 a few sequences decoding, gives each row the logits that one-token decodes give, bit for bit.
 """
 
@@ -34,12 +35,15 @@ from specsplit.models.fused import FEW_ROWS_MAX
 from specsplit.models.kernels import decode
 from specsplit.models.kernels.decode import (
     ATTENTION_BLOCK,
+    KEY_RANGES,
     _launch,
     _rotate,
     _softmax_block,
     _wait,
     gate_up_silu_tile,
     gemv_residual_tile,
+    hand_over,
+    key_range,
     norm_gemv_tile,
 )
 
@@ -95,65 +99,81 @@ def _ancestors(kb, vb, keys, start, qkv_row0, stride_qkv, mask_row, pos_row0, co
 
 @triton.jit
 def _row_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, slot_ptr, mask_ptr, k_ptr, v_ptr,
-                   out_ptr, stride_slot, stride_pos, T, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale,
-                   USE_PDL: tl.constexpr, BLOCK_S: tl.constexpr, TP: tl.constexpr):
-    """One program per (query head, row); rows of B sequences of T."""
-    h, row = tl.program_id(0), tl.program_id(1)
+                   out_ptr, part_ptr, c_ptr, stride_slot, stride_pos, T, HQ: tl.constexpr, HKV: tl.constexpr,
+                   D: tl.constexpr, scale, USE_PDL: tl.constexpr, BLOCK_S: tl.constexpr, TP: tl.constexpr,
+                   SPLITS: tl.constexpr):
+    """One program per (query head, row, range of keys); rows of B sequences of T; a row's keys
+    split in ranges as the decode at its position splits them (decode.key_range)."""
+    h, row, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, i = row // T, row % T
     kvh = h // (HQ // HKV)
     d = tl.arange(0, D)
     half: tl.constexpr = D // 2
     # everything written before the step (positions, entries, slot, mask, rotary tables, the
     # committed keys and values of the first block): read before waiting for the previous kernel
-    pos = tl.load(pos_ptr + row)
     start = tl.load(entry_ptr + b * T)  # committed entries [0, start); the rows' at start..start+T-1
-    slot = tl.load(slot_ptr + b)
     mask_row = mask_ptr + row * T  # [T]: the rows row i sees
     jj = tl.arange(0, TP)
     shown = (tl.load(mask_row + jj, mask=jj < T, other=0) != 0) & (jj != i) & (jj < T)
-    hi = start + tl.sum(shown.to(tl.int32), axis=0)  # the keys before this row's own, as a decode's `pos`
-    dt = qkv_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
-    k_base = k_ptr + slot * stride_slot + kvh * D
-    v_base = v_ptr + slot * stride_slot + kvh * D
-    s = tl.arange(0, BLOCK_S)
-    ok = s < hi
-    cached = (s < start)[:, None]
-    kb = tl.load(k_base + s[:, None] * stride_pos + d[None, :], mask=cached, other=0.0)  # [BLOCK_S, D]
-    vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=cached, other=0.0)
-    nxt = BLOCK_S + s  # the next block's committed entries too, as the decode's attention does
-    k_nxt = tl.load(k_base + nxt[:, None] * stride_pos + d[None, :], mask=(nxt < start)[:, None], other=0.0)
-    v_nxt = tl.load(v_base + nxt[:, None] * stride_pos + d[None, :], mask=(nxt < start)[:, None], other=0.0)
-    _wait(USE_PDL)
-    qkv_row0 = qkv_ptr + b * T * stride_qkv
-    me = qkv_ptr + row * stride_qkv
-    q = _rotate(me + h * D, d, half, D, cos, sin).to(tl.float32)
-    k_new = _rotate(me + (HQ + kvh) * D, d, half, D, cos, sin)
-    v_new = tl.load(me + (HQ + HKV + kvh) * D + d)
-    if h % (HQ // HKV) == 0:  # one query head of the group stores the row's entry
-        entry = start + i
-        tl.store(k_base + entry * stride_pos + d, k_new.to(k_ptr.dtype.element_ty))
-        tl.store(v_base + entry * stride_pos + d, v_new.to(v_ptr.dtype.element_ty))
-    if start < BLOCK_S:
-        kb, vb = _ancestors(kb, vb, s, start, qkv_row0, stride_qkv, mask_row, pos_ptr + b * T, cos_ptr, sin_ptr, d,
-                            i, T, kvh, HQ, HKV, D, TP)
-    m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
-    den = m * 0.0 + 1.0
-    acc = v_new.to(tl.float32)
-    m, den, acc = _softmax_block(kb, vb, ok, q, m, den, acc, scale)
-    for s0 in range(BLOCK_S, hi, BLOCK_S):
-        keys = s0 + tl.arange(0, BLOCK_S)
-        valid = keys < hi
-        k_blk, v_blk = k_nxt, v_nxt
-        after = keys + BLOCK_S
-        k_nxt = tl.load(k_base + after[:, None] * stride_pos + d[None, :], mask=(after < start)[:, None], other=0.0)
-        v_nxt = tl.load(v_base + after[:, None] * stride_pos + d[None, :], mask=(after < start)[:, None], other=0.0)
-        if s0 + BLOCK_S > start:
-            k_blk, v_blk = _ancestors(k_blk, v_blk, keys, start, qkv_row0, stride_qkv, mask_row, pos_ptr + b * T,
-                                      cos_ptr, sin_ptr, d, i, T, kvh, HQ, HKV, D, TP)
-        m, den, acc = _softmax_block(k_blk, v_blk, valid, q, m, den, acc, scale)
-    tl.store(out_ptr + row * (HQ * D) + h * D + d, (acc / den).to(out_ptr.dtype.element_ty))
+    pos_keys = start + tl.sum(shown.to(tl.int32), axis=0)  # the keys before this row's own, as a decode's `pos`
+    n, lo, hi = key_range(pos_keys, r, SPLITS, BLOCK_S)  # this program's keys [lo, hi)
+    if r < n:
+        pos = tl.load(pos_ptr + row)
+        slot = tl.load(slot_ptr + b)
+        dt = qkv_ptr.dtype.element_ty
+        cos = tl.load(cos_ptr + pos * D + d).to(dt).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * D + d).to(dt).to(tl.float32)
+        k_base = k_ptr + slot * stride_slot + kvh * D
+        v_base = v_ptr + slot * stride_slot + kvh * D
+        s = lo + tl.arange(0, BLOCK_S)
+        ok = s < hi
+        cached = (s < start)[:, None]
+        kb = tl.load(k_base + s[:, None] * stride_pos + d[None, :], mask=cached, other=0.0)  # [BLOCK_S, D]
+        vb = tl.load(v_base + s[:, None] * stride_pos + d[None, :], mask=cached, other=0.0)
+        nxt = BLOCK_S + s  # the next block's committed entries too, as the decode's attention does
+        k_nxt = tl.load(k_base + nxt[:, None] * stride_pos + d[None, :], mask=(nxt < start)[:, None], other=0.0)
+        v_nxt = tl.load(v_base + nxt[:, None] * stride_pos + d[None, :], mask=(nxt < start)[:, None], other=0.0)
+        _wait(USE_PDL)
+        qkv_row0 = qkv_ptr + b * T * stride_qkv
+        me = qkv_ptr + row * stride_qkv
+        q = _rotate(me + h * D, d, half, D, cos, sin).to(tl.float32)
+        if r == 0:  # the first range: the row's own key from registers, then its blocks
+            k_new = _rotate(me + (HQ + kvh) * D, d, half, D, cos, sin)
+            v_new = tl.load(me + (HQ + HKV + kvh) * D + d)
+            if h % (HQ // HKV) == 0:  # one query head of the group stores the row's entry
+                entry = start + i
+                tl.store(k_base + entry * stride_pos + d, k_new.to(k_ptr.dtype.element_ty))
+                tl.store(v_base + entry * stride_pos + d, v_new.to(v_ptr.dtype.element_ty))
+            m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
+            den = m * 0.0 + 1.0
+            acc = v_new.to(tl.float32)
+        else:
+            den = tl.sum(q, axis=0) * 0.0
+            m = den - float("inf")
+            acc = q * 0.0
+        if lo + BLOCK_S > start:
+            kb, vb = _ancestors(kb, vb, s, start, qkv_row0, stride_qkv, mask_row, pos_ptr + b * T, cos_ptr, sin_ptr,
+                                d, i, T, kvh, HQ, HKV, D, TP)
+        m, den, acc = _softmax_block(kb, vb, ok, q, m, den, acc, scale)
+        for s0 in range(lo + BLOCK_S, hi, BLOCK_S):
+            keys = s0 + tl.arange(0, BLOCK_S)
+            valid = keys < hi
+            k_blk, v_blk = k_nxt, v_nxt
+            after = keys + BLOCK_S
+            k_nxt = tl.load(k_base + after[:, None] * stride_pos + d[None, :], mask=(after < start)[:, None],
+                            other=0.0)
+            v_nxt = tl.load(v_base + after[:, None] * stride_pos + d[None, :], mask=(after < start)[:, None],
+                            other=0.0)
+            if s0 + BLOCK_S > start:
+                k_blk, v_blk = _ancestors(k_blk, v_blk, keys, start, qkv_row0, stride_qkv, mask_row, pos_ptr + b * T,
+                                          cos_ptr, sin_ptr, d, i, T, kvh, HQ, HKV, D, TP)
+            m, den, acc = _softmax_block(k_blk, v_blk, valid, q, m, den, acc, scale)
+        if n == 1:
+            tl.store(out_ptr + row * (HQ * D) + h * D + d, (acc / den).to(out_ptr.dtype.element_ty))
+        else:
+            last, o = hand_over(m, den, acc, part_ptr, c_ptr, row * HQ + h, r, n, d, D, SPLITS)
+            if last:
+                tl.store(out_ptr + row * (HQ * D) + h * D + d, o.to(out_ptr.dtype.element_ty))
 
 
 _KERNELS = {"norm_gemv": _few_norm_gemv, "gate_up_silu": _few_gate_up_silu, "gemv_residual": _few_gemv_residual}
@@ -201,12 +221,15 @@ def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
 
 def row_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                   entries: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, pdl: bool = False) -> torch.Tensor:
+                  v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, pdl: bool = False,
+                  counters: torch.Tensor | None = None) -> torch.Tensor:
     """B sequences of T tokens: qkv [B*T, (Hq + 2 Hkv) * D] at rotary `positions` [B*T], written
     to KV entries `entries` [B, T] (each row consecutive: only its first is read) of `slots` [B];
     mask [B, T, T] (nonzero: token i sees new token j of its sequence: its ancestors, listed
     before it); k_cache, v_cache [slots, max_len, Hkv, D] of this layer -> [B*T, Hq * D], each
-    row as kernels.decode.rope_attention computes it at the row's position after its ancestors."""
+    row as kernels.decode.rope_attention computes it at the row's position after its ancestors
+    (with `counters`, ≥ B·T·Hq int32 zeros left at zero, as it does with them: its keys split in
+    ranges)."""
     (b, t), d = entries.shape, k_cache.shape[-1]
     if b * t > FEW_ROWS_MAX:
         raise ValueError(f"row_attention takes at most {FEW_ROWS_MAX} rows, got {b * t}")
@@ -219,10 +242,17 @@ def row_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
         raise ValueError("row_attention reads entries, positions and slots as contiguous tensors")
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
+    splits = KEY_RANGES if counters is not None else 1
+    if counters is not None and counters.numel() < b * t * num_heads:
+        raise ValueError(f"row_attention needs {b * t * num_heads} counters, got {counters.numel()}")
     out = torch.empty(b * t, num_heads * d, device=qkv.device, dtype=qkv.dtype)
+    parts = torch.empty(b * t * num_heads * splits * (d + 2) if splits > 1 else 1, device=qkv.device,
+                        dtype=torch.float32)
     block, warps = ATTENTION_BLOCK
-    _row_attention[(num_heads, b * t)](qkv, qkv.stride(0), cos, sin, positions, entries, slots, mask, k_cache,
-                                       v_cache, out, k_cache.stride(0), k_cache.stride(1), t, HQ=num_heads,
-                                       HKV=num_kv_heads, D=d, scale=d ** -0.5, USE_PDL=pdl, BLOCK_S=block,
-                                       TP=max(2, triton.next_power_of_2(t)), num_warps=warps, **_launch(pdl))
+    _row_attention[(num_heads, b * t, splits)](qkv, qkv.stride(0), cos, sin, positions, entries, slots, mask,
+                                               k_cache, v_cache, out, parts, counters if counters is not None
+                                               else parts, k_cache.stride(0), k_cache.stride(1), t, HQ=num_heads,
+                                               HKV=num_kv_heads, D=d, scale=d ** -0.5, USE_PDL=pdl, BLOCK_S=block,
+                                               TP=max(2, triton.next_power_of_2(t)), SPLITS=splits,
+                                               num_warps=warps, **_launch(pdl))
     return out
