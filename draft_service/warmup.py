@@ -5,7 +5,9 @@ Triton's cache) and captures its CUDA graph (milliseconds): a request that met a
 (a deeper draft, a longer extend) would stall for that long, and a gateway that chooses the
 steps per cycle meets many. So the draft runs, for one sequence, every extend bucket of a cycle
 (1 up to max_steps + 1 tokens) and of the extends put off (longer, up to the runner's padded
-rows), each at every depth up to max_steps and each branching of `topks`:
+rows), each at every depth up to max_steps and each branching of `topks`, and a cycle's extend
+alone (depth 0: an adaptive request's extends put off, then made in a cycle that drafts nothing
+for it; the extend then runs as a step of its own, not in the graph of a proposal):
 
 - at start, eagerly: the kernels compile (no graph is captured: where the features will come
   from, the target's ring or the messages, is not known before the target attaches);
@@ -48,8 +50,11 @@ def extend_lengths(max_steps: int, padded_tokens: int) -> list[int]:
 
 
 def shapes(engine: DraftEngine, topks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """(tokens extended, steps, topk) of every shape warmed."""
+    """(tokens extended, steps, topk) of every shape warmed: steps 0 (the extend alone) for a
+    cycle's extends (a longer one alone runs the padded step that precedes its proposal)."""
     lengths = extend_lengths(engine.max_steps, engine.runner.padded_tokens)
+    for n in (n for n in lengths if n <= engine.max_steps + 1):
+        yield n, 0, 1
     for topk in sorted({k for k in topks if 1 <= k <= engine.max_topk}):
         for steps in range(1, engine.max_steps + 1):
             for n in lengths:
@@ -111,7 +116,7 @@ def warm_up(engine: DraftEngine, topks: Sequence[int], capture: bool, ring: torc
                 if seq.length + n + engine.max_steps * engine.max_topk >= engine.max_context:
                     seq.length = 1
                 op = ExtendPropose(-1, [0] * n, HiddenRef(0, n, 0), steps, position=seq.length, topk=topk,
-                                   num_draft_tokens=steps * topk + 1)
+                                   num_draft_tokens=steps * topk + 1 if steps else 0)
                 work = Work(0, op, seq, None, list(range(n))) if ring is not None else Work(0, op, seq, zeros[:n])
                 engine.extend_and_propose([work], ring)
                 n_shapes += 1
