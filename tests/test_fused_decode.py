@@ -91,11 +91,14 @@ class PaddedAsFused:
     step (tokens, rotary positions, KV entries, slots, the [B, T, T] masks) run by the model itself
     as a padded batch, so the packing is checked wherever the tests run."""
 
-    max_rows = 64
+    max_rows, max_seq_rows = 256, 64  # as FusedLlama's
     few_rows = 3  # FusedLlama's default at SmolLM2's size: batches up to 3 run unpadded
 
     def __init__(self, model: LlamaModel) -> None:
         self.model, self.rows = model, []
+
+    def takes(self, b: int, t: int) -> bool:
+        return b * t <= self.max_rows and t <= self.max_seq_rows
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: object) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert batch.entries is not None and batch.slots is not None and batch.tree_mask is not None
@@ -111,7 +114,8 @@ class PaddedAsFused:
 def test_engine_packs_fused_steps_as_the_static_path_runs_them(tiny_target: Path, tiny_head: Path) -> None:
     """CPU: the engine's fused-step inputs (one packed tensor: tokens, rotary positions, KV
     entries, slots, masks) describe the static path's step — decode, chains and trees give
-    target-only decoding's tokens, alone and two sequences a step (padded to the longest row)."""
+    target-only decoding's tokens, alone, two sequences a step (padded to the longest row) and eight
+    trees a step (128 rows)."""
     e = LocalEngines(TargetConfig(model=str(tiny_target), max_context=256),
                      DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
     try:
@@ -131,6 +135,10 @@ def test_engine_packs_fused_steps_as_the_static_path_runs_them(tiny_target: Path
             both = e.generate([GenerationRequest(p, 8, Sampling(), set(), steps) for p in TINY_PROMPTS[:2]])
             assert [r.tokens for r in both] == [x[:8] for x in static]
         assert {(2, 1), (2, 4)} <= set(fused.rows)  # two sequences a step: fused together
+        trees = [GenerationRequest(p, 16, Sampling(), set(), 5, 4, 16) for p in TINY_PROMPTS]
+        alone = [e.generate([r])[0].tokens for r in trees]
+        assert [r.tokens for r in e.generate(trees + trees)] == alone + alone and alone[:2] == static
+        assert (8, 16) in fused.rows  # eight trees of 16 tokens: 128 rows, two row tiles, in one fused step
     finally:
         e.close()
 
@@ -316,11 +324,12 @@ def test_fused_step_refuses_more_rows_than_it_takes() -> None:
     cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=3, vocab_size=256)
     model = _random_model(cfg, torch.float32)
     fused = FusedLlama(model)
-    t = fused.max_rows + 1
-    tokens = torch.zeros(1, t, dtype=torch.long, device="cuda")
-    batch = Batch.padded(tokens, torch.ones(1, dtype=torch.long, device="cuda"), tokens, 0)
-    with pytest.raises(ValueError, match=f"at most {fused.max_rows} tokens"):
-        fused.forward(tokens.view(t), batch, model.new_cache(2, 256))
+    cache = model.new_cache(8, 256)
+    for b, t in ((1, fused.max_seq_rows + 1), (8, fused.max_rows // 8 + 1)):  # a sequence's rows, a step's
+        tokens = torch.zeros(b, t, dtype=torch.long, device="cuda")
+        batch = Batch.padded(tokens, torch.arange(b, device="cuda"), tokens, 0)
+        with pytest.raises(ValueError, match=f"at most {fused.max_rows} tokens, {fused.max_seq_rows} a sequence"):
+            fused.forward(tokens.view(b * t), batch, cache)
 
 
 @pytest.mark.quick

@@ -1,5 +1,5 @@
 """The EAGLE-3 head's step on one GPU as fused kernels: what `Eagle3Head.forward` computes for a
-padded batch of B sequences of T tokens (B·T ≤ kernels.verify.MAX_ROWS): an extend (the target's
+padded batch of B sequences of T tokens (B·T ≤ kernels.verify.SEQ_ROWS): an extend (the target's
 features through fc, causal), or one level of a draft tree (the head's own pre-norm states, each
 node seeing the committed entries, its ancestors' and its own).
 
@@ -69,7 +69,7 @@ class FusedHead:
         self.input = head_kernels.head_input
         dev = head.fc.weight.device
         self.capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
-        self.max_rows = verify.MAX_ROWS
+        self.max_rows = verify.SEQ_ROWS
         self.ws = projections.Workspace(dev)
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:

@@ -180,7 +180,7 @@ class ModelRunner:
         """Whether a continuing row fits the fused or the padded path (a part of a prompt never
         does: its length, and the graph its shape would need, are its own)."""
         t = len(r.tokens)
-        return not r.last_only and ((self.fused is not None and t <= self.fused.max_rows)
+        return not r.last_only and ((self.fused is not None and self.fused.takes(1, t))
                                     or (self.padded and t <= self.padded_tokens))
 
     def _prompts(self, step: Step, verify: bool) -> list[Verified]:
@@ -193,7 +193,7 @@ class ModelRunner:
         t = max(len(r.tokens) for r in step.rows)
         fast = all(not r.last_only for r in step.rows)
         with self.mode():
-            if fast and self.fused is not None and self.batch_bucket(len(step.rows)) * t <= self.fused.max_rows:
+            if fast and self.fused is not None and self.fused.takes(self.batch_bucket(len(step.rows)), t):
                 return self._run_fused(step, verify)
             if fast and self.padded and t <= self.padded_tokens:
                 return self._run_padded(step, verify)

@@ -16,7 +16,8 @@ import triton.language as tl
 from specsplit.models.kernels.decode import _launch, _wait
 from specsplit.models.kernels.projections import block_m, precision
 
-MAX_ROWS = 64  # tokens of a fused step, all sequences together (one BLOCK_M tile of the projections)
+SEQ_ROWS = 64  # tokens of one sequence in a fused step (one tile of the attention's rows)
+MAX_ROWS = 256  # tokens of a fused step, all sequences together (the projections' row tiles side by side)
 
 
 @triton.jit
@@ -178,6 +179,8 @@ def tree_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
         raise ValueError("tree_attention needs a contiguous [slots, max_len, kv_heads, head_dim] cache and mask")
     if not (entries.is_contiguous() and positions.is_contiguous() and slots.is_contiguous()):
         raise ValueError("tree_attention reads entries, positions and slots as contiguous tensors")
+    if t > SEQ_ROWS:
+        raise ValueError(f"tree_attention takes at most {SEQ_ROWS} tokens a sequence, got {t}")
     if qkv.shape[0] != b * t or (visible is None and mask.shape != (b, t, t)):
         raise ValueError(f"tree_attention: {qkv.shape[0]} rows for entries {tuple(entries.shape)} and mask "
                          f"{tuple(mask.shape)}")
