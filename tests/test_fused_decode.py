@@ -260,6 +260,7 @@ BATCHED_STEPS: list[list[int | list[int] | None]] = [
     [4, 4, 4, 4],  # four chains
     [VERIFY_SHAPES["tree16"], 3, 1, None],  # a tree, a chain and a decode, padded to 16 tokens each
     [VERIFY_SHAPES["chain6"], VERIFY_SHAPES["tree16"], 2, 5],
+    [20, VERIFY_SHAPES["tree16"], 20, 3],  # 4 x 20 rows: two row tiles of the projections
 ]
 
 
@@ -270,7 +271,7 @@ BATCHED_STEPS: list[list[int | list[int] | None]] = [
 def test_batched_fused_steps_match_each_sequence_alone(dtype: torch.dtype) -> None:
     """SmolLM2's shape (3 layers): four sequences of 60, 100, 130 and 170 committed tokens on
     their own slots, stepped together through the fused step (decodes, chains, trees and mixes,
-    each row padded to the longest, the batch to its bucket), against the same rows stepped one
+    each row padded to the longest, the batch to its bucket; up to 80 rows), against the same rows stepped one
     at a time through the fused step and together through the static path: logits, features,
     and every KV entry written."""
     cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=3, vocab_size=4096)
@@ -309,8 +310,8 @@ def test_batched_fused_steps_match_each_sequence_alone(dtype: torch.dtype) -> No
         for row in rows:  # the rows' tokens join the committed entries
             lengths[row.slot] += len(row.tokens)
     if together.graphs.enabled:
-        assert {("fused", 4, 1, True), ("fused", 2, 1, True), ("fused", 4, 4, True), ("fused", 4, 16, True)
-                } <= {key[:4] for key in together.graphs.graphs}
+        assert {("fused", 4, 1, True), ("fused", 2, 1, True), ("fused", 4, 4, True), ("fused", 4, 16, True),
+                ("fused", 4, 20, True)} <= {key[:4] for key in together.graphs.graphs}
     for slot, end in enumerate(lengths):
         for ref_kv, kv in ((static.cache.k, together.cache.k), (static.cache.v, together.cache.v),
                            (alone.cache.k, together.cache.k)):
