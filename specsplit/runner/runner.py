@@ -219,7 +219,7 @@ class ModelRunner:
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t = tokens.shape
         batch = Batch.padded(positions, slots, entries, ctx, tree_mask, visible, capture, hidden)
-        head = self.fused_head if self.fused_head is not None and b * t <= self.fused_head.max_rows else None
+        head = self.fused_head if self.fused_head is not None and self.fused_head.takes(b, t) else None
         logits, extra = (head or self.model).forward(tokens.reshape(b * t), batch, self.cache)
         return logits.view(b, t, -1), None if extra is None else extra.view(b, t, -1)
 
@@ -285,7 +285,7 @@ class ModelRunner:
         if self.row_bucket is not None:
             t = self.row_bucket(t)
         # the fused head reads no context bucket: one graph for every context length
-        head = self.fused_head is not None and b * t <= self.fused_head.max_rows
+        head = self.fused_head is not None and self.fused_head.takes(b, t)
         ctx = self.cache.max_len if head else self.ctx_bucket(max(r.start for r in rows) + t)
         tree = any(r.parents for r in rows)
         ring = self._ring_rows(step, verify)
