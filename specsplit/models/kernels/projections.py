@@ -50,7 +50,7 @@ from specsplit.models.kernels.decode import _launch, _wait
 from specsplit.models.kernels.mm_steps import _arrive, _chunk_dot, _gather, _rstd, _step_dot, _w_step, _x_step
 
 MAX_TILES = 4096  # (row tile, column tile) pairs of one split projection (the counters of a workspace)
-ROW_TILE = 64  # rows a program at most: a step of more rows runs tiles of ROW_TILE rows side by side
+ROW_TILE = 16  # rows a program at most: a step of more rows runs tiles of ROW_TILE rows side by side
 MAX_STEP_ROWS = 256  # rows of one step (all its sequences' tokens)
 
 

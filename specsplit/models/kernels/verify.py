@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from specsplit.models.kernels.decode import _launch, _wait
-from specsplit.models.kernels.projections import block_m, precision
+from specsplit.models.kernels.projections import precision
 
 SEQ_ROWS = 64  # tokens of one sequence in a fused step (one tile of the attention's rows)
 MAX_ROWS = 256  # tokens of a fused step, all sequences together (the projections' row tiles side by side)
@@ -189,7 +189,7 @@ def tree_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     if splits > 1 and counters.numel() < b * num_heads:
         raise ValueError(f"tree_attention needs {b * num_heads} counters, got {counters.numel()}")
     out = torch.empty(b * t, num_heads * d, device=qkv.device, dtype=qkv.dtype)
-    bm = block_m(t)
+    bm = max(16, triton.next_power_of_2(t))  # a sequence's rows, one tile
     parts = torch.empty(b * num_heads * splits * bm * (d + 2) if splits > 1 else 1, device=qkv.device,
                         dtype=torch.float32)
     _tree_attention[(num_heads, b, splits)](
