@@ -125,7 +125,7 @@ def run(a: argparse.Namespace, tp: TensorParallel) -> None:
     for start, b, t in ((s, int(b), int(t)) for s in starts for b in a.batch.split(",") for t in a.rows.split(",")):
         first = 0.0
         for mode in modes:
-            if mode != "graphs" and b * t > verify_kernels.MAX_ROWS:
+            if mode != "graphs" and (b * t > verify_kernels.MAX_ROWS or t > verify_kernels.SEQ_ROWS):
                 continue  # beyond the fused step: the runner takes the padded path
             if "@" in mode:
                 block, warps, splits = mode.split("@")[1].split("x")

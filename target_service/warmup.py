@@ -34,7 +34,7 @@ def verify_steps(engine: TargetEngine, slot: int) -> Iterator[Step]:
     runner, fused = engine.runner, engine.runner.fused
     assert fused is not None
     ring_row = 0 if runner.ring is not None else -1
-    most = min(engine.cfg.max_draft_tokens + 1, fused.max_rows)
+    most = min(engine.cfg.max_draft_tokens + 1, fused.max_seq_rows)
 
     def step(b: int, t: int, parents: list[int] | None, capture: bool, ring: int) -> Step:
         rows = [Row(s, 8, [0] * t, parents, True, ring) for s in [slot] + [runner.pad_slot] * (b - 1)]
@@ -50,7 +50,7 @@ def verify_steps(engine: TargetEngine, slot: int) -> Iterator[Step]:
             if t > 1:  # a tree (shaped as a chain: the graphs depend on the rows only)
                 yield step(b, t, [-1, *range(t - 1)], True, ring_row)
     for rows in (20, 40):
-        if rows <= fused.max_rows:
+        if fused.takes(1, rows):
             yield step(1, rows, None, True, -1)
 
 
@@ -70,7 +70,7 @@ def warm_up(engine: TargetEngine) -> int:
             runner.verify(step)
             n += 1
         ahead = [1 << i for i in range(1, (engine.cfg.max_draft_tokens + 1).bit_length())]
-        for b in (b for b in runner.batch_buckets if b <= fused.max_rows):
+        for b in (b for b in runner.batch_buckets if fused.takes(b, 1)):
             rows = [Row(slot, 8, [0], accept=True), *[Row(runner.pad_slot, 8, [0], accept=True)] * (b - 1)]
             for k in ahead:  # greedy rows, and rows that sample
                 runner.decode(Step(rows), k)

@@ -91,11 +91,14 @@ class PaddedAsFused:
     step (tokens, rotary positions, KV entries, slots, the [B, T, T] masks) run by the model itself
     as a padded batch, so the packing is checked wherever the tests run."""
 
-    max_rows = 64
+    max_rows, max_seq_rows = 256, 64  # as FusedLlama's
     few_rows = 3  # FusedLlama's default at SmolLM2's size: batches up to 3 run unpadded
 
     def __init__(self, model: LlamaModel) -> None:
         self.model, self.rows = model, []
+
+    def takes(self, b: int, t: int) -> bool:
+        return b * t <= self.max_rows and t <= self.max_seq_rows
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: object) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert batch.entries is not None and batch.slots is not None and batch.tree_mask is not None
@@ -111,7 +114,8 @@ class PaddedAsFused:
 def test_engine_packs_fused_steps_as_the_static_path_runs_them(tiny_target: Path, tiny_head: Path) -> None:
     """CPU: the engine's fused-step inputs (one packed tensor: tokens, rotary positions, KV
     entries, slots, masks) describe the static path's step — decode, chains and trees give
-    target-only decoding's tokens, alone and two sequences a step (padded to the longest row)."""
+    target-only decoding's tokens, alone, two sequences a step (padded to the longest row) and eight
+    trees a step (128 rows)."""
     e = LocalEngines(TargetConfig(model=str(tiny_target), max_context=256),
                      DraftConfig(head=str(tiny_head), target=str(tiny_target), max_context=256))
     try:
@@ -131,6 +135,10 @@ def test_engine_packs_fused_steps_as_the_static_path_runs_them(tiny_target: Path
             both = e.generate([GenerationRequest(p, 8, Sampling(), set(), steps) for p in TINY_PROMPTS[:2]])
             assert [r.tokens for r in both] == [x[:8] for x in static]
         assert {(2, 1), (2, 4)} <= set(fused.rows)  # two sequences a step: fused together
+        trees = [GenerationRequest(p, 16, Sampling(), set(), 5, 4, 16) for p in TINY_PROMPTS]
+        alone = [e.generate([r])[0].tokens for r in trees]
+        assert [r.tokens for r in e.generate(trees + trees)] == alone + alone and alone[:2] == static
+        assert (8, 16) in fused.rows  # eight trees of 16 tokens: 128 rows, two row tiles, in one fused step
     finally:
         e.close()
 
@@ -252,6 +260,7 @@ BATCHED_STEPS: list[list[int | list[int] | None]] = [
     [4, 4, 4, 4],  # four chains
     [VERIFY_SHAPES["tree16"], 3, 1, None],  # a tree, a chain and a decode, padded to 16 tokens each
     [VERIFY_SHAPES["chain6"], VERIFY_SHAPES["tree16"], 2, 5],
+    [20, VERIFY_SHAPES["tree16"], 20, 3],  # 4 x 20 rows: two row tiles of the projections
 ]
 
 
@@ -262,7 +271,7 @@ BATCHED_STEPS: list[list[int | list[int] | None]] = [
 def test_batched_fused_steps_match_each_sequence_alone(dtype: torch.dtype) -> None:
     """SmolLM2's shape (3 layers): four sequences of 60, 100, 130 and 170 committed tokens on
     their own slots, stepped together through the fused step (decodes, chains, trees and mixes,
-    each row padded to the longest, the batch to its bucket), against the same rows stepped one
+    each row padded to the longest, the batch to its bucket; up to 80 rows), against the same rows stepped one
     at a time through the fused step and together through the static path: logits, features,
     and every KV entry written."""
     cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=3, vocab_size=4096)
@@ -301,8 +310,8 @@ def test_batched_fused_steps_match_each_sequence_alone(dtype: torch.dtype) -> No
         for row in rows:  # the rows' tokens join the committed entries
             lengths[row.slot] += len(row.tokens)
     if together.graphs.enabled:
-        assert {("fused", 4, 1, True), ("fused", 2, 1, True), ("fused", 4, 4, True), ("fused", 4, 16, True)
-                } <= {key[:4] for key in together.graphs.graphs}
+        assert {("fused", 4, 1, True), ("fused", 2, 1, True), ("fused", 4, 4, True), ("fused", 4, 16, True),
+                ("fused", 4, 20, True)} <= {key[:4] for key in together.graphs.graphs}
     for slot, end in enumerate(lengths):
         for ref_kv, kv in ((static.cache.k, together.cache.k), (static.cache.v, together.cache.v),
                            (alone.cache.k, together.cache.k)):
@@ -316,11 +325,12 @@ def test_fused_step_refuses_more_rows_than_it_takes() -> None:
     cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=3, vocab_size=256)
     model = _random_model(cfg, torch.float32)
     fused = FusedLlama(model)
-    t = fused.max_rows + 1
-    tokens = torch.zeros(1, t, dtype=torch.long, device="cuda")
-    batch = Batch.padded(tokens, torch.ones(1, dtype=torch.long, device="cuda"), tokens, 0)
-    with pytest.raises(ValueError, match=f"at most {fused.max_rows} tokens"):
-        fused.forward(tokens.view(t), batch, model.new_cache(2, 256))
+    cache = model.new_cache(8, 256)
+    for b, t in ((1, fused.max_seq_rows + 1), (8, fused.max_rows // 8 + 1)):  # a sequence's rows, a step's
+        tokens = torch.zeros(b, t, dtype=torch.long, device="cuda")
+        batch = Batch.padded(tokens, torch.arange(b, device="cuda"), tokens, 0)
+        with pytest.raises(ValueError, match=f"at most {fused.max_rows} tokens, {fused.max_seq_rows} a sequence"):
+            fused.forward(tokens.view(b * t), batch, cache)
 
 
 @pytest.mark.quick

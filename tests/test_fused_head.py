@@ -64,14 +64,15 @@ def _both(head: Eagle3Head, tokens: torch.Tensor, batch: Batch) -> tuple[tuple[t
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_head_extend_matches_the_head(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("b", "t"), [(2, 3), (3, 24)])  # 72 rows: two row tiles of the projections
+def test_fused_head_extend_matches_the_head(dtype: torch.dtype, b: int, t: int) -> None:
     head = _head(dtype)
-    b, t = 2, 3
-    starts = torch.tensor([5, 17], device=DEV)
+    starts = torch.tensor([5, 17, 30][:b], device=DEV)
     entries = starts[:, None] + torch.arange(t, device=DEV)  # [B, T]
     tokens = torch.randint(0, 600, (b * t,), device=DEV)
     features = torch.randn(b * t, 3 * 128, device=DEV).to(dtype)
-    batch = Batch.padded(entries, torch.tensor([2, 0], device=DEV), entries, 32, hidden=features.view(b, t, -1))
+    batch = Batch.padded(entries, torch.tensor([2, 0, 4][:b], device=DEV), entries, 64,
+                         hidden=features.view(b, t, -1))
     want, *gots = _both(head, tokens, batch)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
     for got in gots:

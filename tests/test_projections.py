@@ -1,6 +1,7 @@
 """The fused verify's split-K projections (specsplit.models.kernels.projections) against torch in fp32
 and bf16: rms_norm(x)·Wᵀ, the residual add that also hands the next norm its input, and gate|up with
-SiLU·mul; a row's bits do not depend on how many rows (≤ 16) the step has; the counters end at zero."""
+SiLU·mul; a row's bits do not depend on how many rows (≤ 16) the step has, nor, past 64 rows (tiles
+of 64 side by side), on its row tile; the counters end at zero."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from tests.test_gpu_services import needs_gpus
 
 SHAPES = {"narrow": (960, 576), "deep-k": (576, 1536), "wide": (1536, 576)}  # (N, K), SmolLM2's projections
-ROWS = (1, 2, 5, 16, 17, 64)
+ROWS = (1, 2, 5, 16, 17, 64, 65, 130, 256)
 DEV = "cuda"
 
 
@@ -39,7 +40,7 @@ def test_projections_match_torch_and_rows_keep_their_bits(dtype: torch.dtype, sh
 
     w, gate_up = rand(n, k, scale=0.05), rand(2 * n, k, scale=0.05)
     norm_in, norm_next = rand(k, scale=0.1, shift=1.0), rand(n, scale=0.1, shift=1.0)
-    xs, residual = rand(64, k), rand(64, n)
+    xs, residual = rand(ROWS[-1], k), rand(ROWS[-1], n)
     ws = proj.Workspace(DEV)
     if plans == "split":
         assert blocks.mm_rule(n, k, ws.sms).split  # these shapes split K
@@ -52,6 +53,7 @@ def test_projections_match_torch_and_rows_keep_their_bits(dtype: torch.dtype, sh
         ws.plan = lambda kernel, n, k, rows, dtype: blocks.Plan.of(k, 16, block_k, chunk, 4, ways)  # type: ignore[method-assign]
     tol = 1e-3 if dtype == torch.float32 else 3e-2
     first: dict[str, torch.Tensor] = {}
+    tile: dict[str, torch.Tensor] = {}  # the 64-row step's
     for m in ROWS:
         x = xs[:m]
         xn = (_rms(x.float()).to(dtype) * norm_in).float()
@@ -73,4 +75,8 @@ def test_projections_match_torch_and_rows_keep_their_bits(dtype: torch.dtype, sh
                 first[name] = value[:1].clone()
             elif m <= 16:
                 assert torch.equal(value[:1], first[name]), (name, m)  # row 0 computes the same bits
+            if m == 64:
+                tile[name] = value.clone()
+            elif m > 64:  # each tile of 64 rows as a step of its own would compute them
+                assert torch.equal(value[:64], tile[name]), (name, m)
         assert not ws.counters.any()  # every tile's last program reset its counter

@@ -12,13 +12,13 @@ import pytest
 
 from tests.test_few_compile import needs_compiler
 
-NORM_MM = {"x_ptr": "*bf16", "q_ptr": "*fp32", "Q_TILES": "i32", "w_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32",
-           "c_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-           "stride_ym": "i32", "eps": "fp32"}
+NORM_MM = {"x_ptr": "*bf16", "q_ptr": "*fp32", "Q_TILES": "i32", "Q_STRIDE": "i32", "w_ptr": "*bf16",
+           "y_ptr": "*bf16", "p_ptr": "*fp32", "c_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "eps": "fp32"}
 GATE_UP = {k: v for k, v in NORM_MM.items() if k != "stride_ym"}
 RESIDUAL = {"x_ptr": "*bf16", "w_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "c_ptr": "*i32",
-            "nw_ptr": "*bf16", "xn_ptr": "*bf16", "q_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-            "stride_xm": "i32", "stride_wn": "i32"}
+            "nw_ptr": "*bf16", "xn_ptr": "*bf16", "q_ptr": "*fp32", "Q_STRIDE": "i32", "M": "i32", "N": "i32",
+            "K": "i32", "stride_xm": "i32", "stride_wn": "i32"}
 
 
 def _compiled(kernel: Any, signature: dict[str, str], constants: dict[str, object], warps: int) -> Any:

@@ -1,6 +1,6 @@
 """The fused steps of a Llama target on one GPU: one sequence's decode (one token), and B
 sequences of T tokens each (B decodes, or verifies of chains and trees), up to
-kernels.verify.MAX_ROWS tokens in all.
+kernels.verify.MAX_ROWS tokens in all and kernels.verify.SEQ_ROWS a sequence.
 
 A decoder layer of the padded path is ~20 kernels (norms, projections, rotary, KV writes,
 attention, SiLU·mul, residual adds); at batch 1 an 8B step is then ~640 short kernels on top
@@ -96,8 +96,8 @@ def few_rows_default(hidden_size: int, rows: int | None = None, gpu: str = "") -
 
 
 class FusedLlama:
-    """LlamaModel's forward for a padded batch of B sequences of T tokens (B·T ≤ max_rows), as
-    fused kernels. pdl: True or False for every step; None: per step, as pdl_pays says."""
+    """LlamaModel's forward for a padded batch of B sequences of T tokens (B·T ≤ max_rows, T ≤
+    max_seq_rows), as fused kernels. pdl: True or False for every step; None: per step, as pdl_pays says."""
 
     def __init__(self, model: LlamaModel, pdl: bool | None = False, few_rows: int | None = None) -> None:
         reason = fused_decode_unsupported(model)
@@ -109,12 +109,16 @@ class FusedLlama:
         self.model, self.pdl, self.k, self.few, self.proj, self.tree = model, pdl, decode, few, projections, verify
         dev = model.embed_tokens.weight.device
         self.capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
-        self.max_rows = verify.MAX_ROWS
+        self.max_rows, self.max_seq_rows = verify.MAX_ROWS, verify.SEQ_ROWS
         self.ws = projections.Workspace(dev)  # split projections' partials, counters
         # steps of up to few_rows rows run kernels.few: each row as the decode computes it
         gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
         self.few_rows = min(FEW_ROWS_MAX, few_rows_default(model.cfg.hidden_size, gpu=gpu) if few_rows is None
                             else few_rows)
+
+    def takes(self, b: int, t: int) -> bool:
+        """Whether a step of b sequences of t tokens fits."""
+        return b * t <= self.max_rows and t <= self.max_seq_rows
 
     def pdl_for(self, rows: int) -> bool:
         return self.pdl if self.pdl is not None else pdl_pays(self.model.cfg.hidden_size, rows, self.capability)
@@ -128,10 +132,11 @@ class FusedLlama:
         n = tokens.shape[0]
         if not batch.is_padded or batch.entries is None or batch.entries.numel() != n:
             raise ValueError(f"a fused step takes a padded batch, got {n} tokens")
-        if n > self.max_rows:
-            raise ValueError(f"a fused step takes at most {self.max_rows} tokens, got {n}")
-        assert batch.slots is not None
         b, t = batch.entries.shape
+        if not self.takes(b, t):
+            raise ValueError(f"a fused step takes at most {self.max_rows} tokens, {self.max_seq_rows} a sequence, "
+                             f"got {b} sequences of {t}")
+        assert batch.slots is not None
         if n == 1:
             return self._decode(tokens, batch.positions, batch.slots, cache, batch.capture, self.pdl_for(1))
         mask = (torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril().expand(b, t, t).contiguous()

@@ -1,5 +1,5 @@
 """The EAGLE-3 head's step on one GPU as fused kernels: what `Eagle3Head.forward` computes for a
-padded batch of B sequences of T tokens (B·T ≤ kernels.verify.MAX_ROWS): an extend (the target's
+padded batch of B sequences of T tokens (B·T ≤ kernels.verify.MAX_ROWS, T ≤ SEQ_ROWS): an extend (the target's
 features through fc, causal), or one level of a draft tree (the head's own pre-norm states, each
 node seeing the committed entries, its ancestors' and its own).
 
@@ -50,7 +50,8 @@ def fused_head_unsupported(head: Eagle3Head) -> str | None:
 
 
 class FusedHead:
-    """Eagle3Head's forward for a padded batch of B·T ≤ max_rows tokens, as fused kernels."""
+    """Eagle3Head's forward for a padded batch of B·T ≤ max_rows tokens (T ≤ max_seq_rows), as fused
+    kernels."""
 
     def __init__(self, head: Eagle3Head, pdl: bool | None = None, few_rows: int | None = None) -> None:
         """pdl: programmatic dependent launch for every step (True, False), or per step as the
@@ -69,8 +70,12 @@ class FusedHead:
         self.input = head_kernels.head_input
         dev = head.fc.weight.device
         self.capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
-        self.max_rows = verify.MAX_ROWS
+        self.max_rows, self.max_seq_rows = verify.MAX_ROWS, verify.SEQ_ROWS
         self.ws = projections.Workspace(dev)
+
+    def takes(self, b: int, t: int) -> bool:
+        """Whether a step of b sequences of t tokens fits."""
+        return b * t <= self.max_rows and t <= self.max_seq_rows
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B*T] and batch.hidden [B*T, 3H] (target features) or [B*T, H] (pre-norm
@@ -81,8 +86,10 @@ class FusedHead:
         m, cfg, k, ws = self.head, self.head.cfg, self.proj, self.ws
         n = tokens.shape[0]
         pdl = self.pdl if self.pdl is not None else pdl_pays(cfg.hidden_size, n, self.capability)
-        if not batch.is_padded or batch.entries is None or batch.entries.numel() != n or n > self.max_rows:
-            raise ValueError(f"a fused head step takes a padded batch of at most {self.max_rows} tokens, got {n}")
+        if (not batch.is_padded or batch.entries is None or batch.entries.numel() != n
+                or not self.takes(*batch.entries.shape)):
+            raise ValueError(f"a fused head step takes a padded batch of at most {self.max_rows} tokens, "
+                             f"{self.max_seq_rows} a sequence, got {n}")
         if batch.tree_mask is not None and batch.visible is None:
             raise ValueError("a fused head step takes a tree's view as batch.visible, not as a tree mask")
         assert batch.slots is not None and batch.hidden is not None

@@ -30,11 +30,11 @@ def decode(r: ModelRunner, step: Step, k: int, sampling: np.ndarray | None = Non
     assert not step.capture and all(len(row.tokens) == 1 and row.start > 0 for row in rows)
     b = r.batch_bucket(len(rows))
     with r.mode():
-        if r.fused is not None and b <= r.fused.max_rows:
+        if r.fused is not None and r.fused.takes(b, 1):
             return _graphed(r, rows, b, k, None, sampling)[: len(rows)]
         if r.padded and r.padded_tokens >= 1:
             last = max(row.start for row in rows)
-            head = r.fused_head is not None and b <= r.fused_head.max_rows  # as _run_padded
+            head = r.fused_head is not None and r.fused_head.takes(b, 1)  # as _run_padded
             ctxs = tuple(r.cache.max_len if head else r.ctx_bucket(last + j + 1) for j in range(k))
             return _graphed(r, rows, b, k, ctxs, sampling)[: len(rows)]
     out: list[list[int]] = [[] for _ in rows]

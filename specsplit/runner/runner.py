@@ -180,7 +180,7 @@ class ModelRunner:
         """Whether a continuing row fits the fused or the padded path (a part of a prompt never
         does: its length, and the graph its shape would need, are its own)."""
         t = len(r.tokens)
-        return not r.last_only and ((self.fused is not None and t <= self.fused.max_rows)
+        return not r.last_only and ((self.fused is not None and self.fused.takes(1, t))
                                     or (self.padded and t <= self.padded_tokens))
 
     def _prompts(self, step: Step, verify: bool) -> list[Verified]:
@@ -193,7 +193,7 @@ class ModelRunner:
         t = max(len(r.tokens) for r in step.rows)
         fast = all(not r.last_only for r in step.rows)
         with self.mode():
-            if fast and self.fused is not None and self.batch_bucket(len(step.rows)) * t <= self.fused.max_rows:
+            if fast and self.fused is not None and self.fused.takes(self.batch_bucket(len(step.rows)), t):
                 return self._run_fused(step, verify)
             if fast and self.padded and t <= self.padded_tokens:
                 return self._run_padded(step, verify)
@@ -219,7 +219,7 @@ class ModelRunner:
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t = tokens.shape
         batch = Batch.padded(positions, slots, entries, ctx, tree_mask, visible, capture, hidden)
-        head = self.fused_head if self.fused_head is not None and b * t <= self.fused_head.max_rows else None
+        head = self.fused_head if self.fused_head is not None and self.fused_head.takes(b, t) else None
         logits, extra = (head or self.model).forward(tokens.reshape(b * t), batch, self.cache)
         return logits.view(b, t, -1), None if extra is None else extra.view(b, t, -1)
 
@@ -285,7 +285,7 @@ class ModelRunner:
         if self.row_bucket is not None:
             t = self.row_bucket(t)
         # the fused head reads no context bucket: one graph for every context length
-        head = self.fused_head is not None and b * t <= self.fused_head.max_rows
+        head = self.fused_head is not None and self.fused_head.takes(b, t)
         ctx = self.cache.max_len if head else self.ctx_bucket(max(r.start for r in rows) + t)
         tree = any(r.parents for r in rows)
         ring = self._ring_rows(step, verify)

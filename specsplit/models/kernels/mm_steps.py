@@ -94,8 +94,8 @@ def _gather(p_ptr, at, SPLITS: tl.constexpr, stride_split, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _rstd(q_ptr, TILES, m, K, eps, BLOCK_M: tl.constexpr, TILES_P2: tl.constexpr):
-    """1 / rms of each row from its partial Σ x² [TILES, BLOCK_M], in one load."""
+def _rstd(q_ptr, TILES, Q_STRIDE, m, K, eps, TILES_P2: tl.constexpr):
+    """1 / rms of rows m from their partial Σ x² [TILES, Q_STRIDE], in one load."""
     t = tl.arange(0, TILES_P2)
-    sq = tl.load(q_ptr + t[:, None] * BLOCK_M + m[None, :], mask=(t < TILES)[:, None], other=0.0)
+    sq = tl.load(q_ptr + t[:, None] * Q_STRIDE + m[None, :], mask=(t < TILES)[:, None], other=0.0)
     return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)

@@ -8,9 +8,11 @@ verify's chain or tree, or of a batch of sequences):
   mm_residual    H' = H + A · Wᵀ               the o and down projections with the residual add; it also
                                                leaves H'·nw and the partial Σ h'² for the next norm
 
-A weight is read once for all T rows: a program multiplies its tile of W [BLOCK_N, BLOCK_K] by the
-rows padded to 16 (32, 64) on the tensor cores, its first tile loaded before the wait for the
-previous kernel (with PDL), the rest pipelined by the compiler. A projection as narrow as
+A weight is read once for up to 64 rows: a program multiplies its tile of W [BLOCK_N, BLOCK_K] by
+the rows padded to 16 (32, 64) on the tensor cores, its first tile loaded before the wait for the
+previous kernel (with PDL), the rest pipelined by the compiler. A step of more rows (a batch of
+verifies) runs row tiles of 64 side by side, a grid axis: each tile's programs compute its rows as
+a 64-row step would, reading the weights again (from L2). A projection as narrow as
 SmolLM2's (576) has few tiles of columns, so K may be split too (split-K): program (tile, s)
 covers columns tile·BLOCK_N.. over the K chunk s, writes its fp32 partial product to a workspace
 and counts itself in the tile's counter; the tile's last program sums the S partials in the order
@@ -21,9 +23,9 @@ tiles, not one warp's accumulator chain over all of K) and summed over KS. SmolL
 projections take 2.7-4.7 µs a launch this way on the H100 and 2.2-3.8 on the H200 (bench.tune_mm).
 A program's chunk of K is a compile-time
 constant: a chunk of one K step compiles without a loop (nor the loop's pipeline buffers).
-The plan (tile, K step, chunk, warps, KS) is pinned per GPU model, matrix
-and rows bucket (kernels.blocks, `mm_plans.json`), never chosen by timing: a given GPU model
-computes the same bits in every process, and rows ≤ 16 the same bits whatever T.
+The plan (tile, K step, chunk, warps, KS) is pinned per GPU model, matrix and rows bucket (16, 32,
+64; past 64 rows, 64) in kernels.blocks (`mm_plans.json`), never chosen by timing: a given GPU
+model computes the same bits in every process, and rows ≤ 16 the same bits whatever T.
 
 The RMS norm is split around the GEMM: rms_norm(x)·w = rstd · Σ W[n,k] (x[k]·nw[k]). The kernel
 that writes x (the residual add before, or embed_prenorm) also writes x·nw rounded to the
@@ -47,7 +49,9 @@ from specsplit.models.kernels.blocks import Plan
 from specsplit.models.kernels.decode import _launch, _wait
 from specsplit.models.kernels.mm_steps import _arrive, _chunk_dot, _gather, _rstd, _step_dot, _w_step, _x_step
 
-MAX_TILES = 4096  # column tiles of one split projection (the counters of a workspace)
+MAX_TILES = 4096  # (row tile, column tile) pairs of one split projection (the counters of a workspace)
+ROW_TILE = 16  # rows a program at most: a step of more rows runs tiles of ROW_TILE rows side by side
+MAX_STEP_ROWS = 256  # rows of one step (all its sequences' tokens)
 
 
 class Workspace:
@@ -65,16 +69,17 @@ class Workspace:
 
     def plan(self, kernel: str, n: int, k: int, rows: int, dtype: torch.dtype) -> Plan:
         """The pinned plan of a projection [N, K] for `rows` rows (kernels.blocks)."""
-        key = (kernel, n, k, block_m(rows), dtype.itemsize <= 2)
+        key = (kernel, n, k, block_m(rows), dtype.itemsize <= 2)  # (block_m: the row tile's height)
         if key not in self._plans:
             self._plans[key] = blocks.mm_lookup(kernel, n, k, key[3], self.gpu, self.sms, key[4])
         return self._plans[key]
 
-    def partials(self, p: Plan, n: int, per_program: int) -> torch.Tensor:
-        """fp32 space for what each program of a split projection hands over (per_program values)."""
-        tiles = triton.cdiv(n, p.block_n)
+    def partials(self, p: Plan, n: int, rows: int, per_program: int) -> torch.Tensor:
+        """fp32 space for what each program of a split projection of `rows` rows hands over
+        (per_program values)."""
+        tiles = triton.cdiv(n, p.block_n) * row_tiles(rows)
         if p.split and tiles > MAX_TILES:
-            raise ValueError(f"a split projection has at most {MAX_TILES} column tiles, got {tiles}")
+            raise ValueError(f"a split projection has at most {MAX_TILES} tiles, got {tiles}")
         return torch.empty(tiles * p.splits * per_program if p.split else 1, dtype=torch.float32, device=self.device)
 
 
@@ -93,20 +98,31 @@ def precision(dtype: torch.dtype) -> str:
 
 
 def block_m(rows: int) -> int:
-    return max(16, triton.next_power_of_2(rows))
+    """Rows of a program's tile: the rows rounded up to 16, 32 or 64, or ROW_TILE past it."""
+    return min(ROW_TILE, max(16, triton.next_power_of_2(rows)))
+
+
+def row_tiles(rows: int) -> int:
+    return triton.cdiv(rows, block_m(rows))
+
+
+def padded_rows(rows: int) -> int:
+    """Rows of a step's tiles together: the row stride of a Normed's squares."""
+    return row_tiles(rows) * block_m(rows)
 
 
 @triton.jit
-def _put_normed(y, m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, BLOCK_M: tl.constexpr):
-    """For the next RMS norm: y·nw rounded to the activations' dtype, and this tile's Σ y² per row."""
+def _put_normed(y, m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, Q_STRIDE):
+    """For the next RMS norm: y·nw rounded to the activations' dtype, and this tile's Σ y² per row
+    (squares [tiles, Q_STRIDE]: padding rows' zeros too)."""
     nw = tl.load(nw_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(xn_ptr + m[:, None] * N + n[None, :], (y * nw[None, :]).to(xn_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
-    tl.store(q_ptr + tile * BLOCK_M + m, tl.sum(tl.where(n_ok[None, :], y * y, 0.0), axis=1))
+    tl.store(q_ptr + tile * Q_STRIDE + m, tl.sum(tl.where(n_ok[None, :], y * y, 0.0), axis=1), mask=m < Q_STRIDE)
 
 
 @triton.jit
-def _prenorm(tok_ptr, e_ptr, h_ptr, nw_ptr, xn_ptr, q_ptr, M, N, stride_e, GATHER: tl.constexpr,
+def _prenorm(tok_ptr, e_ptr, h_ptr, nw_ptr, xn_ptr, q_ptr, Q_STRIDE, M, N, stride_e, GATHER: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """H·nw with its partial Σ h² for the next norm, of rows H = E (GATHER: H = E[tokens], stored)."""
     tile = tl.program_id(0)
@@ -119,39 +135,40 @@ def _prenorm(tok_ptr, e_ptr, h_ptr, nw_ptr, xn_ptr, q_ptr, M, N, stride_e, GATHE
     x = tl.load(e_ptr + row[:, None] * stride_e + n[None, :], mask=ok, other=0.0)
     if GATHER:
         tl.store(h_ptr + m[:, None] * N + n[None, :], x, mask=ok)
-    _put_normed(x.to(tl.float32), m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, BLOCK_M)
+    _put_normed(x.to(tl.float32), m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, Q_STRIDE)
 
 
 @triton.jit
-def _norm_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
+def _norm_mm(x_ptr, q_ptr, Q_TILES, Q_STRIDE, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
              CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr,
              TILES_P2: tl.constexpr):
     """Y = rstd · (X·nw) · Wᵀ, with X·nw and the partial Σ x² as _put_normed leaves them."""
-    tile, s = tl.program_id(0), tl.program_id(1)
+    tile, s, rt = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # column tile, K chunk, row tile
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    m = tl.arange(0, BLOCK_M)
+    m = rt * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
+    counter = rt * tl.num_programs(0) + tile  # this (row tile, column tile)'s counter and partials
     k0 = s * CHUNK
     k_end = tl.minimum(K, k0 + CHUNK)
     w_rows = w_ptr + n[:, None] * stride_wn
     w = _w_step(w_rows, n_ok, k0, k_end, KS, BLOCK_K)
     _wait(USE_PDL)
     if not SPLIT:  # every program finishes its tile: the norm's loads go out with the operands'
-        rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)
+        rstd = _rstd(q_ptr, Q_TILES, Q_STRIDE, m, K, eps, TILES_P2)
     acc = _chunk_dot(x_ptr, w, w_rows, n_ok, m, m_ok, k0, k_end, CHUNK, stride_xm, DOT, BLOCK_M, BLOCK_N, BLOCK_K,
                      KS)
     last = True
     if SPLIT:
-        at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        part = p_ptr + tile * SPLITS * BLOCK_M * BLOCK_N
+        at = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        part = p_ptr + counter * SPLITS * BLOCK_M * BLOCK_N
         tl.store(part + s * BLOCK_M * BLOCK_N + at, acc, cache_modifier=".cg")
-        last = _arrive(c_ptr + tile, SPLITS)
+        last = _arrive(c_ptr + counter, SPLITS)
         if last:
             acc = _gather(part, at, SPLITS, BLOCK_M * BLOCK_N, BLOCK_M, BLOCK_N)
-            tl.store(c_ptr + tile, 0)
-        rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)
+            tl.store(c_ptr + counter, 0)
+        rstd = _rstd(q_ptr, Q_TILES, Q_STRIDE, m, K, eps, TILES_P2)
     if last:
         y = acc * rstd[:, None]
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :],
@@ -159,16 +176,17 @@ def _norm_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_
 
 
 @triton.jit
-def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, eps,
+def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, Q_STRIDE, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, eps,
                      CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
                      DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      KS: tl.constexpr, TILES_P2: tl.constexpr):
     """w [2N, K]: gate rows, then up rows; a program's gate and up tiles stream in the same pass."""
-    tile, s = tl.program_id(0), tl.program_id(1)
+    tile, s, rt = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # column tile, K chunk, row tile
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    m = tl.arange(0, BLOCK_M)
+    m = rt * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
+    counter = rt * tl.num_programs(0) + tile  # this (row tile, column tile)'s counter and partials
     k0 = s * CHUNK
     k_end = tl.minimum(K, k0 + CHUNK)
     g_rows = w_ptr + n[:, None] * stride_wn
@@ -177,7 +195,7 @@ def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K,
     wu = _w_step(u_rows, n_ok, k0, k_end, KS, BLOCK_K)
     _wait(USE_PDL)
     if not SPLIT:
-        rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)
+        rstd = _rstd(q_ptr, Q_TILES, Q_STRIDE, m, K, eps, TILES_P2)
     x = _x_step(x_ptr, m, m_ok, k0, k_end, stride_xm, KS, BLOCK_K)
     zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_g = _step_dot(x, wg, zero, DOT, KS)
@@ -188,17 +206,17 @@ def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K,
         acc_u = _step_dot(x, _w_step(u_rows, n_ok, k0 + i, k_end, KS, BLOCK_K), acc_u, DOT, KS)
     last = True
     if SPLIT:
-        at = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        at = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         size: tl.constexpr = BLOCK_M * BLOCK_N
-        part = p_ptr + tile * SPLITS * 2 * size
+        part = p_ptr + counter * SPLITS * 2 * size
         tl.store(part + (2 * s) * size + at, acc_g, cache_modifier=".cg")
         tl.store(part + (2 * s + 1) * size + at, acc_u, cache_modifier=".cg")
-        last = _arrive(c_ptr + tile, SPLITS)
+        last = _arrive(c_ptr + counter, SPLITS)
         if last:
             acc_g = _gather(part, at, SPLITS, 2 * size, BLOCK_M, BLOCK_N)
             acc_u = _gather(part + size, at, SPLITS, 2 * size, BLOCK_M, BLOCK_N)
-            tl.store(c_ptr + tile, 0)
-        rstd = _rstd(q_ptr, Q_TILES, m, K, eps, BLOCK_M, TILES_P2)
+            tl.store(c_ptr + counter, 0)
+        rstd = _rstd(q_ptr, Q_TILES, Q_STRIDE, m, K, eps, TILES_P2)
     if last:
         dt = y_ptr.dtype.element_ty
         g = (acc_g * rstd[:, None]).to(dt).to(tl.float32)  # the GEMM's rounded outputs
@@ -208,16 +226,17 @@ def _gate_up_silu_mm(x_ptr, q_ptr, Q_TILES, w_ptr, y_ptr, p_ptr, c_ptr, M, N, K,
 
 
 @triton.jit
-def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, nw_ptr, xn_ptr, q_ptr, M, N, K, stride_xm, stride_wn,
-                 CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLIT: tl.constexpr, NEXT_NORM: tl.constexpr,
+def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, nw_ptr, xn_ptr, q_ptr, Q_STRIDE, M, N, K, stride_xm,
+                 stride_wn, CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLIT: tl.constexpr, NEXT_NORM: tl.constexpr,
                  USE_PDL: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, KS: tl.constexpr):
     """H' = H + X · Wᵀ; with NEXT_NORM also H'·nw and its partial Σ h'² for the next projection."""
-    tile, s = tl.program_id(0), tl.program_id(1)
+    tile, s, rt = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # column tile, K chunk, row tile
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    m = tl.arange(0, BLOCK_M)
+    m = rt * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
+    counter = rt * tl.num_programs(0) + tile  # this (row tile, column tile)'s counter and partials
     k0 = s * CHUNK
     k_end = tl.minimum(K, k0 + CHUNK)
     w_rows = w_ptr + n[:, None] * stride_wn
@@ -231,24 +250,24 @@ def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, nw_ptr, xn_ptr, q_ptr
                      KS)
     last = True
     if SPLIT:
-        at_p = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        part = p_ptr + tile * SPLITS * BLOCK_M * BLOCK_N
+        at_p = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        part = p_ptr + counter * SPLITS * BLOCK_M * BLOCK_N
         tl.store(part + s * BLOCK_M * BLOCK_N + at_p, acc, cache_modifier=".cg")
-        last = _arrive(c_ptr + tile, SPLITS)
+        last = _arrive(c_ptr + counter, SPLITS)
         if last:
             acc = _gather(part, at_p, SPLITS, BLOCK_M * BLOCK_N, BLOCK_M, BLOCK_N)
-            tl.store(c_ptr + tile, 0)
+            tl.store(c_ptr + counter, 0)
         res = tl.load(r_ptr + at, mask=ok, other=0.0)
     if last:
         dt = y_ptr.dtype.element_ty
         y = (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
         tl.store(y_ptr + at, y, mask=ok)
         if NEXT_NORM:
-            _put_normed(y.to(tl.float32), m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, BLOCK_M)
+            _put_normed(y.to(tl.float32), m, m_ok, n, n_ok, tile, N, nw_ptr, xn_ptr, q_ptr, Q_STRIDE)
 
 
 def _run(kernel: Any, p: Plan, n: int, x: torch.Tensor, pdl: bool, *args: Any, **constants: Any) -> None:
-    grid = (triton.cdiv(n, p.block_n), p.splits)
+    grid = (triton.cdiv(n, p.block_n), p.splits, row_tiles(x.shape[0]))
     kernel[grid](*args, p.chunk, p.splits, SPLIT=p.split, USE_PDL=pdl, DOT=precision(x.dtype),
                  BLOCK_M=block_m(x.shape[0]), BLOCK_N=p.block_n, BLOCK_K=p.block_k, KS=p.ksplit, num_warps=p.warps,
                  num_stages=3, **constants, **_launch(pdl))
@@ -257,11 +276,16 @@ def _run(kernel: Any, p: Plan, n: int, x: torch.Tensor, pdl: bool, *args: Any, *
 @dataclass
 class Normed:
     """Rows on their way into an RMS-normed projection: x·nw rounded to the activations' dtype
-    [T, K], and each row's Σ x² in partial sums over column tiles [tiles, BLOCK_M] (fp32), added
-    up by the projection."""
+    [T, K], and each row's Σ x² in partial sums over column tiles [tiles, padded_rows(T)] (fp32),
+    added up by the projection."""
     scaled: torch.Tensor
     squares: torch.Tensor
     tiles: int
+
+    @property
+    def stride(self) -> int:
+        """The squares' row stride."""
+        return self.squares.numel() // self.tiles
 
 
 PRENORM_BLOCK = 64  # columns a program of embed_prenorm
@@ -269,7 +293,7 @@ PRENORM_BLOCK = 64  # columns a program of embed_prenorm
 
 def _normed(h: torch.Tensor) -> Normed:
     tiles = triton.cdiv(h.shape[1], PRENORM_BLOCK)
-    return Normed(torch.empty_like(h), torch.empty(tiles * block_m(h.shape[0]), dtype=torch.float32,
+    return Normed(torch.empty_like(h), torch.empty(tiles * padded_rows(h.shape[0]), dtype=torch.float32,
                                                    device=h.device), tiles)
 
 
@@ -280,8 +304,9 @@ def embed_prenorm(tokens: torch.Tensor, embedding: torch.Tensor, norm_weight: to
     (m,), k = tokens.shape, embedding.shape[1]
     h = torch.empty(m, k, device=embedding.device, dtype=embedding.dtype)
     out = _normed(h)
-    _prenorm[(out.tiles,)](tokens, embedding, h, norm_weight, out.scaled, out.squares, m, k, embedding.stride(0),
-                           GATHER=True, BLOCK_M=block_m(m), BLOCK_N=PRENORM_BLOCK)
+    _prenorm[(out.tiles,)](tokens, embedding, h, norm_weight, out.scaled, out.squares, out.stride, m, k,
+                           embedding.stride(0), GATHER=True, BLOCK_M=triton.next_power_of_2(out.stride),
+                           BLOCK_N=PRENORM_BLOCK)
     return h, out
 
 
@@ -290,8 +315,8 @@ def prenorm(h: torch.Tensor, norm_weight: torch.Tensor) -> Normed:
     parallelism, the all-reduced sum that mm_residual could not norm on its own shard."""
     m, k = h.shape
     out = _normed(h)
-    _prenorm[(out.tiles,)](h, h, h, norm_weight, out.scaled, out.squares, m, k, h.stride(0), GATHER=False,
-                           BLOCK_M=block_m(m), BLOCK_N=PRENORM_BLOCK)
+    _prenorm[(out.tiles,)](h, h, h, norm_weight, out.scaled, out.squares, out.stride, m, k, h.stride(0),
+                           GATHER=False, BLOCK_M=triton.next_power_of_2(out.stride), BLOCK_N=PRENORM_BLOCK)
     return out
 
 
@@ -304,9 +329,9 @@ def norm_mm(x: Normed, weight: torch.Tensor, eps: float, pdl: bool = False, out_
     ws = ws or workspace(xs.device)
     p = ws.plan("norm_mm", n, k, m, xs.dtype)
     y = torch.empty(m, n, device=xs.device, dtype=out_dtype or xs.dtype)
-    parts = ws.partials(p, n, block_m(m) * p.block_n)
-    _run(_norm_mm, p, n, xs, pdl, xs, x.squares, x.tiles, weight, y, parts, ws.counters, m, n, k, xs.stride(0),
-         weight.stride(0), y.stride(0), eps, TILES_P2=triton.next_power_of_2(x.tiles))
+    parts = ws.partials(p, n, m, block_m(m) * p.block_n)
+    _run(_norm_mm, p, n, xs, pdl, xs, x.squares, x.tiles, x.stride, weight, y, parts, ws.counters, m, n, k,
+         xs.stride(0), weight.stride(0), y.stride(0), eps, TILES_P2=triton.next_power_of_2(x.tiles))
     return y
 
 
@@ -318,8 +343,8 @@ def gate_up_silu(x: Normed, weight: torch.Tensor, eps: float, pdl: bool = False,
     ws = ws or workspace(xs.device)
     p = ws.plan("gate_up_silu_mm", n, k, m, xs.dtype)
     y = torch.empty(m, n, device=xs.device, dtype=xs.dtype)
-    parts = ws.partials(p, n, 2 * block_m(m) * p.block_n)
-    _run(_gate_up_silu_mm, p, n, xs, pdl, xs, x.squares, x.tiles, weight, y, parts, ws.counters, m, n, k,
+    parts = ws.partials(p, n, m, 2 * block_m(m) * p.block_n)
+    _run(_gate_up_silu_mm, p, n, xs, pdl, xs, x.squares, x.tiles, x.stride, weight, y, parts, ws.counters, m, n, k,
          xs.stride(0), weight.stride(0), eps, TILES_P2=triton.next_power_of_2(x.tiles))
     return y
 
@@ -337,10 +362,10 @@ def mm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, p
     normed = None
     if next_norm is not None:
         tiles = triton.cdiv(n, p.block_n)
-        normed = Normed(torch.empty_like(residual), torch.empty(tiles * bm, dtype=torch.float32, device=x.device),
-                        tiles)
-    parts = ws.partials(p, n, bm * p.block_n)
+        normed = Normed(torch.empty_like(residual), torch.empty(tiles * padded_rows(m), dtype=torch.float32,
+                                                                device=x.device), tiles)
+    parts = ws.partials(p, n, m, bm * p.block_n)
     nw, xn, q = (next_norm, normed.scaled, normed.squares) if normed is not None else (y, y, parts)
-    _run(_mm_residual, p, n, x, pdl, x, weight, residual, y, parts, ws.counters, nw, xn, q, m, n, k, x.stride(0),
-         weight.stride(0), NEXT_NORM=normed is not None)
+    _run(_mm_residual, p, n, x, pdl, x, weight, residual, y, parts, ws.counters, nw, xn, q, padded_rows(m), m, n, k,
+         x.stride(0), weight.stride(0), NEXT_NORM=normed is not None)
     return y, normed

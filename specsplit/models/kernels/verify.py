@@ -14,9 +14,10 @@ import triton
 import triton.language as tl
 
 from specsplit.models.kernels.decode import _launch, _wait
-from specsplit.models.kernels.projections import block_m, precision
+from specsplit.models.kernels.projections import precision
 
-MAX_ROWS = 64  # tokens of a fused step, all sequences together (one BLOCK_M tile of the projections)
+SEQ_ROWS = 64  # tokens of one sequence in a fused step (one tile of the attention's rows)
+MAX_ROWS = 256  # tokens of a fused step, all sequences together (the projections' row tiles side by side)
 
 
 @triton.jit
@@ -178,6 +179,8 @@ def tree_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
         raise ValueError("tree_attention needs a contiguous [slots, max_len, kv_heads, head_dim] cache and mask")
     if not (entries.is_contiguous() and positions.is_contiguous() and slots.is_contiguous()):
         raise ValueError("tree_attention reads entries, positions and slots as contiguous tensors")
+    if t > SEQ_ROWS:
+        raise ValueError(f"tree_attention takes at most {SEQ_ROWS} tokens a sequence, got {t}")
     if qkv.shape[0] != b * t or (visible is None and mask.shape != (b, t, t)):
         raise ValueError(f"tree_attention: {qkv.shape[0]} rows for entries {tuple(entries.shape)} and mask "
                          f"{tuple(mask.shape)}")
@@ -186,7 +189,7 @@ def tree_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     if splits > 1 and counters.numel() < b * num_heads:
         raise ValueError(f"tree_attention needs {b * num_heads} counters, got {counters.numel()}")
     out = torch.empty(b * t, num_heads * d, device=qkv.device, dtype=qkv.dtype)
-    bm = block_m(t)
+    bm = max(16, triton.next_power_of_2(t))  # a sequence's rows, one tile
     parts = torch.empty(b * num_heads * splits * bm * (d + 2) if splits > 1 else 1, device=qkv.device,
                         dtype=torch.float32)
     _tree_attention[(num_heads, b, splits)](
