@@ -64,7 +64,7 @@ def shapes(engine: DraftEngine, topks: Sequence[int]) -> Iterator[tuple[int, int
 def batch_shapes(engine: DraftEngine, topks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
     """(sequences, tokens extended, topk) of the batches the eager pass runs at the deepest draft:
     every batch bucket past one that the free slots hold, the shortest and the longest extend of
-    a cycle, each branching of `topks`, so that the kernels of every rows bucket compile before
+    a cycle, each branching of `topks`, so that the kernels of every batch shape compile before
     serving (a batch's graphs are captured at first use, in tens of milliseconds)."""
     r = engine.runner
     for b in (b for b in r.batch_buckets[1:] if b <= r.free_slots):

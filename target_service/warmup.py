@@ -1,9 +1,9 @@
 """Every verify shape the fused step serves, run once before serving.
 
 On the GPU the first run of a shape compiles its Triton kernels (seconds on a machine without
-Triton's cache; the multi-row projections compile once per rows bucket) and captures its CUDA
-graph (tens of milliseconds): a step that met a new shape mid-run would hold up every stream of
-the batch for that long. So the target runs, on a scratch slot (the other rows of a batch on
+Triton's cache; the multi-row attention compiles once per bucket of a sequence's rows) and
+captures its CUDA graph (tens of milliseconds): a step that met a new shape mid-run would hold up
+every stream of the batch for that long. So the target runs, on a scratch slot (the other rows of a batch on
 the padding slot), for every batch bucket B and every verify length T (1 up to
 max_draft_tokens + 1) whose B·T rows fit the fused step:
 
@@ -12,7 +12,7 @@ max_draft_tokens + 1) whose B·T rows fit the fused step:
 - T > 1: a chain and a tree with features (into the ring's first rows where it is set, as
   served), accepted on the device;
 
-then the fused step's other tile heights (20 and 40 rows of one sequence); for every batch
+then the attention's other tile heights (20 and 40 rows of one sequence); for every batch
 bucket, decodes of 2, 4, ... tokens a call (decoding ahead) up to max_draft_tokens + 1, greedy
 and sampled; and before them a prompt of one row in every length bucket that runs from a graph
 (runner.prompts.warm_prompts).

@@ -62,7 +62,7 @@ def test_multi_row_plans_are_candidates_pinned_per_rows_bucket() -> None:
             kernel, dims, bucket = key.split(" ")
             n, k = (int(x) for x in dims.split("x"))
             plan = blocks.Plan.of(k, *entry)
-            assert kernel in blocks.MM_KERNELS and bucket in ("m16", "m32", "m64"), (gpu, key)
+            assert kernel in blocks.MM_KERNELS and bucket == "m16", (gpu, key)  # the projections' tiles of 16 rows
             assert plan in blocks.mm_candidates(k) and plan.pinned() == list(entry), (gpu, key, entry)
             assert blocks.mm_lookup(kernel, n, k, int(bucket[1:]), gpu, 132) == plan
             # fp32 steps take the rule: the table's tiles are measured in 2-byte dtypes

@@ -8,9 +8,9 @@ apart and can decode different tokens. The shapes are therefore never tuned at r
 come from the tables, measured once per GPU model (`python -m bench.tune_gemv --write`,
 `python -m bench.tune_mm --write`), or, for a GPU model or a matrix a table lacks, from a fixed
 rule. Every process on one GPU model runs the same kernels, and a cold start compiles one shape
-per matrix instead of timing many. A multi-row plan is pinned per rows bucket (the projections
-pad rows to 16, 32 or 64), so a row computes the same bits whatever the step's row count within
-its bucket.
+per matrix instead of timing many. A multi-row plan is pinned per matrix for the projections'
+tiles of 16 rows (the table's `m16`), so a row computes the same bits whatever the step's row
+count.
 
 No Triton here: the CPU suite tests the lookup.
 """
@@ -104,7 +104,7 @@ def key(kernel: str, n: int, k: int) -> str:
 
 
 def mm_key(kernel: str, n: int, k: int, block_m: int) -> str:
-    """The multi-row table's key: its kernel, N, K and the rows bucket."""
+    """The multi-row table's key: its kernel, N, K and the rows a tile."""
     return f"{kernel} {n}x{k} m{block_m}"
 
 

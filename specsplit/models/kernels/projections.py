@@ -8,24 +8,24 @@ verify's chain or tree, or of a batch of sequences):
   mm_residual    H' = H + A · Wᵀ               the o and down projections with the residual add; it also
                                                leaves H'·nw and the partial Σ h'² for the next norm
 
-A weight is read once for up to 64 rows: a program multiplies its tile of W [BLOCK_N, BLOCK_K] by
-the rows padded to 16 (32, 64) on the tensor cores, its first tile loaded before the wait for the
-previous kernel (with PDL), the rest pipelined by the compiler. A step of more rows (a batch of
-verifies) runs row tiles of 64 side by side, a grid axis: each tile's programs compute its rows as
-a 64-row step would, reading the weights again (from L2). A projection as narrow as
-SmolLM2's (576) has few tiles of columns, so K may be split too (split-K): program (tile, s)
-covers columns tile·BLOCK_N.. over the K chunk s, writes its fp32 partial product to a workspace
-and counts itself in the tile's counter; the tile's last program sums the S partials in the order
-s = 0..S-1 (whoever arrives last: the result does not depend on timing), applies the epilogue
-and resets the counter. K may also be split inside a program (Plan.ksplit = KS): a K step is KS
-tiles [BLOCK_K] multiplied as one batched product [KS, BLOCK_M, BLOCK_N] (each warp on its own
-tiles, not one warp's accumulator chain over all of K) and summed over KS. SmolLM2's 16-row
-projections take 2.7-4.7 µs a launch this way on the H100 and 2.2-3.8 on the H200 (bench.tune_mm).
-A program's chunk of K is a compile-time
-constant: a chunk of one K step compiles without a loop (nor the loop's pipeline buffers).
-The plan (tile, K step, chunk, warps, KS) is pinned per GPU model, matrix and rows bucket (16, 32,
-64; past 64 rows, 64) in kernels.blocks (`mm_plans.json`), never chosen by timing: a given GPU
-model computes the same bits in every process, and rows ≤ 16 the same bits whatever T.
+The rows go in tiles of 16 (ROW_TILE), side by side on a grid axis: a program multiplies its tile
+of W [BLOCK_N, BLOCK_K] by its 16 rows (padding rows zeros) on the tensor cores, its first tile
+loaded before the wait for the previous kernel (with PDL), the rest pipelined by the compiler; a
+step of more than 16 rows reads each weight tile once a row tile (the later reads from L2), and a
+row computes the same bits in a step of any size. A projection as
+narrow as SmolLM2's (576) has few tiles of columns, so K may be split too (split-K): program
+(tile, s, row tile) covers columns tile·BLOCK_N.. over the K chunk s, writes its fp32 partial
+product to a workspace and counts itself in its (row tile, column tile)'s counter; the last
+program sums the S partials in the order s = 0..S-1 (whoever arrives last: the result does not
+depend on timing), applies the epilogue and resets the counter. K may also be split inside a
+program (Plan.ksplit = KS): a K step is KS tiles [BLOCK_K] multiplied as one batched product
+[KS, BLOCK_M, BLOCK_N] (each warp on its own tiles, not one warp's accumulator chain over all of
+K) and summed over KS. SmolLM2's projections take 2.7-4.7 µs a launch of 16 rows this way on the
+H100 and 2.2-3.8 on the H200 (bench.tune_mm). A program's chunk of K is a compile-time constant:
+a chunk of one K step compiles without a loop (nor the loop's pipeline buffers). The plan (tile,
+K step, chunk, warps, KS) is pinned per GPU model and matrix in kernels.blocks
+(`mm_plans.json`), never chosen by timing: a given GPU model computes the same bits in every
+process.
 
 The RMS norm is split around the GEMM: rms_norm(x)·w = rstd · Σ W[n,k] (x[k]·nw[k]). The kernel
 that writes x (the residual add before, or embed_prenorm) also writes x·nw rounded to the
@@ -50,7 +50,7 @@ from specsplit.models.kernels.decode import _launch, _wait
 from specsplit.models.kernels.mm_steps import _arrive, _chunk_dot, _gather, _rstd, _step_dot, _w_step, _x_step
 
 MAX_TILES = 4096  # (row tile, column tile) pairs of one split projection (the counters of a workspace)
-ROW_TILE = 16  # rows a program at most: a step of more rows runs tiles of ROW_TILE rows side by side
+ROW_TILE = 16  # rows a program: a step's rows padded to a multiple, the tiles side by side
 MAX_STEP_ROWS = 256  # rows of one step (all its sequences' tokens)
 
 
@@ -69,9 +69,9 @@ class Workspace:
 
     def plan(self, kernel: str, n: int, k: int, rows: int, dtype: torch.dtype) -> Plan:
         """The pinned plan of a projection [N, K] for `rows` rows (kernels.blocks)."""
-        key = (kernel, n, k, block_m(rows), dtype.itemsize <= 2)  # (block_m: the row tile's height)
+        key = (kernel, n, k, dtype.itemsize <= 2)
         if key not in self._plans:
-            self._plans[key] = blocks.mm_lookup(kernel, n, k, key[3], self.gpu, self.sms, key[4])
+            self._plans[key] = blocks.mm_lookup(kernel, n, k, ROW_TILE, self.gpu, self.sms, key[3])
         return self._plans[key]
 
     def partials(self, p: Plan, n: int, rows: int, per_program: int) -> torch.Tensor:
@@ -97,18 +97,13 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # (bf16/fp16 operands ignore it)
 
 
-def block_m(rows: int) -> int:
-    """Rows of a program's tile: the rows rounded up to 16, 32 or 64, or ROW_TILE past it."""
-    return min(ROW_TILE, max(16, triton.next_power_of_2(rows)))
-
-
 def row_tiles(rows: int) -> int:
-    return triton.cdiv(rows, block_m(rows))
+    return triton.cdiv(rows, ROW_TILE)
 
 
 def padded_rows(rows: int) -> int:
     """Rows of a step's tiles together: the row stride of a Normed's squares."""
-    return row_tiles(rows) * block_m(rows)
+    return row_tiles(rows) * ROW_TILE
 
 
 @triton.jit
@@ -269,7 +264,7 @@ def _mm_residual(x_ptr, w_ptr, r_ptr, y_ptr, p_ptr, c_ptr, nw_ptr, xn_ptr, q_ptr
 def _run(kernel: Any, p: Plan, n: int, x: torch.Tensor, pdl: bool, *args: Any, **constants: Any) -> None:
     grid = (triton.cdiv(n, p.block_n), p.splits, row_tiles(x.shape[0]))
     kernel[grid](*args, p.chunk, p.splits, SPLIT=p.split, USE_PDL=pdl, DOT=precision(x.dtype),
-                 BLOCK_M=block_m(x.shape[0]), BLOCK_N=p.block_n, BLOCK_K=p.block_k, KS=p.ksplit, num_warps=p.warps,
+                 BLOCK_M=ROW_TILE, BLOCK_N=p.block_n, BLOCK_K=p.block_k, KS=p.ksplit, num_warps=p.warps,
                  num_stages=3, **constants, **_launch(pdl))
 
 
@@ -329,7 +324,7 @@ def norm_mm(x: Normed, weight: torch.Tensor, eps: float, pdl: bool = False, out_
     ws = ws or workspace(xs.device)
     p = ws.plan("norm_mm", n, k, m, xs.dtype)
     y = torch.empty(m, n, device=xs.device, dtype=out_dtype or xs.dtype)
-    parts = ws.partials(p, n, m, block_m(m) * p.block_n)
+    parts = ws.partials(p, n, m, ROW_TILE * p.block_n)
     _run(_norm_mm, p, n, xs, pdl, xs, x.squares, x.tiles, x.stride, weight, y, parts, ws.counters, m, n, k,
          xs.stride(0), weight.stride(0), y.stride(0), eps, TILES_P2=triton.next_power_of_2(x.tiles))
     return y
@@ -343,7 +338,7 @@ def gate_up_silu(x: Normed, weight: torch.Tensor, eps: float, pdl: bool = False,
     ws = ws or workspace(xs.device)
     p = ws.plan("gate_up_silu_mm", n, k, m, xs.dtype)
     y = torch.empty(m, n, device=xs.device, dtype=xs.dtype)
-    parts = ws.partials(p, n, m, 2 * block_m(m) * p.block_n)
+    parts = ws.partials(p, n, m, 2 * ROW_TILE * p.block_n)
     _run(_gate_up_silu_mm, p, n, xs, pdl, xs, x.squares, x.tiles, x.stride, weight, y, parts, ws.counters, m, n, k,
          xs.stride(0), weight.stride(0), eps, TILES_P2=triton.next_power_of_2(x.tiles))
     return y
@@ -357,14 +352,13 @@ def mm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, p
     (m, k), n = x.shape, weight.shape[0]
     ws = ws or workspace(x.device)
     p = ws.plan("mm_residual", n, k, m, x.dtype)
-    bm = block_m(m)
     y = torch.empty_like(residual)
     normed = None
     if next_norm is not None:
         tiles = triton.cdiv(n, p.block_n)
         normed = Normed(torch.empty_like(residual), torch.empty(tiles * padded_rows(m), dtype=torch.float32,
                                                                 device=x.device), tiles)
-    parts = ws.partials(p, n, m, bm * p.block_n)
+    parts = ws.partials(p, n, m, ROW_TILE * p.block_n)
     nw, xn, q = (next_norm, normed.scaled, normed.squares) if normed is not None else (y, y, parts)
     _run(_mm_residual, p, n, x, pdl, x, weight, residual, y, parts, ws.counters, nw, xn, q, padded_rows(m), m, n, k,
          x.stride(0), weight.stride(0), NEXT_NORM=normed is not None)
