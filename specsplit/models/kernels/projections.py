@@ -51,7 +51,6 @@ from specsplit.models.kernels.mm_steps import _arrive, _chunk_dot, _gather, _rst
 
 MAX_TILES = 4096  # (row tile, column tile) pairs of one split projection (the counters of a workspace)
 ROW_TILE = 16  # rows a program: a step's rows padded to a multiple, the tiles side by side
-MAX_STEP_ROWS = 256  # rows of one step (all its sequences' tokens)
 
 
 class Workspace:
