@@ -122,7 +122,7 @@ def _prenorm(tok_ptr, e_ptr, h_ptr, nw_ptr, xn_ptr, q_ptr, Q_STRIDE, M, N, strid
     tile = tl.program_id(0)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    m = tl.arange(0, BLOCK_M)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's row tile
     m_ok = m < M
     ok = m_ok[:, None] & n_ok[None, :]
     row = tl.load(tok_ptr + m, mask=m_ok, other=0).to(tl.int64) if GATHER else m.to(tl.int64)
@@ -298,9 +298,8 @@ def embed_prenorm(tokens: torch.Tensor, embedding: torch.Tensor, norm_weight: to
     (m,), k = tokens.shape, embedding.shape[1]
     h = torch.empty(m, k, device=embedding.device, dtype=embedding.dtype)
     out = _normed(h)
-    _prenorm[(out.tiles,)](tokens, embedding, h, norm_weight, out.scaled, out.squares, out.stride, m, k,
-                           embedding.stride(0), GATHER=True, BLOCK_M=triton.next_power_of_2(out.stride),
-                           BLOCK_N=PRENORM_BLOCK)
+    _prenorm[(out.tiles, row_tiles(m))](tokens, embedding, h, norm_weight, out.scaled, out.squares, out.stride, m,
+                                        k, embedding.stride(0), GATHER=True, BLOCK_M=ROW_TILE, BLOCK_N=PRENORM_BLOCK)
     return h, out
 
 
@@ -309,8 +308,8 @@ def prenorm(h: torch.Tensor, norm_weight: torch.Tensor) -> Normed:
     parallelism, the all-reduced sum that mm_residual could not norm on its own shard."""
     m, k = h.shape
     out = _normed(h)
-    _prenorm[(out.tiles,)](h, h, h, norm_weight, out.scaled, out.squares, out.stride, m, k, h.stride(0),
-                           GATHER=False, BLOCK_M=triton.next_power_of_2(out.stride), BLOCK_N=PRENORM_BLOCK)
+    _prenorm[(out.tiles, row_tiles(m))](h, h, h, norm_weight, out.scaled, out.squares, out.stride, m, k,
+                                        h.stride(0), GATHER=False, BLOCK_M=ROW_TILE, BLOCK_N=PRENORM_BLOCK)
     return out
 
 
