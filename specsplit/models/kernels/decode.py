@@ -250,28 +250,6 @@ def hand_over(m, den, acc, part_ptr, c_ptr, group, r, n, d, D: tl.constexpr, SPL
 
 
 @triton.jit
-def _range_start(row_ptr, q, r, h, kvh, entry, k_base, v_base, stride_pos, d, half: tl.constexpr, cos, sin,
-                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale):
-    """(m, den, acc) a range of keys starts its online softmax from: for the first range (r = 0) the
-    row's own key and value (row_ptr: its q|k|v), rotated from registers and stored at `entry` by one
-    query head of the group; for the others, nothing seen yet."""
-    if r == 0:
-        k_new = _rotate(row_ptr + (HQ + kvh) * D, d, half, D, cos, sin)
-        v_new = tl.load(row_ptr + (HQ + HKV + kvh) * D + d)
-        if h % (HQ // HKV) == 0:
-            tl.store(k_base + entry * stride_pos + d, k_new.to(k_base.dtype.element_ty))
-            tl.store(v_base + entry * stride_pos + d, v_new.to(v_base.dtype.element_ty))
-        m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
-        den = m * 0.0 + 1.0
-        acc = v_new.to(tl.float32)
-    else:
-        den = tl.sum(q, axis=0) * 0.0
-        m = den - float("inf")
-        acc = q * 0.0
-    return m, den, acc
-
-
-@triton.jit
 def _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr, part_ptr, c_ptr, stride_slot,
             stride_pos, h, r, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, scale, USE_PDL: tl.constexpr,
             BLOCK_S: tl.constexpr, SPLITS: tl.constexpr):
@@ -300,9 +278,19 @@ def _attend(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr,
         v_nxt = tl.load(v_base + nxt[:, None] * stride_pos + d[None, :], mask=(nxt < hi)[:, None], other=0.0)
         _wait(USE_PDL)
         q = _rotate(qkv_ptr + h * D, d, half, D, cos, sin).to(tl.float32)
-        # the first range: the new key from registers, then its blocks
-        m, den, acc = _range_start(qkv_ptr, q, r, h, kvh, pos, k_base, v_base, stride_pos, d, half, cos, sin, HQ,
-                                   HKV, D, scale)
+        if r == 0:  # the first range: the new key from registers, then its blocks
+            k_new = _rotate(qkv_ptr + (HQ + kvh) * D, d, half, D, cos, sin)
+            v_new = tl.load(qkv_ptr + (HQ + HKV + kvh) * D + d)
+            if h % (HQ // HKV) == 0:  # one query head of the group stores the new entry
+                tl.store(k_base + pos * stride_pos + d, k_new.to(k_ptr.dtype.element_ty))
+                tl.store(v_base + pos * stride_pos + d, v_new.to(v_ptr.dtype.element_ty))
+            m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
+            den = m * 0.0 + 1.0
+            acc = v_new.to(tl.float32)
+        else:
+            den = tl.sum(q, axis=0) * 0.0
+            m = den - float("inf")
+            acc = q * 0.0
         m, den, acc = _softmax_block(kb, vb, ok, q, m, den, acc, scale)
         for s0 in range(lo + BLOCK_S, hi, BLOCK_S):  # (names of their own: s, ok, kb, vb are not loop-carried)
             keys = s0 + tl.arange(0, BLOCK_S)

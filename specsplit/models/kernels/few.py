@@ -37,7 +37,6 @@ from specsplit.models.kernels.decode import (
     ATTENTION_BLOCK,
     KEY_RANGES,
     _launch,
-    _range_start,
     _rotate,
     _softmax_block,
     _wait,
@@ -138,9 +137,20 @@ def _row_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, sl
         qkv_row0 = qkv_ptr + b * T * stride_qkv
         me = qkv_ptr + row * stride_qkv
         q = _rotate(me + h * D, d, half, D, cos, sin).to(tl.float32)
-        # the first range: the row's own key from registers (its entry start + i), then its blocks
-        m, den, acc = _range_start(me, q, r, h, kvh, start + i, k_base, v_base, stride_pos, d, half, cos, sin, HQ,
-                                   HKV, D, scale)
+        if r == 0:  # the first range: the row's own key from registers, then its blocks
+            k_new = _rotate(me + (HQ + kvh) * D, d, half, D, cos, sin)
+            v_new = tl.load(me + (HQ + HKV + kvh) * D + d)
+            if h % (HQ // HKV) == 0:  # one query head of the group stores the row's entry
+                entry = start + i
+                tl.store(k_base + entry * stride_pos + d, k_new.to(k_ptr.dtype.element_ty))
+                tl.store(v_base + entry * stride_pos + d, v_new.to(v_ptr.dtype.element_ty))
+            m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
+            den = m * 0.0 + 1.0
+            acc = v_new.to(tl.float32)
+        else:
+            den = tl.sum(q, axis=0) * 0.0
+            m = den - float("inf")
+            acc = q * 0.0
         if lo + BLOCK_S > start:
             kb, vb = _ancestors(kb, vb, s, start, qkv_row0, stride_qkv, mask_row, pos_ptr + b * T, cos_ptr, sin_ptr,
                                 d, i, T, kvh, HQ, HKV, D, TP)
