@@ -21,7 +21,7 @@ kernel (position, slot, rotary tables, the first block of committed keys and val
 waiting for it, and splits a long context's keys over several programs a head (the workspace's
 counters hand their partial softmaxes over; kernels.few splits a row's keys the same way).
 A step of B×T tokens streams the same weights once for all its rows; its
-attention runs a few programs per (query head, sequence), each sequence over its own slot.
+attention runs a few programs per (KV head's query group, sequence), each over its own slot.
 
 Under tensor parallelism each rank runs these kernels on its shard (its query and KV heads, its
 columns of q|k|v and gate|up, its rows of o and down, its slice of the vocabulary) with one
