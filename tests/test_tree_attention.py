@@ -63,7 +63,7 @@ def _tree_mask(t: int, gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t", [1, 4, 16, 24])
+@pytest.mark.parametrize("t", [1, 4, 5, 16])
 @pytest.mark.parametrize("grouped", [True, False], ids=["group", "head"])
 def test_tree_attention_computes_what_torch_does(dtype: torch.dtype, t: int, grouped: bool,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,14 +96,17 @@ def test_tree_attention_computes_what_torch_does(dtype: torch.dtype, t: int, gro
         got = verify.tree_attention(qkv, cos, sin, positions, entries, slots, mask, k_step, v_step, HQ, HKV,
                                     counters, sms)
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-        assert torch.equal(k_step, k_ref) and torch.equal(v_step, v_ref)
+        # the rotation's multiply-add may round once on the GPU where torch rounds twice
+        close = dict(atol=1e-5, rtol=0.0) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(k_step, k_ref, **close)
+        assert torch.equal(v_step, v_ref)
         assert not counters.any()
 
 
 def test_a_kv_heads_group_shares_a_tile_while_its_rows_fit() -> None:
     from specsplit.models.kernels import verify
 
-    assert verify.query_heads(1, 9, 3) == 3 and verify.query_heads(16, 9, 3) == 3
-    assert verify.query_heads(22, 9, 3) == 1  # 66 rows: past one tile
-    assert verify.query_heads(16, 32, 8) == 4 and verify.query_heads(17, 32, 8) == 1
-    assert verify.query_heads(64, 32, 32) == 1
+    assert verify.query_heads(1, 9, 3) == 3 and verify.query_heads(5, 9, 3) == 3
+    assert verify.query_heads(6, 9, 3) == 1  # 18 rows: past the smallest tile
+    assert verify.query_heads(4, 32, 8) == 4 and verify.query_heads(5, 32, 8) == 1
+    assert verify.query_heads(1, 32, 32) == 1

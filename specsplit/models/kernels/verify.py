@@ -4,8 +4,8 @@ each token's position, the T new k and v written to its slot's entries start..st
 over the committed entries [0, start) and the new ones that its `mask` [T, T] allows (causal for a
 chain; ancestors and itself for a tree): a few programs per (kv head's query group, sequence),
 each over a range of the committed entries (flash-decoding), the group's query heads and the
-sequence's tokens together as the rows of one tensor-core tile. The step's projections are in
-specsplit.models.kernels.projections.
+sequence's tokens together as the rows of one tensor-core tile while they fit 16 rows. The
+step's projections are in specsplit.models.kernels.projections.
 """
 
 from __future__ import annotations
@@ -152,11 +152,16 @@ def _tree_attention(qkv_ptr, stride_qkv, cos_ptr, sin_ptr, pos_ptr, entry_ptr, s
 ATTENTION_BLOCK = (64, 4, 4)  # committed keys per iteration, warps, most key ranges a program's rows
 
 
+GROUP_ROWS = 16  # the most (token, head) rows a program takes a kv head's group in: the smallest tile
+
+
 def query_heads(tokens: int, num_heads: int, num_kv_heads: int) -> int:
-    """Query heads a program serves: a kv head's whole group while its tokens × heads fit one
-    SEQ_ROWS tile (the group's keys and values read once), else one."""
+    """Query heads a program serves: a kv head's whole group while its tokens × heads fit the
+    smallest tile (the group's keys and values read once, the tile no larger), else one (a
+    larger tile lengthens each program more than fewer programs save: measured with
+    bench.verify_step on the H100)."""
     group = num_heads // num_kv_heads
-    return group if tokens * group <= SEQ_ROWS else 1
+    return group if tokens * group <= GROUP_ROWS else 1
 
 
 def key_ranges(batch: int, programs: int, sms: int) -> int:
