@@ -1,8 +1,8 @@
 """The fused step's attention (specsplit.models.kernels.verify.tree_attention) against attention
-written out in torch: batches of decodes, chains and trees at contexts from none to several
-ranges of keys, a kv head's query heads as one tile's rows or one head a program, the new keys
-and values stored at their entries. On a GPU; on the CPU under the Triton interpreter too
-(TRITON_INTERPRET=1, float32 only)."""
+written out in torch: batches of decodes and of trees at contexts from none to several ranges of
+keys, under masks and under a draft level's visible rows, a kv head's query heads as one tile's
+rows or one head a program, the new keys and values stored at their entries. On a GPU; on the
+CPU under the Triton interpreter too (TRITON_INTERPRET=1, float32 only)."""
 
 from __future__ import annotations
 
@@ -27,16 +27,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-               starts: list[int], slots: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor) -> torch.Tensor:
-    """Each token over its slot's committed entries and the new tokens its mask row shows (and itself),
-    in float32; stores the new keys and values in the caches."""
-    b, t = mask.shape[:2]
+               starts: list[int], slots: torch.Tensor, sees_new: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, sees_committed: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token over its slot's committed entries (those sees_committed [B, T, ≥ start] shows;
+    all without it) and the new tokens sees_new [B, T, T] shows (and itself), in float32; stores
+    the new keys and values in the caches."""
+    b, t = sees_new.shape[:2]
     out = torch.empty(b * t, HQ * D, device=qkv.device, dtype=qkv.dtype)
     group = HQ // HKV
     for s, start in enumerate(starts):
         rows = qkv[s * t:(s + 1) * t]  # [T, (HQ + 2 HKV) D]
-        c, sn = cos[positions[s * t:(s + 1) * t]].float(), sin[positions[s * t:(s + 1) * t]].float()  # [T, D]
+        at = positions[s * t:(s + 1) * t]
+        c, sn = cos[at].to(qkv.dtype).float(), sin[at].to(qkv.dtype).float()  # [T, D], the tables in the step's dtype
         q = _rotate(rows[:, :HQ * D].view(t, HQ, D), c[:, None], sn[:, None])  # [T, HQ, D]
         k = _rotate(rows[:, HQ * D:(HQ + HKV) * D].view(t, HKV, D), c[:, None], sn[:, None])  # [T, HKV, D]
         v = rows[:, (HQ + HKV) * D:].view(t, HKV, D)
@@ -44,7 +46,9 @@ def _reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
         k_cache[slot, start:start + t], v_cache[slot, start:start + t] = k, v
         keys, values = k_cache[slot, :start + t].float(), v_cache[slot, :start + t].float()  # [start + T, HKV, D]
         sees = torch.ones(t, start + t, dtype=torch.bool, device=qkv.device)
-        sees[:, start:] = mask[s].bool() | torch.eye(t, dtype=torch.bool, device=qkv.device)
+        if sees_committed is not None:
+            sees[:, :start] = sees_committed[s, :, :start].bool()
+        sees[:, start:] = sees_new[s].bool() | torch.eye(t, dtype=torch.bool, device=qkv.device)
         for h in range(HQ):
             scores = q[:, h].float() @ keys[:, h // group].T * D ** -0.5  # [T, start + T]
             p = scores.masked_fill(~sees, float("-inf")).softmax(-1)
@@ -62,45 +66,75 @@ def _tree_mask(t: int, gen: torch.Generator) -> torch.Tensor:
     return mask
 
 
+def _step(t: int, dtype: torch.dtype, gen: torch.Generator) -> dict[str, object]:
+    """Sequences at contexts 0, 1, a block, past it and several ranges, their tokens a random tree
+    each (T = 1: a batch of decodes) at rotary positions past their context, slots not in the
+    rows' order."""
+    starts = [0, 1, 63, 64, 130, 300, 517]
+    b = len(starts)
+    angles = torch.arange(1024)[:, None] * torch.linspace(0.01, 1.0, D)[None, :]
+    return dict(
+        starts=starts, qkv=torch.randn(b * t, (HQ + 2 * HKV) * D, generator=gen).to(DEV, dtype),
+        cos=angles.cos().to(DEV), sin=angles.sin().to(DEV),
+        positions=torch.tensor([s + int(d) for s in starts for d in torch.randint(0, t, (t,), generator=gen)],
+                               device=DEV),
+        entries=torch.tensor([[s + i for i in range(t)] for s in starts], device=DEV),
+        slots=torch.arange(b, 0, -1, device=DEV), mask=torch.stack([_tree_mask(t, gen) for _ in starts]).to(DEV),
+        k_cache=torch.randn(b + 1, 600, HKV, D, generator=gen).to(DEV, dtype),
+        v_cache=torch.randn(b + 1, 600, HKV, D, generator=gen).to(DEV, dtype))
+
+
+def _check(step: dict, dtype: torch.dtype, visible: torch.Tensor | None = None) -> None:
+    """The kernel against the reference with one key range and with four (sms decides), the
+    counters back at zero, the new keys within a rounding of the rotation's multiply-add (one
+    rounding on the GPU where torch rounds twice) and the new values bit for bit."""
+    from specsplit.models.kernels import verify
+
+    b, t = step["entries"].shape
+    k_ref, v_ref = step["k_cache"].clone(), step["v_cache"].clone()
+    sees_new = step["mask"] if visible is None else torch.stack(
+        [visible[s, :, start:start + t] for s, start in enumerate(step["starts"])])
+    want = _reference(step["qkv"], step["cos"], step["sin"], step["positions"], step["starts"], step["slots"],
+                      sees_new, k_ref, v_ref, visible)
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
+    close = dict(atol=1e-5, rtol=0.0) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    counters = torch.zeros(b * HQ, dtype=torch.int32, device=DEV)
+    for sms in (1, 1000):
+        k_step, v_step = step["k_cache"].clone(), step["v_cache"].clone()
+        got = verify.tree_attention(step["qkv"], step["cos"], step["sin"], step["positions"], step["entries"],
+                                    step["slots"], None if visible is not None else step["mask"], k_step, v_step,
+                                    HQ, HKV, counters, sms, visible=visible)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(k_step, k_ref, **close)
+        assert torch.equal(v_step, v_ref)
+        assert not counters.any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", [1, 4, 5, 16])
 @pytest.mark.parametrize("grouped", [True, False], ids=["group", "head"])
 def test_tree_attention_computes_what_torch_does(dtype: torch.dtype, t: int, grouped: bool,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sequences at contexts 0, 1, a block, past it and several ranges; their tokens a random tree
-    each (T = 1: a batch of decodes), slots not in the rows' order; with four key ranges and
-    with one (sms decides), the counters back at zero."""
     from specsplit.models.kernels import verify
 
     if not grouped:
         monkeypatch.setattr(verify, "query_heads", lambda tokens, heads, kv_heads: 1)
-    gen = torch.Generator().manual_seed(t)
-    starts = [0, 1, 63, 64, 130, 300, 517]
-    b = len(starts)
-    qkv = torch.randn(b * t, (HQ + 2 * HKV) * D, generator=gen).to(DEV, dtype)
-    angles = torch.arange(1024)[:, None] * torch.linspace(0.01, 1.0, D)[None, :]
-    cos, sin = angles.cos().to(DEV), angles.sin().to(DEV)
-    positions = torch.tensor([s + int(d) for s in starts for d in torch.randint(0, t, (t,), generator=gen)],
-                             device=DEV)
-    entries = torch.tensor([[s + i for i in range(t)] for s in starts], device=DEV)
-    slots = torch.arange(b, 0, -1, device=DEV)
-    mask = torch.stack([_tree_mask(t, gen) for _ in starts]).to(DEV)
-    k_cache = torch.randn(b + 1, 600, HKV, D, generator=gen).to(DEV, dtype)
-    v_cache = torch.randn(b + 1, 600, HKV, D, generator=gen).to(DEV, dtype)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    want = _reference(qkv, cos, sin, positions, starts, slots, mask, k_ref, v_ref)
-    tol = 2e-4 if dtype == torch.float32 else 2e-2
-    counters = torch.zeros(b * HQ, dtype=torch.int32, device=DEV)
-    for sms in (1, 1000):  # one key range; four
-        k_step, v_step = k_cache.clone(), v_cache.clone()
-        got = verify.tree_attention(qkv, cos, sin, positions, entries, slots, mask, k_step, v_step, HQ, HKV,
-                                    counters, sms)
-        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-        # the rotation's multiply-add may round once on the GPU where torch rounds twice
-        close = dict(atol=1e-5, rtol=0.0) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(k_step, k_ref, **close)
-        assert torch.equal(v_step, v_ref)
-        assert not counters.any()
+    _check(_step(t, dtype, torch.Generator().manual_seed(t)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 4])
+def test_tree_attention_with_visible_rows_computes_what_torch_does(dtype: torch.dtype, t: int) -> None:
+    """A draft tree level's attention: each token sees the entries its row of `visible` names,
+    committed (a random half here) and new (its ancestors' and its own)."""
+    gen = torch.Generator().manual_seed(10 + t)
+    step = _step(t, dtype, gen)
+    b, ctx = len(step["starts"]), 600
+    visible = torch.rand(b, t, ctx, generator=gen) < 0.5
+    for s, start in enumerate(step["starts"]):
+        visible[s, :, start:start + t] = step["mask"][s].cpu()
+        visible[s, :, start + t:] = False
+    _check(step, dtype, visible.to(DEV))
 
 
 def test_a_kv_heads_group_shares_a_tile_while_its_rows_fit() -> None:
