@@ -7,9 +7,14 @@ CPU under the Triton interpreter too (TRITON_INTERPRET=1, float32 only)."""
 from __future__ import annotations
 
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
+
+from specsplit.models.batch import tree_ancestry
+from tests.test_packing import random_tree
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = DEV == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
@@ -56,32 +61,25 @@ def _reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     return out
 
 
-def _tree_mask(t: int, gen: torch.Generator) -> torch.Tensor:
-    """[T, T]: token i sees its ancestors (a random tree, parents before children) and itself."""
-    mask = torch.eye(t, dtype=torch.bool)
-    for i in range(1, t):
-        parent = int(torch.randint(0, i, (1,), generator=gen))
-        mask[i] = mask[parent]
-        mask[i, i] = True
-    return mask
-
-
-def _step(t: int, dtype: torch.dtype, gen: torch.Generator) -> dict[str, object]:
+def _step(t: int, dtype: torch.dtype, seed: int) -> dict[str, object]:
     """Sequences at contexts 0, 1, a block, past it and several ranges, their tokens a random tree
-    each (T = 1: a batch of decodes) at rotary positions past their context, slots not in the
-    rows' order."""
+    each (T = 1: a batch of decodes) at their depths' rotary positions, slots not in the rows'
+    order."""
+    gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     starts = [0, 1, 63, 64, 130, 300, 517]
     b = len(starts)
+    trees = [tree_ancestry(random_tree(rng, t), t) for _ in starts]  # (mask rows [T, T], depths)
     angles = torch.arange(1024)[:, None] * torch.linspace(0.01, 1.0, D)[None, :]
     return dict(
         starts=starts, qkv=torch.randn(b * t, (HQ + 2 * HKV) * D, generator=gen).to(DEV, dtype),
         cos=angles.cos().to(DEV), sin=angles.sin().to(DEV),
-        positions=torch.tensor([s + int(d) for s in starts for d in torch.randint(0, t, (t,), generator=gen)],
+        positions=torch.tensor([s + d for s, (_, depths) in zip(starts, trees, strict=True) for d in depths],
                                device=DEV),
         entries=torch.tensor([[s + i for i in range(t)] for s in starts], device=DEV),
-        slots=torch.arange(b, 0, -1, device=DEV), mask=torch.stack([_tree_mask(t, gen) for _ in starts]).to(DEV),
+        slots=torch.arange(b, 0, -1, device=DEV),
+        mask=torch.tensor(np.stack([m for m, _ in trees]).astype(bool), device=DEV),
         k_cache=torch.randn(b + 1, 600, HKV, D, generator=gen).to(DEV, dtype),
-        v_cache=torch.randn(b + 1, 600, HKV, D, generator=gen).to(DEV, dtype))
+        v_cache=torch.randn(b + 1, 600, HKV, D, generator=gen).to(DEV, dtype), gen=gen)
 
 
 def _check(step: dict, dtype: torch.dtype, visible: torch.Tensor | None = None) -> None:
@@ -119,7 +117,7 @@ def test_tree_attention_computes_what_torch_does(dtype: torch.dtype, t: int, gro
 
     if not grouped:
         monkeypatch.setattr(verify, "query_heads", lambda tokens, heads, kv_heads: 1)
-    _check(_step(t, dtype, torch.Generator().manual_seed(t)), dtype)
+    _check(_step(t, dtype, t), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -127,10 +125,9 @@ def test_tree_attention_computes_what_torch_does(dtype: torch.dtype, t: int, gro
 def test_tree_attention_with_visible_rows_computes_what_torch_does(dtype: torch.dtype, t: int) -> None:
     """A draft tree level's attention: each token sees the entries its row of `visible` names,
     committed (a random half here) and new (its ancestors' and its own)."""
-    gen = torch.Generator().manual_seed(10 + t)
-    step = _step(t, dtype, gen)
+    step = _step(t, dtype, 10 + t)
     b, ctx = len(step["starts"]), 600
-    visible = torch.rand(b, t, ctx, generator=gen) < 0.5
+    visible = torch.rand(b, t, ctx, generator=step["gen"]) < 0.5
     for s, start in enumerate(step["starts"]):
         visible[s, :, start:start + t] = step["mask"][s].cpu()
         visible[s, :, start + t:] = False
